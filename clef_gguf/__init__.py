@@ -1,0 +1,23 @@
+"""clef-gguf: Cloudflare's Clef decision models on stock llama.cpp.
+
+import clef_gguf
+model = clef_gguf.load("clef-flash-Q8_0.gguf")
+model.decide({"model": "clef", "state": "...", "questions": {...}})
+"""
+
+from .convert import convert
+from .errors import ClefError, ConversionError, ModelFileError, PromptTooLongError, ReleaseError, RequestError
+from .runtime.model import ClefModel, load
+
+__all__ = [
+    "ClefError",
+    "ClefModel",
+    "ConversionError",
+    "ModelFileError",
+    "PromptTooLongError",
+    "ReleaseError",
+    "RequestError",
+    "convert",
+    "load",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,138 @@
+"""The `clef-gguf` command: a thin layer over the Python API.
+
+Errors from the library are typed (errors.py); they are turned into one line on
+stderr and an exit code here, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .errors import ClefError, RequestError
+
+app = typer.Typer(
+    help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+T = TypeVar("T")
+
+GpuLayers = Annotated[int, typer.Option("--n-gpu-layers", "-ngl", help="Backbone layers to offload to the GPU (-1: all).")]
+MaxPrompt = Annotated[
+    int,
+    typer.Option(
+        "--max-prompt-tokens",
+        "--ctx",
+        help="Largest prompt accepted, processed as one physical batch. Raising it grows llama.cpp's compute buffer.",
+    ),
+]
+
+
+def _run(action: Callable[[], T]) -> T:
+    """Run a library call; a ClefError becomes one line on stderr and its exit code."""
+    try:
+        return action()
+    except ClefError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
+
+
+@contextmanager
+def _progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[item]}"),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task(description, total=None, item="")
+
+        def update(done: int, total: int, item: str) -> None:
+            bar.update(task, completed=done, total=total, item=item)
+
+        yield update
+
+
+@app.command()
+def convert(
+    source: Annotated[str, typer.Argument(help="Release folder, or Hugging Face repo id (owner/name).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")],
+    file_type: Annotated[str, typer.Option("--type", "-t", help="Backbone weight type: f32, f16, bf16 or q8_0.")] = "q8_0",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+) -> None:
+    """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata)."""
+    from .convert import convert as run_convert
+
+    with _progress("converting") as progress:
+        path = _run(lambda: run_convert(source, out, file_type, force=force, progress=progress))
+    err.print(f"wrote {path}")
+
+
+def _read_request(path: str) -> dict[str, Any]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise RequestError(f"cannot read the request: {e}") from e
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RequestError(f"the request is not valid JSON: {e}") from e
+
+
+def _decide(model_path: Path, request_path: str, n_gpu_layers: int, max_prompt_tokens: int) -> dict[str, Any]:
+    from .runtime.model import load
+
+    request = _read_request(request_path)
+    with load(model_path, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens) as model:
+        return model.decide(request)
+
+
+@app.command()
+def decide(
+    paths: Annotated[
+        list[str],
+        typer.Argument(help="[MODEL.gguf] REQUEST.json (- reads stdin). Without MODEL: the demo model.", show_default=False),
+    ],
+    n_gpu_layers: GpuLayers = 0,
+    max_prompt_tokens: MaxPrompt = 4096,
+) -> None:
+    """Answer a SystemOne request; prints the response JSON on stdout."""
+    from .data import DEMO_MODEL
+
+    if not 1 <= len(paths) <= 2:
+        err.print("[bold red]error:[/] expected [MODEL.gguf] REQUEST.json")
+        raise typer.Exit(2)
+    model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
+    answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens))
+    typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
+
+
+@app.command()
+def demo(n_gpu_layers: GpuLayers = 0) -> None:
+    """Run the bundled tiny demo model on a bundled request. Its weights are random: so are its answers."""
+    from .data import DEMO_MODEL, DEMO_REQUEST
+
+    err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
+    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), n_gpu_layers, 4096))
+    typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

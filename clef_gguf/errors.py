@@ -1,0 +1,55 @@
+"""Typed errors of clef-gguf.
+
+The library raises these; the CLI maps them to exit codes and the server to HTTP
+statuses, once, at the edge. Each message is one line a person can act on.
+"""
+
+from __future__ import annotations
+
+
+class ClefError(Exception):
+    """Base class of every error clef-gguf raises on purpose."""
+
+    exit_code = 1
+
+
+class ReleaseError(ClefError):
+    """The source is not a usable Clef release (missing file, unknown layout, offline)."""
+
+    exit_code = 3
+
+
+class ConversionError(ClefError):
+    """Conversion could not finish (output exists, unsupported shapes, disk)."""
+
+    exit_code = 4
+
+
+class ModelFileError(ClefError):
+    """A GGUF file is not a complete Clef decision model, or llama.cpp refused it."""
+
+    exit_code = 5
+
+
+class RequestError(ClefError):
+    """A decision request is invalid. `field` names where, e.g. questions.q1.criteria."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.reason = message
+
+
+class PromptTooLongError(RequestError):
+    """The prompt needs more tokens than the context / physical batch was sized for."""
+
+    def __init__(self, n_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"the prompt has {n_tokens} tokens but this model was loaded with a limit of "
+            f"{limit} tokens (one physical batch); shorten the state or load the model with "
+            f"a larger max_prompt_tokens (--max-prompt-tokens), at the cost of a larger compute buffer"
+        )
+        self.n_tokens = n_tokens
+        self.limit = limit

@@ -1,0 +1,200 @@
+"""Reading a Hugging Face Clef release: config, tokenizer and tensors, one at a time.
+
+Tensors are read straight from the safetensors files (no torch): a tiny header
+parser plus one `np.fromfile` per tensor, so that conversion holds one tensor at a
+time. bf16 is widened to f32 by bit shifting (numpy has no bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .contract import BackboneShape, HeadConfig
+from .errors import ReleaseError
+
+BACKBONE_CLASS = "Qwen3_5ForConditionalGeneration"
+HEAD_WEIGHTS = "joint_head.safetensors"
+HEAD_CONFIG = "joint_head_config.json"
+REFERENCE_CODE = "joint_schema_model.py"
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.jinja"]
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor inside a safetensors file, not yet read."""
+
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+
+    def load(self) -> np.ndarray:
+        """Read the tensor as float32."""
+        if self.dtype not in _DTYPES:
+            raise ReleaseError(f"{self.path.name}: tensor dtype {self.dtype} is not supported")
+        count = int(np.prod(self.shape, dtype=np.int64))
+        data = np.fromfile(self.path, dtype=_DTYPES[self.dtype], count=count, offset=self.offset)
+        if data.size != count:
+            raise ReleaseError(f"{self.path.name} is truncated")
+        if self.dtype == "BF16":
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32, copy=False).reshape(self.shape)
+
+
+def read_safetensors_index(path: Path) -> dict[str, StoredTensor]:
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > 100_000_000:
+                raise ValueError("header too large")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, struct.error) as e:
+        raise ReleaseError(f"{path.name} is not a readable safetensors file ({e})") from e
+    base = 8 + header_len
+    return {
+        name: StoredTensor(path, info["dtype"], tuple(info["shape"]), base + info["data_offsets"][0])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+@dataclass(frozen=True)
+class Release:
+    root: Path
+    text_config: dict[str, Any]
+    head_config: HeadConfig
+    backbone: dict[str, StoredTensor]
+    head: dict[str, StoredTensor]
+    tokenizer: dict[str, Any]  # tokenizer.json
+    tokenizer_config: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def tied(self) -> bool:
+        # The weights decide: a tied release saves no lm_head.weight.
+        if self.backbone:
+            return "lm_head.weight" not in self.backbone
+        return bool(self.text_config.get("tie_word_embeddings", False))
+
+    def backbone_shape(self) -> BackboneShape:
+        c = self.text_config
+        k_dim, v_dim = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        if k_dim != v_dim:
+            # llama.cpp's qwen35 graph takes both from ssm.state_size.
+            raise ReleaseError(f"linear_key_head_dim {k_dim} != linear_value_head_dim {v_dim}: llama.cpp's qwen35 cannot run it")
+        return BackboneShape(
+            n_vocab=c["vocab_size"],
+            n_embd=c["hidden_size"],
+            n_ff=c["intermediate_size"],
+            n_layer=c["num_hidden_layers"],
+            n_head=c["num_attention_heads"],
+            n_head_kv=c["num_key_value_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            recurrent=tuple(t == "linear_attention" for t in layer_types(c)),
+            conv_kernel=c["linear_conv_kernel_dim"],
+            k_heads=c["linear_num_key_heads"],
+            v_heads=c["linear_num_value_heads"],
+            linear_head_dim=k_dim,
+            tied=self.tied,
+        )
+
+
+def layer_types(text_config: dict[str, Any]) -> list[str]:
+    n = text_config["num_hidden_layers"]
+    types = text_config.get("layer_types")
+    if types is None:
+        interval = text_config.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n:
+        raise ReleaseError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+    return list(types)
+
+
+def resolve(source: str) -> Path:
+    """A local release folder, or a Hugging Face repo id downloaded (or found in the cache)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or source.count("/") != 1:
+        raise ReleaseError(f"{source}: not a release folder, and not a Hugging Face repo id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError as e:  # pragma: no cover - huggingface-hub is a dependency
+        raise ReleaseError(f"huggingface-hub is needed to download {source}") from e
+    try:
+        return Path(snapshot_download(source, allow_patterns=HUB_PATTERNS))
+    except RepositoryNotFoundError as e:
+        raise ReleaseError(f"{source}: no such repository on the Hugging Face Hub (or it is private)") from e
+    except LocalEntryNotFoundError as e:
+        raise ReleaseError(f"{source}: cannot reach the Hugging Face Hub and the repo is not in the local cache") from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ReleaseError(f"{source}: download failed: {str(e).splitlines()[0]}") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ReleaseError(f"{path.parent.name}: not a Clef release: {path.name} is missing")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ReleaseError(f"{path.name} is not valid JSON ({e})") from e
+
+
+def _model_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [root / n for n in names]
+    else:
+        files = sorted(root.glob("model*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise ReleaseError(
+            f"{root.name}: not a Clef release: model weights missing ({', '.join(missing) or 'model*.safetensors'})"
+        )
+    return files
+
+
+def open_release(source: str | Path, *, weights: bool = True) -> Release:
+    """Open a release folder (or Hub repo id) and check it is a Clef release.
+
+    weights=False skips the backbone weights (what `graft` needs).
+    """
+    root = resolve(str(source))
+    config = _read_json(root / "config.json")
+    if BACKBONE_CLASS not in config.get("architectures", []):
+        found = ", ".join(config.get("architectures", [])) or "none"
+        raise ReleaseError(f"{root.name}: not a Clef release: config.json architectures is {found}, expected {BACKBONE_CLASS}")
+    head_config = _read_json(root / HEAD_CONFIG)
+    if not (root / HEAD_WEIGHTS).is_file():
+        raise ReleaseError(f"{root.name}: not a Clef release: {HEAD_WEIGHTS} is missing (a plain Qwen3.5 model?)")
+    try:
+        head = HeadConfig(**{k: int(head_config[k]) for k in HeadConfig.__dataclass_fields__})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ReleaseError(f"{HEAD_CONFIG}: missing or invalid field {e}") from e
+    backbone: dict[str, StoredTensor] = {}
+    if weights:
+        for f in _model_files(root):
+            backbone |= read_safetensors_index(f)
+    text_config = dict(config.get("text_config", config))
+    text_config.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return Release(
+        root=root,
+        text_config=text_config,
+        head_config=head,
+        backbone=backbone,
+        head=read_safetensors_index(root / HEAD_WEIGHTS),
+        tokenizer=_read_json(root / "tokenizer.json"),
+        tokenizer_config=_read_json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {},
+    )

@@ -1,0 +1,1 @@
+"""Running Clef decisions: backbone on llama.cpp, prompt, head, answers."""

@@ -1,0 +1,74 @@
+"""Per-option logits -> the SystemOne response body.
+
+Values are rounded to 4 decimals as the reference does. `confidence` follows
+TypeSafe's documented formulas (the reference returns the top probability instead):
+choice (p_max - 1/n) / (1 - 1/n); score 1 - sum p_i |i - mode| / the same spread for
+a uniform distribution. Both are clamped to [0, 1].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .prompt import EncodedPrompt, EncodedQuestion
+
+DECIMALS = 4
+
+
+def probabilities(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, dtype=np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def choice_confidence(p: np.ndarray) -> float:
+    n = len(p)
+    return float((p.max() - 1.0 / n) / (1.0 - 1.0 / n))
+
+
+def score_confidence(p: np.ndarray) -> float:
+    n = len(p)
+    levels = np.arange(n)
+    spread = float(p @ np.abs(levels - int(p.argmax())))
+    uniform_spread = float(np.abs(levels - (n - 1) / 2).sum() / n)
+    return 1.0 - spread / uniform_spread
+
+
+def _round(x: float) -> float:
+    return round(min(max(float(x), 0.0), 1.0), DECIMALS)
+
+
+def answer(question: EncodedQuestion, p: np.ndarray) -> dict[str, Any]:
+    q = question.question
+    by_option = {option_id: float(pi) for (option_id, _), pi in zip(q.options, p, strict=True)}
+    if q.type == "noul":
+        return {"type": "noul", "noul": _round(by_option["true"])}
+    if q.type == "choice":
+        # Listed in the request's order (the prompt lists them sorted); the first maximum wins.
+        names = q.listed
+        best = max(names, key=by_option.__getitem__)
+        return {
+            "type": "choice",
+            "choice": best,
+            "confidence": _round(choice_confidence(p)),
+            "probabilities": {name: _round(by_option[name]) for name in names},
+        }
+    levels = [str(i) for i in range(len(q.options))]
+    return {
+        "type": "score",
+        "score": round(float(np.arange(len(p)) @ p), DECIMALS),
+        "confidence": _round(score_confidence(p)),
+        "legend": dict(zip(levels, q.levels, strict=True)),
+        "probabilities": {level: _round(by_option[level]) for level in levels},
+    }
+
+
+def response(prompt: EncodedPrompt, model_name: str, logits: list[np.ndarray]) -> dict[str, Any]:
+    model = prompt.request.model
+    return {
+        "model": model if model is not None else model_name,
+        "answers": {q.question.id: answer(q, probabilities(z)) for q, z in zip(prompt.questions, logits, strict=True)},
+        "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0},
+    }

@@ -1,0 +1,74 @@
+"""Session fixtures: tiny random Clef releases, their GGUF conversions, loaded models
+and the reference oracle. Everything is built once per session, on demand."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from oracle import Oracle  # noqa: E402
+from release_builder import ReleaseSpec, build_release  # noqa: E402
+
+import clef_gguf  # noqa: E402
+
+# Two fixtures, as the parity criteria ask: untied float32, and tied bfloat16 (sharded).
+RELEASES: dict[str, ReleaseSpec] = {
+    "untied_f32": ReleaseSpec(seed=0),
+    "tied_bf16": ReleaseSpec(seed=1, tied=True, dtype="bfloat16", max_shard_bytes=200_000),
+}
+MAX_PROMPT_TOKENS = 8192  # the long-state request has several thousand tokens
+
+
+class Workspace:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.release = cache(self._release)
+        self.gguf = cache(self._gguf)
+        self.oracle = cache(self._oracle)
+        self.model = cache(self._model)
+        self._models: list[clef_gguf.ClefModel] = []
+
+    def _release(self, name: str) -> Path:
+        return build_release(self.root / name, RELEASES[name])
+
+    def _gguf(self, name: str, file_type: str) -> Path:
+        return clef_gguf.convert(self.release(name), self.root / f"{name}-{file_type}.gguf", file_type)
+
+    def _oracle(self, name: str) -> Oracle:
+        return Oracle(self.release(name))
+
+    def _model(self, name: str, file_type: str) -> clef_gguf.ClefModel:
+        model = clef_gguf.load(self.gguf(name, file_type), n_ctx=MAX_PROMPT_TOKENS)
+        self._models.append(model)
+        return model
+
+    def close(self) -> None:
+        for model in self._models:
+            model.close()
+
+
+@pytest.fixture(scope="session")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
+    workspace = Workspace(tmp_path_factory.mktemp("clef"))
+    yield workspace
+    workspace.close()
+
+
+@pytest.fixture(scope="session")
+def oracle_probabilities(ws: Workspace) -> Callable[[str, str], dict[str, dict[str, float]]]:
+    """Oracle probabilities per (release, request name), computed once."""
+    from request_suite import all_requests
+
+    requests = all_requests()
+
+    @cache
+    def compute(release: str, request_name: str) -> dict[str, dict[str, float]]:
+        return ws.oracle(release).probabilities(requests[request_name])
+
+    return compute

@@ -1,0 +1,134 @@
+"""Deterministic SystemOne request bodies for parity tests.
+
+Named request_suite, not requests, so that tests/ on sys.path never shadows the
+``requests`` library that huggingface_hub and others import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODEL = "jev-latest"
+Request = dict[str, Any]
+
+
+def _request(state: Any, questions: dict[str, Any]) -> Request:
+    return {"model": MODEL, "state": state, "questions": questions}
+
+
+def mixed_request() -> Request:
+    """Every question type and every shape of instructions and criteria, unicode ids."""
+    questions = {
+        "is_spam": {"type": "noul", "instructions": "Is this message unsolicited spam?"},
+        "état": {
+            "type": "noul",
+            "instructions": {"ask": "Le client est-il satisfait ?", "lang": "fr"},
+            # One-sided criteria: "false" keeps the reference's default description.
+            "criteria": {"true": "The customer says they are happy."},
+        },
+        "category": {
+            "type": "choice",
+            "instructions": ["Pick the department", "that should handle this."],
+            "criteria": {
+                "billing": "Payments, invoices and refunds.",
+                "technical": "Bugs, outages and errors.",
+                "sales": "Pricing and new purchases.",
+            },
+        },
+        "是否": {
+            "type": "choice",
+            "instructions": None,  # falls back to the question id
+            "criteria": {
+                "🙂": None,
+                "neutral": {"tone": "flat", "weight": 0.5},
+                "négatif": ["angry", "upset", 3],
+            },
+        },
+        "severity": {
+            "type": "score",
+            "instructions": "How severe is the reported problem?",
+            "criteria": ["none", "minor", "moderate", "major", "critical"],
+        },
+    }
+    state = {
+        "channel": "email",
+        "message": "Bonjour, my invoice #4821 was charged twice — café order. 请尽快处理 🙏",
+        "customer": {"name": "Zoë", "tier": "gold", "orders": [17, 42]},
+        "flagged": False,
+    }
+    return _request(state, questions)
+
+
+def many_questions_request(count: int = 64) -> Request:
+    """Many questions of all three types in one request."""
+    questions: dict[str, Any] = {}
+    for index in range(count):
+        kind = ("noul", "choice", "score")[index % 3]
+        question: dict[str, Any] = {"type": kind, "instructions": f"Question {index}: judge item {index}."}
+        if kind == "choice":
+            question["criteria"] = {f"opt_{index}_{letter}": f"Option {letter}" for letter in "abcd"[: 2 + index % 3]}
+        elif kind == "score":
+            question["criteria"] = [f"level {level}" for level in range(3 + index % 4)]
+        questions[f"q{index:02d}"] = question
+    state = {"items": [{"id": index, "text": f"item number {index}"} for index in range(16)]}
+    return _request(state, questions)
+
+
+def wide_choice_request(options: int = 255) -> Request:
+    """One choice with many options."""
+    # Unpadded ids: the reference sorts them as strings (option_0, option_1,
+    # option_10, option_100, ...), which a numeric sort would get wrong.
+    # Mostly null descriptions keep the prompt at a few thousand tokens.
+    criteria = {
+        f"option_{index}": f"kind {index % 17}" if index % 8 == 0 else None
+        for index in range(options)
+    }
+    question = {"type": "choice", "instructions": "Which label fits the ticket?", "criteria": criteria}
+    return _request("Ticket: the printer on floor 3 prints blank pages.", {"label": question})
+
+
+def ten_level_score_request() -> Request:
+    levels = [f"{level}/9: " + ("very " * (level % 3)) + "strong" for level in range(10)]
+    question = {"type": "score", "instructions": "Rate the urgency.", "criteria": levels}
+    return _request({"text": "Server down since 3 am, customers cannot pay."}, {"urgency": question})
+
+
+_LONG_STATE_PARTS = (
+    "Paragraph {index}: the customer wrote again about order {order} and asked for a refund.",
+    " Le café était froid, la crème brûlée aussi; cafe\u0301 and e\u0301tat are NOT NFC here.",
+    " 这是第{index}段，客户要求退款。日本語も少し。한국어도 조금.",
+    " Emoji row: 🙂🚀👍🏽 ❤️ — totals: {order}.{index} EUR, {index}% done.\n",
+)
+
+
+def long_state_text(paragraphs: int = 18) -> str:
+    """A long mixed-unicode text (about 3,000 tokens with the tiny tokenizer)."""
+    text = ""
+    for index in range(paragraphs):
+        order = 10_000 + 37 * index
+        text += "".join(part.format(index=index, order=order) for part in _LONG_STATE_PARTS)
+    return text
+
+
+def long_state_request(paragraphs: int = 18) -> Request:
+    questions = {
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+        "language": {
+            "type": "choice",
+            "instructions": "Main language of the state.",
+            "criteria": {"en": "English", "fr": "French", "zh": "Chinese"},
+        },
+        "anger": {"type": "score", "instructions": "How angry?", "criteria": ["calm", "annoyed", "furious"]},
+    }
+    return _request(long_state_text(paragraphs), questions)
+
+
+def all_requests() -> dict[str, Request]:
+    """The whole suite by name, for parametrized tests."""
+    return {
+        "mixed": mixed_request(),
+        "many_questions": many_questions_request(),
+        "wide_choice": wide_choice_request(),
+        "ten_level_score": ten_level_score_request(),
+        "long_state": long_state_request(),
+    }

@@ -1,0 +1,121 @@
+"""Conversion: the file layout, the metadata, refusals, and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+from release_builder import CLEF_FLASH_LAYOUT, build_release
+
+import clef_gguf
+from clef_gguf import contract as C
+from clef_gguf.errors import ConversionError, ReleaseError
+from clef_gguf.gguf_header import GGUFFile
+
+GT = gguf.GGMLQuantizationType
+
+
+def _split(path) -> tuple[list[str], list[str]]:
+    names = [t.name for t in gguf.GGUFReader(path).tensors]
+    head = [n for n in names if n.startswith(C.HEAD_PREFIX)]
+    return [n for n in names if n not in head], head
+
+
+def test_clef_flash_layout_converts_to_427_backbone_and_160_head_tensors(tmp_path):
+    release = build_release(tmp_path / "flash", CLEF_FLASH_LAYOUT)
+    out = clef_gguf.convert(release, tmp_path / "flash.gguf", "f16")
+    backbone, head = _split(out)
+    assert (len(backbone), len(head)) == (427, 160)
+    assert len(head) == C.head_tensor_count(routing_layers=6, layers=3)
+    reader = gguf.GGUFReader(out)
+    recurrent = [bool(v) for v in reader.fields["clef.attention.recurrent_layers"].contents()]
+    assert recurrent == [(i + 1) % 4 != 0 for i in range(32)]
+
+
+def test_metadata_holds_the_decision_contract(ws):
+    f = GGUFFile.open(ws.gguf("untied_f32", "q8_0"))
+    h = f.header
+    assert h.get("general.architecture") == "clef"
+    assert h.get(C.KEY_DECISION_TYPE) == C.DECISION_TYPE
+    assert h.get(C.KEY_BACKBONE_ARCH) == "qwen35"
+    assert h.get(C.KEY_REFERENCE_SHA256) == C.REFERENCE_SHA256
+    assert h.get(C.KEY_NORMALIZER) == "NFC"
+    assert "not converted" in h.get(C.KEY_VISION)
+    assert all(C.backbone_key(s) in h.fields for s in C.BACKBONE_KEY_SUFFIXES)
+    assert {k: h.get(C.prompt_key(k)) for k in C.PROMPT_TEMPLATE} == C.PROMPT_TEMPLATE
+    assert h.get("tokenizer.ggml.pre") == "qwen35" and h.get("tokenizer.ggml.model") == "gpt2"
+    assert h.get("tokenizer.ggml.merges")
+    types = {t.type for n, t in h.tensors.items() if not n.startswith(C.HEAD_PREFIX)}
+    assert GT.Q8_0 in types and GT.F32 in types
+    assert {t.type for n, t in h.tensors.items() if n.startswith(C.HEAD_PREFIX)} == {GT.F32}
+    f.close()
+
+
+def test_tied_release_has_no_output_tensor(ws):
+    h = GGUFFile.open(ws.gguf("tied_bf16", "f32")).header
+    assert "output.weight" not in h.tensors and "token_embd.weight" in h.tensors
+
+
+def test_head_tensors_round_trip_to_the_release(ws, tmp_path):
+    from safetensors.numpy import load_file
+
+    release = ws.release("untied_f32")
+    stored = load_file(release / "joint_head.safetensors")
+    f = GGUFFile.open(ws.gguf("untied_f32", "f32"))
+    for name, value in stored.items():
+        data = np.array(f.tensor_bytes(C.HEAD_PREFIX + name).view(np.float32))  # a copy: the map closes
+        np.testing.assert_array_equal(data, value.reshape(-1))
+    f.close()
+
+
+def _copy(release, tmp_path):
+    return shutil.copytree(release, tmp_path / "copy")
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: (d / "joint_head.safetensors").unlink(), "joint_head.safetensors is missing"),
+        (lambda d: (d / "config.json").unlink(), "config.json is missing"),
+        (lambda d: (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]})), "LlamaForCausalLM"),
+        (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+    ],
+)
+def test_convert_refuses_a_folder_that_is_not_a_clef_release(ws, tmp_path, damage, reason):
+    release = _copy(ws.release("untied_f32"), tmp_path)
+    damage(release)
+    with pytest.raises(ReleaseError) as raised:
+        clef_gguf.convert(release, tmp_path / "out.gguf", "f32")
+    assert reason in str(raised.value) and "\n" not in str(raised.value)
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial"))
+
+
+def test_an_unreachable_hub_repo_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ReleaseError) as raised:
+        clef_gguf.convert("nobody/no-such-clef", tmp_path / "out.gguf")
+    assert "nobody/no-such-clef" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_existing_output_is_kept_unless_forced(ws, tmp_path):
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"precious")
+    with pytest.raises(ConversionError):
+        clef_gguf.convert(ws.release("untied_f32"), out, "f32")
+    assert out.read_bytes() == b"precious"
+    clef_gguf.convert(ws.release("untied_f32"), out, "f32", force=True)
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_a_failed_conversion_leaves_no_file(ws, tmp_path):
+    release = _copy(ws.release("untied_f32"), tmp_path)
+    weights = release / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated weights
+    out = tmp_path / "out.gguf"
+    with pytest.raises(ReleaseError, match="truncated"):
+        clef_gguf.convert(release, out, "f32")
+    assert not out.exists() and not list(tmp_path.glob(".*partial"))

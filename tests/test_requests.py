@@ -1,0 +1,94 @@
+"""Invalid requests and oversized prompts fail with typed errors, before any compute."""
+
+from __future__ import annotations
+
+import copy
+
+import llama_cpp as L
+import pytest
+from request_suite import mixed_request
+
+import clef_gguf
+from clef_gguf import PromptTooLongError, RequestError
+
+
+def _evaluated_tokens(model: clef_gguf.ClefModel) -> int:
+    return L.llama_perf_context(model.backbone.ctx).n_p_eval
+
+
+def _with(change) -> dict:
+    request = copy.deepcopy(mixed_request())
+    change(request)
+    return request
+
+
+def _first(request: dict) -> dict:
+    return next(iter(request["questions"].values()))
+
+
+def _choice(request: dict) -> dict:
+    return next(q for q in request["questions"].values() if q["type"] == "choice")
+
+
+def _score(request: dict) -> dict:
+    return next(q for q in request["questions"].values() if q["type"] == "score")
+
+
+INVALID = {
+    "not an object": (lambda r: r.clear(), None),
+    "no state": (lambda r: r.pop("state"), "state"),
+    "state a number": (lambda r: r.update(state=3), "state"),
+    "model not a string": (lambda r: r.update(model=7), "model"),
+    "no questions": (lambda r: r.update(questions={}), "questions"),
+    "65 questions": (lambda r: r.update(questions={f"q{i}": {"type": "noul"} for i in range(65)}), "questions"),
+    "question not an object": (lambda r: r["questions"].update(bad="yes"), "questions.bad"),
+    "unknown type": (lambda r: _first(r).update(type="rank"), ".type"),
+    "instructions a number": (lambda r: _first(r).update(instructions=3), ".instructions"),
+    "choice with one option": (lambda r: _choice(r).update(criteria={"a": "x"}), ".criteria"),
+    "choice with 256 options": (lambda r: _choice(r).update(criteria={f"o{i}": None for i in range(256)}), ".criteria"),
+    "choice as a list": (lambda r: _choice(r).update(criteria=["a", "b"]), ".criteria"),
+    "choice description a number": (lambda r: _choice(r).update(criteria={"a": 1, "b": "x"}), ".criteria.a"),
+    "score as a map": (lambda r: _score(r).update(criteria={"0": "low", "1": "high"}), ".criteria"),
+    "score with 11 levels": (lambda r: _score(r).update(criteria=[str(i) for i in range(11)]), ".criteria"),
+    "score with 1 level": (lambda r: _score(r).update(criteria=["only"]), ".criteria"),
+    "noul with other keys": (
+        lambda r: r["questions"].update(n={"type": "noul", "criteria": {"maybe": "x"}}),
+        "questions.n.criteria",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_requests_name_the_field_and_compute_nothing(ws, case):
+    model = ws.model("untied_f32", "f32")
+    change, field = INVALID[case]
+    request = [] if case == "not an object" else _with(change)
+    before = _evaluated_tokens(model)
+    with pytest.raises(RequestError) as raised:
+        model.decide(request)
+    if field is not None:
+        assert field in str(raised.value)
+    assert _evaluated_tokens(model) == before
+
+
+def test_an_oversized_prompt_names_its_size_the_limit_and_the_remedy(ws):
+    model = clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=256)
+    try:
+        before = _evaluated_tokens(model)
+        with pytest.raises(PromptTooLongError) as raised:
+            model.decide(mixed_request())
+        error = raised.value
+        assert error.limit == 256 and error.n_tokens > 256
+        assert str(error.n_tokens) in str(error) and "256" in str(error) and "--max-prompt-tokens" in str(error)
+        assert _evaluated_tokens(model) == before
+        small = {"model": "m", "state": "hi", "questions": {"q": {"type": "noul"}}}
+        assert model.decide(small)["usage"]["input_tokens"] <= 256  # the model still works afterwards
+    finally:
+        model.close()
+
+
+def test_a_valid_request_is_not_modified(ws):
+    request = mixed_request()
+    before = copy.deepcopy(request)
+    ws.model("untied_f32", "f32").decide(request)
+    assert request == before
