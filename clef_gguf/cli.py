@@ -44,7 +44,7 @@ def _run(action: Callable[[], T]) -> T:
     try:
         return action()
     except ClefError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
 
 
@@ -76,9 +76,11 @@ def convert(
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata)."""
     from .convert import convert as run_convert
 
-    with _progress("converting") as progress:
-        path = _run(lambda: run_convert(source, out, file_type, force=force, progress=progress))
-    err.print(f"wrote {path}")
+    def work() -> Path:
+        with _progress("converting") as progress:
+            return run_convert(source, out, file_type, force=force, progress=progress)
+
+    err.print(f"wrote {_run(work)}")
 
 
 def _read_request(path: str) -> dict[str, Any]:

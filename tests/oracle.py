@@ -37,9 +37,7 @@ class Oracle:
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(release_dir)
         # The reference reads only .tokenizer from its processor for text requests.
         self.processor = SimpleNamespace(tokenizer=self.tokenizer)
-        backbone = Qwen3_5ForConditionalGeneration.from_pretrained(
-            release_dir, dtype=torch.float32
-        )
+        backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release_dir, dtype=torch.float32)
         backbone.config.use_cache = False
         config = json.loads((release_dir / "joint_head_config.json").read_text())
         head = self.reference.JointSchemaHead(**config)
@@ -50,9 +48,7 @@ class Oracle:
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """The reference ``systemone`` response body."""
-        return self.reference.systemone(
-            self.model, self.processor, request, max_length=MAX_LENGTH
-        )
+        return self.reference.systemone(self.model, self.processor, request, max_length=MAX_LENGTH)
 
     @torch.inference_mode()
     def probabilities(self, request: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -62,14 +58,10 @@ class Oracle:
         its rounding, so tests can compare with tolerances of their own.
         """
         encoded = self._encode(request)
-        batch = self.reference.collate_records(
-            [encoded], self.tokenizer.pad_token_id, torch.device("cpu")
-        )
+        batch = self.reference.collate_records([encoded], self.tokenizer.pad_token_id, torch.device("cpu"))
         logits = self.model(batch)[0]
         return {
-            question.question_id: dict(
-                zip(question.option_ids, values.float().softmax(-1).tolist(), strict=True)
-            )
+            question.question_id: dict(zip(question.option_ids, values.float().softmax(-1).tolist(), strict=True))
             for question, values in zip(encoded.questions, logits, strict=True)
         }
 
@@ -79,10 +71,7 @@ class Oracle:
 
     def spans(self, request: dict[str, Any]) -> list[tuple[Span, tuple[Span, ...]]]:
         """Per question, in request order: (question span, option spans)."""
-        return [
-            (question.question_span, question.option_spans)
-            for question in self._encode(request).questions
-        ]
+        return [(question.question_span, question.option_spans) for question in self._encode(request).questions]
 
     def _encode(self, request: dict[str, Any]) -> Any:
         return self.reference.encode_record(self.tokenizer, request, max_length=MAX_LENGTH)

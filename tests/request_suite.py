@@ -79,10 +79,7 @@ def wide_choice_request(options: int = 255) -> Request:
     # Unpadded ids: the reference sorts them as strings (option_0, option_1,
     # option_10, option_100, ...), which a numeric sort would get wrong.
     # Mostly null descriptions keep the prompt at a few thousand tokens.
-    criteria = {
-        f"option_{index}": f"kind {index % 17}" if index % 8 == 0 else None
-        for index in range(options)
-    }
+    criteria = {f"option_{index}": f"kind {index % 17}" if index % 8 == 0 else None for index in range(options)}
     question = {"type": "choice", "instructions": "Which label fits the ticket?", "criteria": criteria}
     return _request("Ticket: the printer on floor 3 prints blank pages.", {"label": question})
 

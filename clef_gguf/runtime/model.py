@@ -22,7 +22,9 @@ DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 def _dequantize(f: GGUFFile, name: str) -> np.ndarray:
     t = f.header.tensors[name]
-    return gguf.quants.dequantize(f.tensor_bytes(name), t.type).reshape(t.shape).astype(np.float32)  # a copy: the map closes later
+    return (
+        gguf.quants.dequantize(f.tensor_bytes(name), t.type).reshape(t.shape).astype(np.float32)
+    )  # a copy: the map closes later
 
 
 def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, dict[str, str]]:

@@ -137,3 +137,16 @@ class VirtualFile:
 
 def open_qwen35_view(f: GGUFFile) -> VirtualFile:
     return VirtualFile(qwen35_header(f), f.path, f.header.data_offset)
+
+
+def write_backbone_gguf(f: GGUFFile, out: os.PathLike[str] | str) -> None:
+    """Write the backbone alone as a plain qwen35 GGUF (what the view shows llama.cpp)."""
+    header = qwen35_header(f)
+    names = backbone_tensor_names(f)
+    last = f.header.tensors[names[-1]]
+    end = f.header.data_offset + last.offset + last.n_bytes
+    chunk = 64 << 20
+    with open(out, "wb") as dst:
+        dst.write(header)
+        for start in range(f.header.data_offset, end, chunk):
+            dst.write(f.map[start : min(end, start + chunk)])

@@ -1,0 +1,67 @@
+"""The clef-gguf command, run as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from request_suite import mixed_request
+
+
+def clef_gguf(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "clef_gguf.cli", *args], input=stdin, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_demo_answers_the_bundled_request():
+    run = clef_gguf("demo")
+    assert run.returncode == 0, run.stderr
+    response = json.loads(run.stdout)
+    assert set(response["answers"]) == {"is_complaint", "intent", "urgency"}
+    assert "RANDOM" in run.stderr
+
+
+def test_decide_prints_exactly_the_api_response(ws, tmp_path):
+    request = mixed_request()
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request, ensure_ascii=False), encoding="utf-8")
+    model = ws.gguf("untied_f32", "f32")
+    run = clef_gguf("decide", str(model), str(path))
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == ws.model("untied_f32", "f32").decide(request)
+    from_stdin = clef_gguf("decide", str(model), "-", stdin=json.dumps(request))
+    assert json.loads(from_stdin.stdout) == json.loads(run.stdout)
+
+
+def test_decide_without_a_model_uses_the_demo(tmp_path):
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}))
+    run = clef_gguf("decide", str(path))
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["answers"]["q"]["type"] == "noul"
+
+
+def test_user_mistakes_are_one_line_and_an_exit_code(ws, tmp_path):
+    model = str(ws.gguf("untied_f32", "f32"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "rank"}}}))
+    cases = {
+        ("decide", model, str(bad)): (2, "questions.q.type"),
+        ("decide", model, str(tmp_path / "missing.json")): (2, "cannot read the request"),
+        ("decide", str(tmp_path / "missing.gguf"), str(bad)): (5, "cannot read"),
+        ("convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")): (3, "config.json is missing"),
+    }
+    for args, (code, message) in cases.items():
+        run = clef_gguf(*args)
+        assert run.returncode == code, (args, run.stderr)
+        assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert run.stdout == ""
+
+
+def test_convert_shows_progress_and_writes_the_file(ws, tmp_path):
+    out = tmp_path / "m.gguf"
+    run = clef_gguf("convert", str(ws.release("untied_f32")), "-o", str(out), "--type", "q8_0")
+    assert run.returncode == 0, run.stderr
+    assert out.read_bytes()[:4] == b"GGUF" and "converting" in run.stderr
