@@ -15,8 +15,9 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from .convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError
 
 app = typer.Typer(
@@ -49,7 +50,8 @@ def _run(action: Callable[[], T]) -> T:
 
 
 @contextmanager
-def _progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
+def _progress() -> Iterator[Callable[[str, int, int, str], None]]:
+    """A progress callback (stage, done, total, item): one bar per stage."""
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -58,10 +60,12 @@ def _progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
         TextColumn("{task.fields[item]}"),
     )
     with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task(description, total=None, item="")
+        tasks: dict[str, TaskID] = {}
 
-        def update(done: int, total: int, item: str) -> None:
-            bar.update(task, completed=done, total=total, item=item)
+        def update(stage: str, done: int, total: int, item: str) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total, item="")
+            bar.update(tasks[stage], completed=done, total=total, item=item)
 
         yield update
 
@@ -70,15 +74,41 @@ def _progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
 def convert(
     source: Annotated[str, typer.Argument(help="Release folder, or Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")],
-    file_type: Annotated[str, typer.Option("--type", "-t", help="Backbone weight type: f32, f16, bf16 or q8_0.")] = "q8_0",
+    file_type: Annotated[str, typer.Option("--type", "-t", help=f"Backbone type: {', '.join(FILE_TYPES)}.")] = DEFAULT_FILE_TYPE,
+    head_type: Annotated[
+        str, typer.Option("--head-type", help="Head weight type: f32 (default: the head is small), f16 or q8_0.")
+    ] = "f32",
+    imatrix: Annotated[
+        Path | None, typer.Option("--imatrix", help="Importance matrix (llama-imatrix GGUF) for llama.cpp's quantizer.")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata)."""
     from .convert import convert as run_convert
 
     def work() -> Path:
-        with _progress("converting") as progress:
-            return run_convert(source, out, file_type, force=force, progress=progress)
+        with _progress() as progress:
+            return run_convert(source, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress)
+
+    err.print(f"wrote {_run(work)}")
+
+
+@app.command()
+def graft(
+    backbone: Annotated[Path, typer.Argument(help="A backbone-only qwen35 GGUF (any quantization).")],
+    source: Annotated[
+        str, typer.Argument(help="The release: folder or Hugging Face repo id (only head, config and tokenizer files are read).")
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")],
+    head_type: Annotated[str, typer.Option("--head-type", help="Head weight type: f32, f16 or q8_0.")] = "f32",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+) -> None:
+    """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
+    from .graft import graft as run_graft
+
+    def work() -> Path:
+        with _progress() as progress:
+            return run_graft(backbone, source, out, head_type=head_type, force=force, progress=progress)
 
     err.print(f"wrote {_run(work)}")
 

@@ -7,6 +7,7 @@ time. bf16 is widened to f32 by bit shifting (numpy has no bf16).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .contract import BackboneShape, HeadConfig
+from .contract import BACKBONE_KEY_SUFFIXES, BackboneShape, HeadConfig
 from .errors import ReleaseError
 
 BACKBONE_CLASS = "Qwen3_5ForConditionalGeneration"
@@ -198,3 +199,41 @@ def open_release(source: str | Path, *, weights: bool = True) -> Release:
         tokenizer=_read_json(root / "tokenizer.json"),
         tokenizer_config=_read_json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {},
     )
+
+
+def backbone_hparams(release: Release) -> dict[str, object]:
+    """Values of the keys llama.cpp's qwen35 loader reads, from config.json."""
+    c = release.text_config
+    s = release.backbone_shape()
+    rope = c.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+    sections = list(rope.get("mrope_section", [11, 11, 10]))
+    values: dict[str, object] = {
+        "context_length": c.get("max_position_embeddings", 262144),
+        "embedding_length": s.n_embd,
+        "block_count": s.n_layer,
+        "feed_forward_length": s.n_ff,
+        "attention.head_count": s.n_head,
+        "attention.head_count_kv": s.n_head_kv,
+        "attention.key_length": s.head_dim,
+        "attention.value_length": s.head_dim,
+        "attention.layer_norm_rms_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+        "attention.recurrent_layers": list(s.recurrent),
+        "rope.freq_base": float(rope.get("rope_theta", c.get("rope_theta", 10_000_000.0))),
+        "rope.dimension_count": int(s.head_dim * partial),
+        "rope.dimension_sections": (sections + [0, 0, 0, 0])[:4],
+        "ssm.conv_kernel": s.conv_kernel,
+        "ssm.state_size": s.linear_head_dim,
+        "ssm.group_count": s.k_heads,
+        "ssm.time_step_rank": s.v_heads,
+        "ssm.inner_size": s.v_heads * s.linear_head_dim,
+        "full_attention_interval": c.get("full_attention_interval", 4),
+    }
+    assert set(values) == set(BACKBONE_KEY_SUFFIXES)
+    return values
+
+
+def reference_sha256(release: Release) -> str:
+    """sha256 of the release's joint_schema_model.py (empty when it ships none)."""
+    path = release.root / REFERENCE_CODE
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""

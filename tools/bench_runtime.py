@@ -34,8 +34,8 @@ if mode == "clef":
     model = clef_gguf.load(path, n_ctx=n_ctx)
 else:
     import llama_cpp as L
-    from clef_gguf.runtime import backbone
-    backbone._init_backend()
+    from clef_gguf.runtime import llama_log
+    llama_log.init_backend()
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(path.encode(), mp)
     cp = L.llama_context_default_params()

@@ -7,9 +7,7 @@ token's final hidden state (after the output norm).
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
 import unicodedata
 
 import llama_cpp as L
@@ -17,34 +15,8 @@ import numpy as np
 
 from ..errors import ModelFileError, PromptTooLongError
 from ..gguf_header import GGUFFile
+from . import llama_log
 from .qwen35_view import open_qwen35_view
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-_LOG_LEVEL_ERROR = 4  # GGML_LOG_LEVEL_ERROR
-_last_errors: list[str] = []
-
-
-@L.llama_log_callback
-def _log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    # llama.cpp is chatty on stderr; keep its errors (to explain a failed load), drop the rest.
-    if level >= _LOG_LEVEL_ERROR and text:
-        _last_errors.append(text.decode("utf-8", "replace").strip())
-        del _last_errors[:-20]
-
-
-def _llama_reason(default: str) -> str:
-    return "; ".join(_last_errors[-3:]) or default
-
-
-def _init_backend() -> None:
-    global _backend_ready
-    with _backend_lock:
-        if not _backend_ready:
-            if not os.environ.get("CLEF_GGUF_LLAMA_LOG"):
-                L.llama_log_set(_log, ctypes.c_void_p())
-            L.llama_backend_init()
-            _backend_ready = True
 
 
 class Backbone:
@@ -53,7 +25,7 @@ class Backbone:
     def __init__(
         self, f: GGUFFile, *, n_gpu_layers: int = 0, max_prompt_tokens: int = 4096, n_threads: int | None = None, nfc: bool = True
     ) -> None:
-        _init_backend()
+        llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
         self.nfc = nfc
         params = L.llama_model_default_params()
@@ -61,12 +33,14 @@ class Backbone:
         params.load_mode = L.LLAMA_LOAD_MODE_NONE  # a FILE* from fopencookie cannot be mmapped
         view = open_qwen35_view(f)
         try:
-            _last_errors.clear()
+            llama_log.clear_errors()
             self.model = L.llama_model_load_from_file_ptr(view.fp, params)
         finally:
             view.close()
         if not self.model:
-            raise ModelFileError(f"llama.cpp could not load the backbone of {f.path.name}: {_llama_reason('no reason given')}")
+            raise ModelFileError(
+                f"llama.cpp could not load the backbone of {f.path.name}: {llama_log.last_error('no reason given')}"
+            )
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_embd = L.llama_model_n_embd(self.model)
         cparams = L.llama_context_default_params()
@@ -80,7 +54,7 @@ class Backbone:
         if not self.ctx:
             L.llama_model_free(self.model)
             raise ModelFileError(
-                f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {_llama_reason('out of memory?')}"
+                f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {llama_log.last_error('out of memory?')}"
             )
         self.batch = L.llama_batch_init(max_prompt_tokens, 0, 1)
 
@@ -111,7 +85,7 @@ class Backbone:
         b.n_tokens = len(tokens)
         status = L.llama_decode(self.ctx, b)
         if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status}: {_llama_reason('see stderr')}")
+            raise RuntimeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
         pointer = L.llama_get_embeddings(self.ctx)
         return np.ctypeslib.as_array(pointer, shape=(len(tokens), self.n_embd)).copy()
 

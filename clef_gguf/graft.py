@@ -1,0 +1,206 @@
+"""A qwen35 backbone GGUF + a release's head -> a complete Clef GGUF.
+
+For the many who downloaded an early backbone-only conversion (any quantization):
+the backbone's tensors are copied byte for byte (never re-quantized), the head, its
+config, the prompt template and the decision metadata come from the release. The
+two must belong together: shapes, layer types and tokenizer are compared, and a
+mismatch is refused with what differs. convert's llama.cpp path ends here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from . import contract as C
+from .errors import ConversionError, ModelFileError
+from .gguf_header import GGUFFile, Header
+from .release import Release, backbone_hparams, open_release, reference_sha256
+from .vocab import Vocab, read_vocab
+from .writer import GT, OutTensor, Progress, atomic_output, check_free_space, encode, storage_type, write_gguf, write_metadata
+
+HEAD_TYPES = {"f32": GT.F32, "f16": GT.F16, "q8_0": GT.Q8_0}
+
+
+class MismatchError(ConversionError):
+    """The backbone and the release do not belong together."""
+
+
+def head_tensors(release: Release, head_type: str) -> list[OutTensor]:
+    """The head as `head.<reference name>`; 1-D tensors and scalars stay F32 whatever head_type."""
+    expected = C.head_tensor_shapes(release.head_config)
+    if set(expected) != set(release.head):
+        differ = sorted(set(expected) ^ set(release.head))
+        raise ConversionError(
+            f"joint_head.safetensors does not match joint_head_config.json: {differ[0]} ({len(differ)} tensors differ)"
+        )
+    tensors = []
+    for name, shape in expected.items():
+        source = release.head[name]
+        if int(np.prod(source.shape)) != int(np.prod(shape)) or (source.shape and source.shape != shape):
+            raise ConversionError(
+                f"head tensor {name} has shape {list(source.shape)}, joint_head_config.json implies {list(shape)}"
+            )
+        qtype = storage_type(name, shape, HEAD_TYPES[head_type])
+
+        def produce(src=source, s=shape, q=qtype) -> np.ndarray:
+            return encode(src.load().reshape(s), q)
+
+        tensors.append(OutTensor(C.HEAD_PREFIX + name, shape, qtype, produce))
+    return tensors
+
+
+# --- Reading a backbone GGUF ---------------------------------------------------------------------
+def _hparams(h: Header) -> dict[str, object]:
+    prefix = f"{C.BACKBONE_ARCH}."
+    values = {s: h.get(prefix + s) for s in C.BACKBONE_KEY_SUFFIXES}
+    if values["attention.recurrent_layers"] is None and values["block_count"] is not None:
+        interval = values["full_attention_interval"] or 4
+        values["full_attention_interval"] = interval
+        values["attention.recurrent_layers"] = [(i + 1) % interval != 0 for i in range(int(values["block_count"]))]
+    missing = [s for s, v in values.items() if v is None]
+    if missing:
+        raise ModelFileError(f"the backbone lacks {prefix}{missing[0]} ({len(missing)} keys missing)")
+    return values
+
+
+def _vocab(h: Header, normalizer: str) -> Vocab:
+    try:
+        return Vocab(
+            tokens=list(h.get("tokenizer.ggml.tokens")),
+            token_types=list(h.get("tokenizer.ggml.token_type")),
+            merges=list(h.get("tokenizer.ggml.merges")),
+            eos_id=int(h.get("tokenizer.ggml.eos_token_id")),
+            pad_id=h.get("tokenizer.ggml.padding_token_id"),
+            normalizer=normalizer,
+        )
+    except TypeError as e:
+        raise ModelFileError("the backbone has no complete BPE tokenizer (tokens, token types, merges, eos)") from e
+
+
+def _compare(backbone: dict[str, object], release: dict[str, object]) -> None:
+    for suffix, theirs in release.items():
+        ours = backbone[suffix]
+        if suffix == "context_length":
+            continue  # a conversion may cap it; it does not change the weights
+        same = (
+            math.isclose(float(ours), float(theirs), rel_tol=1e-4)
+            if isinstance(theirs, float)
+            else list(np.ravel(ours)) == list(np.ravel(theirs))
+        )
+        if not same:
+            raise MismatchError(
+                f"the backbone and the release do not belong together: {suffix} is {ours} in the backbone, "
+                f"{theirs} in the release"
+            )
+
+
+def _compare_vocab(backbone: Vocab, release: Vocab) -> None:
+    if len(backbone.tokens) != len(release.tokens):
+        raise MismatchError(
+            f"vocabulary sizes differ: {len(backbone.tokens)} in the backbone, {len(release.tokens)} in the release"
+        )
+    for i, (a, b) in enumerate(zip(backbone.tokens, release.tokens, strict=True)):
+        if a != b and release.token_types[i] != gguf.TokenType.UNUSED:
+            raise MismatchError(f"tokenizers differ: token {i} is {a!r} in the backbone, {b!r} in the release")
+    if backbone.merges != release.merges:
+        raise MismatchError("tokenizers differ: the BPE merges are not the same")
+
+
+def _backbone_tensors(f: GGUFFile, shape: C.BackboneShape) -> list[OutTensor]:
+    expected = C.backbone_tensor_shapes(shape)
+    tensors = f.header.tensors
+    extra = [n for n in tensors if n not in expected]
+    if extra:
+        raise MismatchError(f"the backbone has tensor {extra[0]}, which a Qwen3.5 backbone of this release does not have")
+    out = []
+    for name, want in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            raise MismatchError(f"the backbone lacks tensor {name} ({len(expected)} expected, {len(tensors)} present)")
+        if t.shape != want:
+            raise MismatchError(f"tensor {name} has shape {list(t.shape)} in the backbone; the release implies {list(want)}")
+        out.append(OutTensor(name, t.shape, t.type, lambda n=name: f.tensor_bytes(n)))
+    return out
+
+
+def assemble(
+    backbone_path: Path,
+    release: Release,
+    out: Path,
+    *,
+    head_type: str = "f32",
+    force: bool = False,
+    progress: Progress | None = None,
+    reference_sha256: str = "",
+) -> Path:
+    """Write the Clef file: the backbone's tensors as they are, then the release's head."""
+    f = GGUFFile.open(backbone_path)
+    try:
+        arch = f.header.get("general.architecture")
+        if arch != C.BACKBONE_ARCH:
+            raise MismatchError(f"{backbone_path.name} is not a qwen35 backbone (general.architecture is {arch!r})")
+        hparams = _hparams(f.header)
+        tied = "output.weight" not in f.header.tensors
+        if tied != release.tied:
+            raise MismatchError(f"the backbone {'ties' if tied else 'unties'} its output embedding, the release does not")
+        shape = dataclasses.replace(release.backbone_shape(), tied=tied)
+        _compare(hparams, backbone_hparams(release))
+        release_vocab = read_vocab(
+            release.tokenizer, release.tokenizer_config, shape.n_vocab, release.text_config.get("eos_token_id")
+        )
+        vocab = _vocab(f.header, release_vocab.normalizer)
+        _compare_vocab(vocab, release_vocab)
+        if release.head_config.hidden_size != shape.n_embd:
+            raise MismatchError(f"the head reads hidden size {release.head_config.hidden_size}, the backbone has {shape.n_embd}")
+        tensors = _backbone_tensors(f, shape) + head_tensors(release, head_type)
+        check_free_space(out.parent, sum(t.n_bytes for t in tensors))
+
+        def metadata(w: gguf.GGUFWriter) -> None:
+            file_type = int(f.header.get("general.file_type", 0))
+            write_metadata(
+                w,
+                name=release.name,
+                hparams=hparams,
+                vocab=vocab,
+                file_type=file_type,
+                head=release.head_config,
+                reference_sha256=reference_sha256,
+            )
+
+        with atomic_output(out, force) as tmp:
+            write_gguf(tmp, C.ARCH, metadata, tensors, progress, "writing")
+    finally:
+        f.close()
+    return out
+
+
+def graft(
+    backbone: str | Path,
+    source: str | Path,
+    out: str | Path,
+    *,
+    head_type: str = "f32",
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """A backbone-only qwen35 GGUF (any quantization) + a release (folder or Hub repo id) -> a Clef GGUF."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ConversionError(f"{out} exists; pass --force to overwrite it")
+    if head_type not in HEAD_TYPES:
+        raise ConversionError(f"unknown --head-type {head_type}; choose one of {', '.join(HEAD_TYPES)}")
+    release = open_release(source, weights=False)
+    return assemble(
+        Path(backbone),
+        release,
+        out,
+        head_type=head_type,
+        force=force,
+        progress=progress,
+        reference_sha256=reference_sha256(release),
+    )

@@ -1,0 +1,64 @@
+"""llama.cpp's backend initialisation and its log, routed.
+
+llama.cpp is chatty on stderr. Its errors are kept (to explain a failed load in one
+line); info lines are dropped, unless a caller captures them for a while (the
+quantizer's per-tensor lines drive a progress bar). CLEF_GGUF_LLAMA_LOG=1 leaves
+llama.cpp's own logging on stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import llama_cpp as L
+
+_LEVEL_ERROR = 4  # GGML_LOG_LEVEL_ERROR
+_lock = threading.Lock()
+_ready = False
+_errors: list[str] = []
+_capture: list[Callable[[str], None]] = []
+
+
+@L.llama_log_callback
+def _log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    if not text:
+        return
+    line = text.decode("utf-8", "replace")
+    if level >= _LEVEL_ERROR:
+        _errors.append(line.strip())
+        del _errors[:-20]
+    for callback in _capture:
+        callback(line)
+
+
+def init_backend() -> None:
+    global _ready
+    with _lock:
+        if not _ready:
+            if not os.environ.get("CLEF_GGUF_LLAMA_LOG"):
+                L.llama_log_set(_log, ctypes.c_void_p())
+            L.llama_backend_init()
+            _ready = True
+
+
+def clear_errors() -> None:
+    _errors.clear()
+
+
+def last_error(default: str) -> str:
+    """The last few error lines llama.cpp logged, in one line."""
+    return "; ".join(_errors[-3:]) or default
+
+
+@contextmanager
+def capture_info(callback: Callable[[str], None]) -> Iterator[None]:
+    init_backend()
+    _capture.append(callback)
+    try:
+        yield
+    finally:
+        _capture.remove(callback)
