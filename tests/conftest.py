@@ -21,6 +21,10 @@ import clef_gguf  # noqa: E402
 RELEASES: dict[str, ReleaseSpec] = {
     "untied_f32": ReleaseSpec(seed=0),
     "tied_bf16": ReleaseSpec(seed=1, tied=True, dtype="bfloat16", max_shard_bytes=200_000),
+    # Rows that are multiples of 256, so that llama.cpp's K-quants apply (not their fallbacks).
+    "k256": ReleaseSpec(
+        seed=2, hidden=256, intermediate=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, head_width=64
+    ),
 }
 MAX_PROMPT_TOKENS = 8192  # the long-state request has several thousand tokens
 
@@ -37,8 +41,9 @@ class Workspace:
     def _release(self, name: str) -> Path:
         return build_release(self.root / name, RELEASES[name])
 
-    def _gguf(self, name: str, file_type: str) -> Path:
-        return clef_gguf.convert(self.release(name), self.root / f"{name}-{file_type}.gguf", file_type)
+    def _gguf(self, name: str, file_type: str, head_type: str = "f32") -> Path:
+        out = self.root / f"{name}-{file_type}-{head_type}.gguf"
+        return clef_gguf.convert(self.release(name), out, file_type, head_type=head_type)
 
     def _oracle(self, name: str) -> Oracle:
         return Oracle(self.release(name))
