@@ -6,9 +6,12 @@ layouts, hyperparameters under `clef.*` with the suffixes `qwen35.*` would use) 
 the joint schema head (`head.` + the reference state_dict name) and the prompt
 template of Cloudflare's `joint_schema_model.py`.
 
-Data layout rule: every backbone tensor comes first in the data section, contiguous
-from offset 0, then the head. The runtime relies on it to lay a synthesized `qwen35`
-header over the file's data (see runtime/backbone.py).
+Data layout rule: the backbone comes first in the data section, contiguous from
+offset 0, in this order: the layers (blk.*), output_norm, token_embd, output; then
+the head. The runtime relies on it to lay synthesized `qwen35` headers over the
+file's data (runtime/qwen35_view.py): one for the whole backbone, and one that ends
+with the first rows of token_embd and leaves output out, so that llama.cpp's LM head
+(logits nobody reads: n_vocab floats per token) costs nothing.
 """
 
 from __future__ import annotations
@@ -117,9 +120,10 @@ class TensorRule:
 
 
 HF_TEXT_PREFIX = "model.language_model."
-GLOBAL_RULES = (
-    TensorRule("model.language_model.embed_tokens.weight", "token_embd.weight"),
+# In file order, after the layers (see the layout rule above).
+FINAL_RULES = (
     TensorRule("model.language_model.norm.weight", "output_norm.weight", Transform.NORM_PLUS_ONE),
+    TensorRule("model.language_model.embed_tokens.weight", "token_embd.weight"),
     TensorRule("lm_head.weight", "output.weight"),
 )
 COMMON_LAYER_RULES = (
@@ -176,18 +180,13 @@ def layer_rules(recurrent: bool) -> tuple[TensorRule, ...]:
 
 
 def backbone_tensor_shapes(s: BackboneShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor llama.cpp's qwen35 loader asks for, in numpy (row-major) shape order."""
+    """Every tensor llama.cpp's qwen35 loader asks for, in file order, in numpy (row-major) shape order."""
     key_dim = s.k_heads * s.linear_head_dim
     value_dim = s.v_heads * s.linear_head_dim
     conv_dim = 2 * key_dim + value_dim
     q_dim = s.n_head * s.head_dim
     kv_dim = s.n_head_kv * s.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (s.n_vocab, s.n_embd),
-        "output_norm.weight": (s.n_embd,),
-    }
-    if not s.tied:
-        shapes["output.weight"] = (s.n_vocab, s.n_embd)
+    shapes: dict[str, tuple[int, ...]] = {}
     for bid, recurrent in enumerate(s.recurrent):
         layer = {
             "attn_norm.weight": (s.n_embd,),
@@ -218,6 +217,10 @@ def backbone_tensor_shapes(s: BackboneShape) -> dict[str, tuple[int, ...]]:
                 "attn_k_norm.weight": (s.head_dim,),
             }
         shapes |= {f"blk.{bid}.{name}": shape for name, shape in layer.items()}
+    shapes["output_norm.weight"] = (s.n_embd,)
+    shapes["token_embd.weight"] = (s.n_vocab, s.n_embd)
+    if not s.tied:
+        shapes["output.weight"] = (s.n_vocab, s.n_embd)
     return shapes
 
 

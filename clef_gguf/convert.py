@@ -82,12 +82,13 @@ def apply_transform(x: np.ndarray, t: C.Transform, s: C.BackboneShape) -> np.nda
 
 # --- Planning ---------------------------------------------------------------------------------
 def backbone_tensors(release: Release, qtype: GT) -> list[OutTensor]:
-    """The backbone in llama.cpp's names, layouts and order, each tensor produced on demand."""
+    """The backbone in llama.cpp's names and layouts, in the contract's file order, produced on demand."""
     shape = release.backbone_shape()
     expected = C.backbone_tensor_shapes(shape)
-    rules = [(r, r.hf, r.gguf) for r in C.GLOBAL_RULES]
+    rules = []
     for bid, recurrent in enumerate(shape.recurrent):
         rules += [(r, f"{C.HF_TEXT_PREFIX}layers.{bid}.{r.hf}", f"blk.{bid}.{r.gguf}") for r in C.layer_rules(recurrent)]
+    rules += [(r, r.hf, r.gguf) for r in C.FINAL_RULES]
     planned: list[OutTensor] = []
     used: set[str] = set()
     for rule, hf_name, gguf_name in rules:

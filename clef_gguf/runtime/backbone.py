@@ -1,12 +1,19 @@
 """The Qwen3.5 backbone on stock llama.cpp (llama-cpp-python's libllama).
 
-One context, sized so that a whole prompt is one physical batch (n_ubatch = n_ctx
-= max_prompt_tokens): embeddings on, pooling none, so a decode yields every
-token's final hidden state (after the output norm).
+Two llama.cpp models over the same Clef file (runtime/qwen35_view.py):
+  * the full view, vocabulary only: llama.cpp's tokenizer for the prompt;
+  * the lean view, for compute: its LM head is tied to 258 rows, so llama.cpp does
+    not compute (nor reserve a buffer for) n_vocab logits per token that nobody
+    reads - on Clef-flash that is 4 GiB of compute buffer at 4096 tokens. It is fed
+    the prompt's token embeddings, gathered from token_embd on the host.
+One context, sized so that a whole prompt is one physical batch (n_ubatch = n_ctx =
+max_prompt_tokens), embeddings on, pooling none: a decode yields every token's final
+hidden state (after the output norm).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import unicodedata
 
@@ -17,46 +24,98 @@ from ..errors import ModelFileError, PromptTooLongError
 from ..gguf_header import GGUFFile
 from . import llama_log
 from .qwen35_view import open_qwen35_view
+from .rows import RowTable
+
+_MULTI_POSITION_ROPE = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE, L.LLAMA_ROPE_TYPE_VISION)
+
+
+def _load(f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = False) -> L.llama_model_p:
+    params = L.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    params.vocab_only = vocab_only
+    params.load_mode = L.LLAMA_LOAD_MODE_NONE  # a FILE* from fopencookie cannot be mmapped
+    view = open_qwen35_view(f, lean)
+    try:
+        llama_log.clear_errors()
+        model = L.llama_model_load_from_file_ptr(view.fp, params)
+    finally:
+        view.close()
+    if not model:
+        raise ModelFileError(f"llama.cpp could not load the backbone of {f.path.name}: {llama_log.last_error('no reason given')}")
+    return model
+
+
+class _EmbeddingBatch:
+    """A llama_batch of input embeddings, its arrays owned by numpy, for up to `capacity` tokens."""
+
+    def __init__(self, capacity: int, n_embd: int, n_pos: int) -> None:
+        self.n_pos = n_pos
+        self.embd = np.zeros((capacity, n_embd), dtype=np.float32)
+        self.pos = np.zeros(capacity * n_pos, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq_zero = np.zeros(1, dtype=np.int32)
+        zero = self.seq_zero.ctypes.data_as(ctypes.POINTER(L.llama_seq_id))
+        self.seq_id = (ctypes.POINTER(L.llama_seq_id) * capacity)(*[zero] * capacity)  # every token in sequence 0
+        self.logits = np.ones(capacity, dtype=np.int8)  # every token is an output: the head reads them all
+
+    def fill(self, embeddings: np.ndarray) -> L.llama_batch:
+        n = len(embeddings)
+        self.embd[:n] = embeddings
+        # Positions are section-major for multi-position (M-)RoPE: text has t = h = w = i and a 4th section of 0.
+        for section in range(self.n_pos):
+            self.pos[section * n : (section + 1) * n] = np.arange(n) if section < 3 else 0
+        return L.llama_batch(
+            n_tokens=n,
+            token=None,
+            embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos=self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos)),
+            n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=self.seq_id,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
 
 
 class Backbone:
     """A loaded backbone and its context. Not thread-safe: one decode at a time."""
 
     def __init__(
-        self, f: GGUFFile, *, n_gpu_layers: int = 0, max_prompt_tokens: int = 4096, n_threads: int | None = None, nfc: bool = True
+        self,
+        f: GGUFFile,
+        *,
+        n_gpu_layers: int = 0,
+        max_prompt_tokens: int = 4096,
+        n_threads: int | None = None,
+        nfc: bool = True,
+        ubatch: int | None = None,
     ) -> None:
+        if ubatch is not None and not 1 <= ubatch <= max_prompt_tokens:
+            raise ValueError(f"ubatch must be between 1 and the prompt limit ({max_prompt_tokens}), not {ubatch}")
         llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
         self.nfc = nfc
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        params.load_mode = L.LLAMA_LOAD_MODE_NONE  # a FILE* from fopencookie cannot be mmapped
-        view = open_qwen35_view(f)
-        try:
-            llama_log.clear_errors()
-            self.model = L.llama_model_load_from_file_ptr(view.fp, params)
-        finally:
-            view.close()
-        if not self.model:
-            raise ModelFileError(
-                f"llama.cpp could not load the backbone of {f.path.name}: {llama_log.last_error('no reason given')}"
-            )
-        self.vocab = L.llama_model_get_vocab(self.model)
+        self.vocab_model = _load(f, lean=False, vocab_only=True)
+        self.vocab = L.llama_model_get_vocab(self.vocab_model)
+        self.model = _load(f, lean=True, n_gpu_layers=n_gpu_layers)
         self.n_embd = L.llama_model_n_embd(self.model)
+        self.token_embd = RowTable(f, "token_embd.weight")
+        n_pos = 4 if L.llama_model_rope_type(self.model) in _MULTI_POSITION_ROPE else 1
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = max_prompt_tokens
+        cparams.n_ctx = cparams.n_batch = max_prompt_tokens
+        # A prompt is one llama_decode call; with a smaller n_ubatch llama.cpp splits it into
+        # ubatches itself, carrying the recurrent and KV state over, and sizes its compute
+        # buffer for n_ubatch tokens instead of the whole prompt.
+        cparams.n_ubatch = ubatch or max_prompt_tokens
         cparams.n_seq_max = 1
         cparams.embeddings = True
         cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-        threads = n_threads or os.cpu_count() or 1
-        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.n_threads = cparams.n_threads_batch = n_threads or os.cpu_count() or 1
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
-            L.llama_model_free(self.model)
+            self._free_models()
             raise ModelFileError(
                 f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {llama_log.last_error('out of memory?')}"
             )
-        self.batch = L.llama_batch_init(max_prompt_tokens, 0, 1)
+        self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens parsed, as the reference's tokenizer(text, add_special_tokens=False)."""
@@ -70,28 +129,29 @@ class Backbone:
             raise AssertionError("a byte-level BPE never yields more tokens than bytes")
         return tokens[:n]
 
-    def hidden_states(self, tokens: list[int]) -> np.ndarray:
-        """(len(tokens), n_embd) final hidden states of one prompt, in one physical batch."""
+    def hidden_states(self, tokens: list[int], copy: bool = True) -> np.ndarray:
+        """(len(tokens), n_embd) final hidden states of one prompt, in one llama_decode call.
+
+        copy=False returns a view of llama.cpp's output buffer, valid until the next decode.
+        """
         if len(tokens) > self.max_prompt_tokens:
             raise PromptTooLongError(len(tokens), self.max_prompt_tokens)
+        batch = self.batch.fill(self.token_embd.rows(tokens))
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-        b = self.batch
-        for i, token in enumerate(tokens):
-            b.token[i] = token
-            b.pos[i] = i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = True
-        b.n_tokens = len(tokens)
-        status = L.llama_decode(self.ctx, b)
+        status = L.llama_decode(self.ctx, batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
         pointer = L.llama_get_embeddings(self.ctx)
-        return np.ctypeslib.as_array(pointer, shape=(len(tokens), self.n_embd)).copy()
+        hidden = np.ctypeslib.as_array(pointer, shape=(len(tokens), self.n_embd))
+        return hidden.copy() if copy else hidden
+
+    def _free_models(self) -> None:
+        L.llama_model_free(self.model)
+        L.llama_model_free(self.vocab_model)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
-            L.llama_batch_free(self.batch)
             L.llama_free(self.ctx)
-            L.llama_model_free(self.model)
+            self._free_models()
             self.ctx = None
+            self.token_embd = None  # a view of the file's map: let the map close

@@ -26,6 +26,7 @@ from ..errors import ModelFileError
 from ..gguf_header import GGUF_MAGIC, GGUFFile
 
 _GLOBAL_KEYS = ("general.alignment", "general.name", "general.file_type", "general.quantization_version")
+LEAN_VOCAB = 258  # rows of token_embd the lean view keeps: a byte alphabet, one merge, an end token
 
 
 def _pack_string(text: str) -> bytes:
@@ -33,9 +34,27 @@ def _pack_string(text: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def backbone_tensor_names(f: GGUFFile) -> list[str]:
-    """The backbone tensors, checked to lie first and contiguous in the data section."""
+def _pack_kv(key: str, vtype: GGUFValueType, payload: bytes, item_type: GGUFValueType | None = None) -> bytes:
+    head = _pack_string(key) + struct.pack("<I", vtype)
+    return head + (struct.pack("<I", item_type) if item_type is not None else b"") + payload
+
+
+def _pack_strings(key: str, items: list[str]) -> bytes:
+    payload = struct.pack("<Q", len(items)) + b"".join(_pack_string(t) for t in items)
+    return _pack_kv(key, GGUFValueType.ARRAY, payload, GGUFValueType.STRING)
+
+
+def _pack_tensor_info(name: str, dims: tuple[int, ...], qtype: int, offset: int) -> bytes:
+    return _pack_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, qtype, offset)
+
+
+def view_tensor_names(f: GGUFFile, lean: bool) -> list[str]:
+    """The backbone tensors a view shows, checked to lie first and contiguous in the data section."""
     names = [n for n in f.header.tensors if not n.startswith(C.HEAD_PREFIX)]
+    if lean:
+        names = [n for n in names if n != "output.weight"]
+        if names[-1:] != ["token_embd.weight"]:
+            raise ModelFileError(f"{f.path.name}: token_embd.weight is not where a Clef file puts it; convert the file again")
     expected_offset = 0
     for name in names:
         t = f.header.tensors[name]
@@ -48,18 +67,54 @@ def backbone_tensor_names(f: GGUFFile) -> list[str]:
     return names
 
 
-def qwen35_header(f: GGUFFile) -> bytes:
-    """The synthesized header, padded so that the data section follows it directly."""
+def _lean_tokenizer() -> list[bytes]:
+    """A valid byte-level BPE vocabulary of LEAN_VOCAB tokens: the lean view is fed embeddings, never tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    alphabet, extra = [], 0
+    for b in range(256):
+        alphabet.append(chr(b) if b in printable else chr(256 + extra))
+        extra += b not in printable
+    tokens = [*alphabet, "\u0120t", "<|im_end|>"]
+    types = [1] * (len(tokens) - 1) + [3]  # normal tokens, one control token
+    assert len(tokens) == LEAN_VOCAB
+    return [
+        _pack_kv("tokenizer.ggml.model", GGUFValueType.STRING, _pack_string("gpt2")),
+        _pack_kv("tokenizer.ggml.pre", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH)),
+        _pack_strings("tokenizer.ggml.tokens", tokens),
+        _pack_kv(
+            "tokenizer.ggml.token_type",
+            GGUFValueType.ARRAY,
+            struct.pack(f"<Q{len(types)}i", len(types), *types),
+            GGUFValueType.INT32,
+        ),
+        _pack_strings("tokenizer.ggml.merges", ["\u0120 t"]),
+        _pack_kv("tokenizer.ggml.eos_token_id", GGUFValueType.UINT32, struct.pack("<I", LEAN_VOCAB - 1)),
+    ]
+
+
+def qwen35_header(f: GGUFFile, lean: bool = False) -> bytes:
+    """A synthesized qwen35 header over the file's data section, padded to its alignment.
+
+    Full: the whole backbone with the file's tokenizer (a plain qwen35 GGUF: export,
+    tokenization). Lean: the same layers, but a vocabulary of LEAN_VOCAB tokens,
+    token_embd cut to its first LEAN_VOCAB rows and no output.weight, so llama.cpp
+    ties its LM head to those rows; the runtime feeds it embeddings, not tokens.
+    """
     h, buf = f.header, f.map
-    kvs = [_pack_string("general.architecture") + struct.pack("<I", GGUFValueType.STRING) + _pack_string(C.BACKBONE_ARCH)]
+    kvs = [_pack_kv("general.architecture", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH))]
     for key, field in h.fields.items():
-        if key in _GLOBAL_KEYS or key.startswith("tokenizer."):
+        if key in _GLOBAL_KEYS or (key.startswith("tokenizer.") and not lean):
             kvs.append(bytes(buf[field.start : field.end]))
         elif key.startswith(C.ARCH + ".") and key[len(C.ARCH) + 1 :] in C.BACKBONE_KEY_SUFFIXES:
             renamed = f"{C.BACKBONE_ARCH}.{key[len(C.ARCH) + 1 :]}"
             kvs.append(_pack_string(renamed) + bytes(buf[field.value_start : field.end]))
-    names = backbone_tensor_names(f)
+    if lean:
+        kvs += _lean_tokenizer()
+    names = view_tensor_names(f, lean)
     infos = [bytes(buf[h.tensors[n].start : h.tensors[n].end]) for n in names]
+    if lean:
+        embd = h.tensors["token_embd.weight"]
+        infos[-1] = _pack_tensor_info(embd.name, (embd.dims[0], LEAN_VOCAB), embd.type, embd.offset)
     header = GGUF_MAGIC + struct.pack("<IQQ", 3, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
     return header + bytes(-len(header) % h.alignment)
 
@@ -135,14 +190,14 @@ class VirtualFile:
             os.close(self._fd)
 
 
-def open_qwen35_view(f: GGUFFile) -> VirtualFile:
-    return VirtualFile(qwen35_header(f), f.path, f.header.data_offset)
+def open_qwen35_view(f: GGUFFile, lean: bool = False) -> VirtualFile:
+    return VirtualFile(qwen35_header(f, lean), f.path, f.header.data_offset)
 
 
 def write_backbone_gguf(f: GGUFFile, out: os.PathLike[str] | str) -> None:
     """Write the backbone alone as a plain qwen35 GGUF (what the view shows llama.cpp)."""
     header = qwen35_header(f)
-    names = backbone_tensor_names(f)
+    names = view_tensor_names(f, lean=False)
     last = f.header.tensors[names[-1]]
     end = f.header.data_offset + last.offset + last.n_bytes
     chunk = 64 << 20

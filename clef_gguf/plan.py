@@ -1,0 +1,215 @@
+"""Memory plan of a Clef (or backbone-only qwen35) GGUF on llama.cpp: what fits a card.
+
+Each figure says where it comes from:
+  file      - the GGUF header (tensor sizes: exact);
+  llama.cpp - llama.cpp's own no-alloc pass (model params no_alloc: it plans every
+              buffer without allocating): KV cache, recurrent state, compute buffer
+              at a physical batch of n_ctx tokens, read from its log;
+  computed  - arithmetic here (placement of layers, output buffer, head).
+The compute buffer is measured on the backends this llama.cpp build has: on a
+CPU-only build, the CPU backend's buffer stands in for the GPU's (same graph; the
+CUDA backend's differs by a few percent) and the plan says so.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import llama_cpp as L
+
+from . import contract as C
+from .errors import ModelFileError
+from .gguf_header import GGUFFile
+from .runtime import llama_log
+from .runtime.qwen35_view import open_qwen35_view
+
+MIB = 1 << 20
+_SIZE = re.compile(r"(\w+)\s+compute buffer size =\s+([\d.]+) MiB")
+_KV = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB")
+_RS = re.compile(r"llama_memory_recurrent: size =\s+([\d.]+) MiB")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Line:
+    component: str
+    device_bytes: int
+    host_bytes: int
+    source: str  # file | llama.cpp | computed
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    n_ctx: int
+    n_gpu_layers: int
+    lines: tuple[Line, ...]
+    weights_by_type: dict[str, int]
+    gpu_backend: bool  # False: the compute buffer was measured on the CPU backend
+    vram: int | None = None
+    max_prompt_tokens: int | None = None  # the largest prompt whose device total fits `vram`
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(line.device_bytes for line in self.lines)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(line.host_bytes for line in self.lines)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self) | {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes}
+
+
+class _NoAllocModel:
+    """The backbone loaded by llama.cpp with no_alloc: every buffer planned, none allocated."""
+
+    def __init__(self, f: GGUFFile, n_gpu_layers: int) -> None:
+        llama_log.init_backend()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.no_alloc = True
+        params.load_mode = L.LLAMA_LOAD_MODE_NONE
+        llama_log.clear_errors()
+        if f.header.get("general.architecture") == C.ARCH:
+            view = open_qwen35_view(f)
+            try:
+                self.model = L.llama_model_load_from_file_ptr(view.fp, params)
+            finally:
+                view.close()
+        else:
+            self.model = L.llama_model_load_from_file(str(f.path).encode(), params)
+        if not self.model:
+            raise ModelFileError(f"llama.cpp could not plan {f.path.name}: {llama_log.last_error('no reason given')}")
+
+    def measure(self, n_ctx: int) -> dict[str, float]:
+        """MiB of KV cache, recurrent state and compute buffers (per backend) for one context."""
+        lines: list[str] = []
+        params = L.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_seq_max = 1
+        params.embeddings = True
+        params.pooling_type = L.LLAMA_POOLING_TYPE_NONE
+        with llama_log.capture_info(lines.append):
+            ctx = L.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise ModelFileError(
+                f"llama.cpp could not plan a context of {n_ctx} tokens: {llama_log.last_error('no reason given')}"
+            )
+        L.llama_free(ctx)
+        text = "".join(lines)
+        sizes = {f"compute:{m[1]}": float(m[2]) for m in _SIZE.finditer(text)}
+        sizes["kv"] = sum(float(m[1]) for m in _KV.finditer(text))
+        sizes["recurrent"] = sum(float(m[1]) for m in _RS.finditer(text))
+        return sizes
+
+    def close(self) -> None:
+        L.llama_model_free(self.model)
+
+
+def _on_device(name: str, n_layer: int, offloaded: int) -> bool:
+    """llama.cpp offloads the last `offloaded` repeating layers, then the output layer."""
+    m = _BLOCK.match(name)
+    if m:
+        return int(m[1]) >= n_layer - offloaded
+    return name in ("output.weight", "output_norm.weight") and offloaded > n_layer
+
+
+def _hparam(f: GGUFFile, suffix: str) -> object:
+    for arch in (C.ARCH, C.BACKBONE_ARCH):
+        value = f.header.get(f"{arch}.{suffix}")
+        if value is not None:
+            return value
+    raise ModelFileError(f"{f.path.name}: no {suffix} (not a Clef or qwen35 file)")
+
+
+def _lines(f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int) -> tuple[list[Line], dict[str, int], bool]:
+    n_layer = int(_hparam(f, "block_count"))
+    recurrent = list(_hparam(f, "attention.recurrent_layers"))
+    tensors = f.header.tensors
+    weights_device = weights_host = 0
+    by_type: dict[str, int] = {}
+    for name, t in tensors.items():
+        if name.startswith(C.HEAD_PREFIX):
+            continue
+        by_type[t.type.name] = by_type.get(t.type.name, 0) + t.n_bytes
+        if _on_device(name, n_layer, offloaded):
+            weights_device += t.n_bytes
+        else:
+            weights_host += t.n_bytes
+    if "output.weight" not in tensors and offloaded > n_layer:  # tied: llama.cpp copies token_embd for the output
+        weights_device += tensors["token_embd.weight"].n_bytes
+    head = sum(t.n_elements * 4 for n, t in tensors.items() if n.startswith(C.HEAD_PREFIX))  # dequantized to f32
+
+    def split(total_mib: float, layers: list[int]) -> tuple[int, int]:
+        on = sum(1 for il in layers if il >= n_layer - offloaded)
+        device = int(total_mib * MIB * on / max(len(layers), 1))
+        return device, int(total_mib * MIB) - device
+
+    full = [il for il in range(n_layer) if not recurrent[il]]
+    linear = [il for il in range(n_layer) if recurrent[il]]
+    kv, rs = split(sizes["kv"], full), split(sizes["recurrent"], linear)
+    gpu_backend = any(not k.endswith(("CPU", "_Host")) for k in sizes if k.startswith("compute:"))
+    compute_total = sum(v for k, v in sizes.items() if k.startswith("compute:")) * MIB
+    if gpu_backend:
+        compute_device = int(
+            sum(v for k, v in sizes.items() if k.startswith("compute:") and not k.endswith(("CPU", "_Host"))) * MIB
+        )
+    else:  # a CPU-only build: its compute buffer stands in for the GPU's when layers are offloaded
+        compute_device = int(compute_total) if offloaded > 0 else 0
+    n_embd = int(_hparam(f, "embedding_length"))
+    lines = [
+        Line("backbone weights", weights_device, weights_host, "file"),
+        Line("KV cache (full-attention layers)", *kv, "llama.cpp"),
+        Line("recurrent state (linear-attention layers)", *rs, "llama.cpp"),
+        Line(f"compute buffer (physical batch {n_ctx})", compute_device, int(compute_total) - compute_device, "llama.cpp"),
+        Line("hidden-state output buffer", 0, n_ctx * n_embd * 4, "computed"),
+        Line("joint schema head (numpy, f32)", 0, head, "computed"),
+    ]
+    return lines, by_type, gpu_backend
+
+
+def memory_plan(path: str | Path, n_ctx: int = 4096, n_gpu_layers: int = -1, vram: int | None = None) -> Plan:
+    """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt that fits `vram`."""
+    f = GGUFFile.open(path)
+    try:
+        n_layer = int(_hparam(f, "block_count"))
+        offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
+        model = _NoAllocModel(f, n_gpu_layers)
+        try:
+            lines, by_type, gpu = _lines(f, model.measure(n_ctx), n_ctx, offloaded)
+            fits = None
+            if vram is not None:
+                limit = min(int(_hparam(f, "context_length")), 65536)
+                fits = _largest_fitting(
+                    lambda n: sum(x.device_bytes for x in _lines(f, model.measure(n), n, offloaded)[0]), vram, limit
+                )
+        finally:
+            model.close()
+    finally:
+        f.close()
+    return Plan(str(path), n_ctx, n_gpu_layers, tuple(lines), by_type, gpu, vram, fits)
+
+
+def _largest_fitting(device_bytes, vram: int, limit: int, step: int = 256) -> int | None:
+    """Binary search over multiples of `step`: device memory grows with the prompt."""
+    low, high = 0, limit // step
+    if device_bytes(step) > vram:
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if device_bytes(mid * step) <= vram:
+            low = mid
+        else:
+            high = mid - 1
+    return low * step
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 8GiB)")
+    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))

@@ -1,0 +1,153 @@
+"""The README's memory table for Clef-flash's real shapes, with no weights downloaded.
+
+Clef-flash is Qwen3.5-9B (32 layers, 8 of them full attention) plus the joint schema
+head. This tool writes a *sparse* qwen35 GGUF with the real tensor shapes (a header
+and a hole: nothing to download, almost nothing on disk), asks llama.cpp's quantizer
+for the exact Q4_K_M / Q5_K_M mixture (dry run: it decides every tensor's type
+without quantizing), writes the same sparse file with those types, and runs
+`clef_gguf.plan.memory_plan` on it: llama.cpp's no-alloc pass plans every buffer
+without reading the weights.
+
+    python tools/plan_reference.py [--vram 8GiB] > table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import gguf
+import llama_cpp as L
+
+from clef_gguf import contract as C
+from clef_gguf.plan import memory_plan, parse_size
+from clef_gguf.runtime import llama_log
+from clef_gguf.vocab import Vocab
+from clef_gguf.writer import GT, storage_type, write_metadata
+
+# Qwen3.5-9B's text config (the Clef-flash backbone).
+QWEN35_9B = C.BackboneShape(
+    n_vocab=248320,
+    n_embd=4096,
+    n_ff=12288,
+    n_layer=32,
+    n_head=16,
+    n_head_kv=4,
+    head_dim=256,
+    recurrent=tuple((i + 1) % 4 != 0 for i in range(32)),
+    conv_kernel=4,
+    k_heads=16,
+    v_heads=32,
+    linear_head_dim=128,
+    tied=False,
+)
+HPARAMS: dict[str, object] = {
+    "context_length": 262144,
+    "embedding_length": 4096,
+    "block_count": 32,
+    "feed_forward_length": 12288,
+    "attention.head_count": 16,
+    "attention.head_count_kv": 4,
+    "attention.key_length": 256,
+    "attention.value_length": 256,
+    "attention.layer_norm_rms_epsilon": 1e-6,
+    "attention.recurrent_layers": list(QWEN35_9B.recurrent),
+    "rope.freq_base": 10_000_000.0,
+    "rope.dimension_count": 64,
+    "rope.dimension_sections": [11, 11, 10, 0],
+    "ssm.conv_kernel": 4,
+    "ssm.state_size": 128,
+    "ssm.group_count": 16,
+    "ssm.time_step_rank": 32,
+    "ssm.inner_size": 4096,
+    "full_attention_interval": 4,
+}
+_DRY_RUN_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s.*?(?:->\s+[\d.]+ MiB \((\w+)\)|size =\s+[\d.]+ MiB\n)", re.S)
+
+
+def byte_level_vocab(n_vocab: int) -> Vocab:
+    """GPT-2's byte alphabet, one merge, and unused padding up to the real vocabulary size."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    alphabet, extra = [], 0
+    for b in range(256):
+        alphabet.append(chr(b) if b in printable else chr(256 + extra))
+        extra += b not in printable
+    tokens = [*alphabet, "Ġt", "<|im_end|>"]
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL]
+    padding = n_vocab - len(tokens)
+    return Vocab(
+        tokens=tokens + [f"[PAD{i}]" for i in range(len(tokens), n_vocab)],
+        token_types=[int(t) for t in types] + [int(gguf.TokenType.UNUSED)] * padding,
+        merges=["Ġ t"],
+        eos_id=len(tokens) - 1,
+        pad_id=None,
+        normalizer="NFC",
+    )
+
+
+def write_sparse(path: Path, types: dict[str, GT]) -> None:
+    """A qwen35 GGUF whose data section is a hole: real header, real size, no weights."""
+    shapes = C.backbone_tensor_shapes(QWEN35_9B)
+    writer = gguf.GGUFWriter(path, C.BACKBONE_ARCH)
+    write_metadata(writer, name="Qwen3.5-9B (shapes only)", hparams=HPARAMS, vocab=byte_level_vocab(QWEN35_9B.n_vocab), file_type=0, head=None)
+    total = 0
+    for name, shape in shapes.items():
+        qtype = types[name]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        n_bytes = int(gguf.np.prod(shape)) // block * size
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype not in (GT.F32, GT.F16) else shape
+        dtype = {GT.F32: gguf.np.float32, GT.F16: gguf.np.float16}.get(qtype, gguf.np.uint8)
+        writer.add_tensor_info(name, byte_shape, gguf.np.dtype(dtype), n_bytes, raw_dtype=qtype)
+        total += -(-n_bytes // 32) * 32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    header_end = writer.fout[0].tell()
+    writer.close()
+    os.truncate(path, -(-header_end // 32) * 32 + total)
+
+
+def mixture(bf16: Path, file_type: int) -> dict[str, GT]:
+    """The type llama.cpp's quantizer gives every tensor (a dry run: nothing is quantized)."""
+    params = L.llama_model_quantize_default_params()
+    params.ftype = file_type
+    params.dry_run = True
+    lines: list[str] = []
+    with llama_log.capture_info(lines.append):
+        status = L.llama_model_quantize(str(bf16).encode(), str(bf16.with_suffix(".out")).encode(), ctypes.byref(params))
+    assert status == 0, llama_log.last_error("dry run failed")
+    types = {}
+    for m in _DRY_RUN_LINE.finditer("".join(lines)):
+        types[m[1]] = GT[m[2].upper()] if m[2] else GT.F32
+    return types
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vram", default="8GiB")
+    args = parser.parse_args()
+    vram = parse_size(args.vram)
+    shapes = C.backbone_tensor_shapes(QWEN35_9B)
+    print(f"| type | weights GiB | device total at 4096 tokens (GiB) | at 16384 | largest prompt in {args.vram} |")
+    print("|---|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        bf16 = Path(tmp) / "qwen35-9b-bf16.gguf"
+        write_sparse(bf16, {n: storage_type(n, s, GT.BF16) for n, s in shapes.items()})
+        for name, ftype in (("Q4_K_M", L.LLAMA_FTYPE_MOSTLY_Q4_K_M), ("Q5_K_M", L.LLAMA_FTYPE_MOSTLY_Q5_K_M)):
+            path = Path(tmp) / f"qwen35-9b-{name}.gguf"
+            write_sparse(path, mixture(bf16, ftype))
+            at_4k = memory_plan(path, 4096, -1, vram)
+            at_16k = memory_plan(path, 16384, -1)
+            weights = sum(at_4k.weights_by_type.values())
+            print(
+                f"| {name} | {weights / 2**30:.2f} | {at_4k.device_bytes / 2**30:.2f} | {at_16k.device_bytes / 2**30:.2f} "
+                f"| {at_4k.max_prompt_tokens} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
