@@ -31,6 +31,30 @@ class ModelFileError(ClefError):
     exit_code = 5
 
 
+class CorruptModelError(ModelFileError):
+    """The file cannot be read as GGUF: unreadable, truncated, bad offsets, or damaged data."""
+
+    exit_code = 5
+
+
+class NotADecisionModelError(ModelFileError):
+    """A readable GGUF that is no Clef decision model (e.g. a backbone-only qwen35 conversion)."""
+
+    exit_code = 6
+
+
+class IncompleteModelError(ModelFileError):
+    """A Clef file with missing or mismatched parts: head, backbone, tokenizer or metadata."""
+
+    exit_code = 7
+
+
+class SettingsError(ClefError, ValueError):
+    """Load settings that cannot work (a prompt limit or ubatch out of range)."""
+
+    exit_code = 2
+
+
 class RequestError(ClefError):
     """A decision request is invalid. `field` names where, e.g. questions.q1.criteria."""
 

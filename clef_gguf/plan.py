@@ -23,6 +23,7 @@ from . import contract as C
 from .errors import ModelFileError
 from .gguf_header import GGUFFile
 from .runtime import llama_log
+from .runtime.backbone import MAX_UBATCH
 from .runtime.qwen35_view import open_qwen35_view
 
 MIB = 1 << 20
@@ -73,14 +74,19 @@ class _NoAllocModel:
         params.no_alloc = True
         params.load_mode = L.LLAMA_LOAD_MODE_NONE
         llama_log.clear_errors()
-        if f.header.get("general.architecture") == C.ARCH:
-            view = open_qwen35_view(f)
+        # The lean view, as the runtime loads it (no n_vocab logits): for a Clef file, or a
+        # backbone in the same tensor order; any other qwen35 file as llama.cpp loads it by path.
+        try:
+            view = open_qwen35_view(f, lean=True)
+        except ModelFileError:
+            self.lean = False
+            self.model = L.llama_model_load_from_file(str(f.path).encode(), params)
+        else:
+            self.lean = True
             try:
                 self.model = L.llama_model_load_from_file_ptr(view.fp, params)
             finally:
                 view.close()
-        else:
-            self.model = L.llama_model_load_from_file(str(f.path).encode(), params)
         if not self.model:
             raise ModelFileError(f"llama.cpp could not plan {f.path.name}: {llama_log.last_error('no reason given')}")
 
@@ -109,12 +115,17 @@ class _NoAllocModel:
         L.llama_model_free(self.model)
 
 
-def _on_device(name: str, n_layer: int, offloaded: int) -> bool:
-    """llama.cpp offloads the last `offloaded` repeating layers, then the output layer."""
+def _on_device(name: str, n_layer: int, offloaded: int, lean: bool) -> bool:
+    """llama.cpp offloads the last `offloaded` repeating layers, then the output layer.
+
+    In the lean view llama.cpp holds neither output.weight nor token_embd (258 rows of it):
+    the runtime reads their rows from the mapped file on the host.
+    """
     m = _BLOCK.match(name)
     if m:
         return int(m[1]) >= n_layer - offloaded
-    return name in ("output.weight", "output_norm.weight") and offloaded > n_layer
+    output_layer = ("output_norm.weight",) if lean else ("output.weight", "output_norm.weight")
+    return name in output_layer and offloaded > n_layer
 
 
 def _hparam(f: GGUFFile, suffix: str) -> object:
@@ -125,7 +136,9 @@ def _hparam(f: GGUFFile, suffix: str) -> object:
     raise ModelFileError(f"{f.path.name}: no {suffix} (not a Clef or qwen35 file)")
 
 
-def _lines(f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int) -> tuple[list[Line], dict[str, int], bool]:
+def _lines(
+    f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int, lean: bool
+) -> tuple[list[Line], dict[str, int], bool]:
     n_layer = int(_hparam(f, "block_count"))
     recurrent = list(_hparam(f, "attention.recurrent_layers"))
     tensors = f.header.tensors
@@ -135,11 +148,11 @@ def _lines(f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int) -> 
         if name.startswith(C.HEAD_PREFIX):
             continue
         by_type[t.type.name] = by_type.get(t.type.name, 0) + t.n_bytes
-        if _on_device(name, n_layer, offloaded):
+        if _on_device(name, n_layer, offloaded, lean):
             weights_device += t.n_bytes
         else:
             weights_host += t.n_bytes
-    if "output.weight" not in tensors and offloaded > n_layer:  # tied: llama.cpp copies token_embd for the output
+    if not lean and "output.weight" not in tensors and offloaded > n_layer:  # tied: llama.cpp copies token_embd for the output
         weights_device += tensors["token_embd.weight"].n_bytes
     head = sum(t.n_elements * 4 for n, t in tensors.items() if n.startswith(C.HEAD_PREFIX))  # dequantized to f32
 
@@ -179,12 +192,12 @@ def memory_plan(path: str | Path, n_ctx: int = 4096, n_gpu_layers: int = -1, vra
         offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
         model = _NoAllocModel(f, n_gpu_layers)
         try:
-            lines, by_type, gpu = _lines(f, model.measure(n_ctx), n_ctx, offloaded)
+            lines, by_type, gpu = _lines(f, model.measure(n_ctx), n_ctx, offloaded, model.lean)
             fits = None
             if vram is not None:
-                limit = min(int(_hparam(f, "context_length")), 65536)
+                limit = min(int(_hparam(f, "context_length")), MAX_UBATCH)  # the largest single physical batch
                 fits = _largest_fitting(
-                    lambda n: sum(x.device_bytes for x in _lines(f, model.measure(n), n, offloaded)[0]), vram, limit
+                    lambda n: sum(x.device_bytes for x in _lines(f, model.measure(n), n, offloaded, model.lean)[0]), vram, limit
                 )
         finally:
             model.close()

@@ -20,12 +20,15 @@ import unicodedata
 import llama_cpp as L
 import numpy as np
 
-from ..errors import ModelFileError, PromptTooLongError
+from ..errors import ModelFileError, PromptTooLongError, SettingsError
 from ..gguf_header import GGUFFile
 from . import llama_log
 from .qwen35_view import open_qwen35_view
 from .rows import RowTable
 
+# Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of
+# 32768 aborts the process inside ggml's graph allocator (GGML_ASSERT, no error return).
+MAX_UBATCH = 28672
 _MULTI_POSITION_ROPE = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE, L.LLAMA_ROPE_TYPE_VISION)
 
 
@@ -89,7 +92,13 @@ class Backbone:
         ubatch: int | None = None,
     ) -> None:
         if ubatch is not None and not 1 <= ubatch <= max_prompt_tokens:
-            raise ValueError(f"ubatch must be between 1 and the prompt limit ({max_prompt_tokens}), not {ubatch}")
+            raise SettingsError(f"ubatch must be between 1 and the prompt limit ({max_prompt_tokens}), not {ubatch}")
+        if (ubatch or max_prompt_tokens) > MAX_UBATCH:
+            raise SettingsError(
+                f"a physical batch of {ubatch or max_prompt_tokens} tokens is more than llama.cpp can plan for qwen35 in one "
+                f"graph (it aborts above {MAX_UBATCH}); keep the prompt limit and process it in ubatches of at most "
+                f"{MAX_UBATCH} tokens (ubatch / --ubatch)"
+            )
         llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
         self.nfc = nfc

@@ -105,8 +105,8 @@ def qwen35_header(f: GGUFFile, lean: bool = False) -> bytes:
     for key, field in h.fields.items():
         if key in _GLOBAL_KEYS or (key.startswith("tokenizer.") and not lean):
             kvs.append(bytes(buf[field.start : field.end]))
-        elif key.startswith(C.ARCH + ".") and key[len(C.ARCH) + 1 :] in C.BACKBONE_KEY_SUFFIXES:
-            renamed = f"{C.BACKBONE_ARCH}.{key[len(C.ARCH) + 1 :]}"
+        elif key.partition(".")[0] in (C.ARCH, C.BACKBONE_ARCH) and key.partition(".")[2] in C.BACKBONE_KEY_SUFFIXES:
+            renamed = f"{C.BACKBONE_ARCH}.{key.partition('.')[2]}"  # clef.* in a Clef file, qwen35.* in a backbone
             kvs.append(_pack_string(renamed) + bytes(buf[field.value_start : field.end]))
     if lean:
         kvs += _lean_tokenizer()

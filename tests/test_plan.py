@@ -1,0 +1,70 @@
+"""The memory plan: figures from the file, from llama.cpp's no-alloc pass, and what fits."""
+
+from __future__ import annotations
+
+import pytest
+
+import clef_gguf
+from clef_gguf import contract as C
+from clef_gguf.errors import SettingsError
+from clef_gguf.gguf_header import GGUFFile
+from clef_gguf.plan import memory_plan, parse_size
+from clef_gguf.runtime.backbone import MAX_UBATCH
+
+
+def _line(plan, prefix: str):
+    return next(line for line in plan.lines if line.component.startswith(prefix))
+
+
+def test_weights_come_from_the_file_and_llama_cpp_holds_only_the_layers(ws):
+    path = ws.gguf("k256", "q4_k_m")
+    plan = memory_plan(path, 1024, n_gpu_layers=-1)
+    f = GGUFFile.open(path)
+    tensors = f.header.tensors
+    layers = sum(t.n_bytes for n, t in tensors.items() if n.startswith("blk.") or n == "output_norm.weight")
+    mapped = tensors["token_embd.weight"].n_bytes + tensors["output.weight"].n_bytes  # read by the runtime on the host
+    f.close()
+    weights = _line(plan, "backbone weights")
+    assert (weights.device_bytes, weights.host_bytes) == (layers, mapped)
+    assert set(plan.weights_by_type) >= {"Q4_K", "Q6_K", "F32"}
+    assert sum(t for t in plan.weights_by_type.values()) == layers + mapped
+
+
+def test_buffers_grow_with_the_prompt_limit_and_stay_on_the_host_without_offload(ws):
+    path = ws.gguf("k256", "q4_k_m")
+    small, large = memory_plan(path, 512), memory_plan(path, 4096)
+    for component in ("KV cache", "compute buffer"):
+        assert 0 < _line(small, component).device_bytes < _line(large, component).device_bytes
+    assert _line(small, "recurrent state").device_bytes == _line(large, "recurrent state").device_bytes > 0
+    on_host = memory_plan(path, 512, n_gpu_layers=0)
+    assert on_host.device_bytes == 0 and on_host.host_bytes > 0
+
+
+def test_the_largest_fitting_prompt_follows_the_card(ws):
+    path = ws.gguf("k256", "q4_k_m")
+    fits = [memory_plan(path, 512, vram=parse_size(v)).max_prompt_tokens for v in ("24MiB", "48MiB", "96MiB")]
+    assert fits[0] < fits[1] < fits[2] <= MAX_UBATCH
+    plan = memory_plan(path, fits[1], vram=parse_size("48MiB"))
+    assert plan.device_bytes <= parse_size("48MiB") < memory_plan(path, fits[1] + 256).device_bytes
+    assert memory_plan(path, 512, vram=parse_size("1MiB")).max_prompt_tokens is None
+
+
+def test_a_backbone_only_file_is_planned_too(ws, tmp_path):
+    from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+
+    f = GGUFFile.open(ws.gguf("k256", "q4_k_m"))
+    write_backbone_gguf(f, tmp_path / "backbone.gguf")
+    f.close()
+    plan = memory_plan(tmp_path / "backbone.gguf", 1024)
+    assert _line(plan, "joint schema head").host_bytes == 0
+    assert not any(n.startswith(C.HEAD_PREFIX) for n in plan.weights_by_type)
+
+
+@pytest.mark.parametrize(("text", "value"), [("8GiB", 8 << 30), ("8 GB", 8 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29)])
+def test_sizes_read_like_a_card_label(text, value):
+    assert parse_size(text) == value
+
+
+def test_a_physical_batch_llama_cpp_cannot_plan_is_refused_before_loading(ws):
+    with pytest.raises(SettingsError, match="ubatch"):
+        clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=MAX_UBATCH + 1)
