@@ -162,6 +162,57 @@ def demo(n_gpu_layers: GpuLayers = 0) -> None:
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
+def _print_report(report: Any) -> None:
+    """The verdict in one line, then what else is wrong and what was read (plain text: no markup in messages)."""
+    typer.echo(f"{report.source}: {report.summary}")
+    for problem in report.problems:
+        if problem.message not in report.summary:
+            typer.echo(f"  - {problem.message}")
+    for note in report.notes:
+        typer.echo(f"  note: {note}")
+    if report.header_size is not None:
+        read = f"{report.bytes_read} bytes over HTTP" if report.bytes_read is not None else f"a {report.header_size}-byte header"
+        deep = " and every tensor (--deep)" if report.deep else ""
+        typer.echo(f"  read {read}{deep} of a {report.file_size}-byte file in {report.seconds:.3f} s")
+
+
+@app.command()
+def validate(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A GGUF file, REPO_ID:FILENAME (or REPO_ID@REVISION:FILENAME) on the Hugging Face Hub, or an http(s) URL.",
+            show_default=False,
+        ),
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    deep: Annotated[
+        bool, typer.Option("--deep", help="Also read every tensor: NaN, Inf or all-zero data (local files).")
+    ] = False,
+    sha256: Annotated[
+        str | None, typer.Option("--sha256", metavar="HEX", help="Expected sha256 of the whole file (local files).")
+    ] = None,
+) -> None:
+    """Is SOURCE a complete Clef decision model? Says so in one line, before anything is loaded.
+
+    Reads only the header unless --deep; a remote SOURCE with HTTP range requests, before any download.
+
+    Exit codes: 0 complete, 5 corrupt or unreadable, 6 not a decision model (e.g. backbone-only), 7 incomplete or inconsistent.
+    """
+    from .validate import validate as run_validate
+
+    try:
+        report = run_validate(source, deep=deep, sha256=sha256)
+    except ValueError as e:
+        err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_report(report)
+    raise typer.Exit(report.exit_code)
+
+
 def main() -> None:
     app()
 

@@ -8,7 +8,9 @@ anything is allocated). Works on a memory map or on the first bytes of a file.
 
 from __future__ import annotations
 
+import math
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,15 @@ _SCALARS: dict[int, str] = {
 
 
 class TruncatedHeader(ModelFileError):
-    """The bytes end inside the header (a truncated file, or a prefix too short)."""
+    """The bytes end inside the header (a truncated file, or a prefix too short).
+
+    `needed` is a lower bound on the length of a prefix that parses further: a remote
+    reader fetches at least that many bytes before trying again.
+    """
+
+    def __init__(self, message: str, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class Field:
     start: int  # byte range of the whole key-value
     value_start: int  # where the value type tag starts
     end: int
+    item_type: GGUFValueType | None = None  # of an array's items
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.dims, dtype=np.int64)) if self.dims else 1
+        return math.prod(self.dims)  # Python ints: dims read from a file must not overflow silently
 
     @property
     def n_bytes(self) -> int:
@@ -92,14 +103,20 @@ class Header:
         return max((t.offset + t.n_bytes for t in self.tensors.values()), default=0)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf: bytes | mmap.mmap | memoryview) -> None:
         self.buf = buf
+        self.size = len(buf)
         self.pos = 0
 
     def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise TruncatedHeader(f"the header ends inside {what} at byte {self.pos} ({len(self.buf)} bytes available)")
+        if n < 0 or self.pos + n > self.size:
+            raise TruncatedHeader(
+                f"the header ends inside {what} at byte {self.pos} ({self.size} bytes available)", needed=self.pos + max(n, 0)
+            )
 
     def unpack(self, fmt: str, what: str) -> Any:
         size = struct.calcsize(fmt)
@@ -118,6 +135,28 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise ModelFileError(f"{what} is not valid UTF-8") from e
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """A string array. Real headers hold ~250k tokens and as many merges: the Python loop
+        only walks the lengths, the bytes are decoded in one call (see _decode_strings)."""
+        self.need(count * 8, what)  # each string needs at least its length: bounds the loop
+        buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        starts = [0] * count
+        i = 0
+        try:
+            for i in range(count):
+                starts[i] = pos
+                pos += 8 + unpack(buf, pos)[0]  # struct.error past the end of buf
+                if pos > size:
+                    break
+        except struct.error:
+            pos = size + 1
+        if pos > size:
+            self.pos = starts[i]
+            self.need(pos - starts[i], what)  # raises TruncatedHeader
+        items = _decode_strings(buf, self.pos, pos, starts, what)
+        self.pos = pos
+        return items
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string(what)
@@ -134,9 +173,33 @@ class _Cursor:
             self.pos += count * size
             return items.tolist()
         if item_type == GGUFValueType.STRING:
-            self.need(count * 8, what)  # each string needs at least its length: bounds the loop
-            return [self.string(what) for _ in range(count)]
+            return self.strings(count, what)
         raise ModelFileError(f"{what} is an array of unsupported type {item_type}")
+
+
+_INVALID_UTF8 = re.compile("[\udc80-\udcfe]")
+
+
+def _decode_strings(buf: bytes | mmap.mmap | memoryview, start: int, end: int, starts: list[int], what: str) -> list[str]:
+    """Decode the strings of bytes [start, end) whose length fields begin at `starts`, in one call.
+
+    Each 8-byte length becomes one 0xFF byte, which never occurs in UTF-8: decoded with
+    surrogateescape it is exactly U+DCFF, a separator no valid string contains. Any other
+    escaped byte means invalid UTF-8, and so does a 0xFF inside a string (one item too many).
+    """
+    if not starts:
+        return []
+    raw = np.frombuffer(buf, dtype=np.uint8, count=end - start, offset=start).copy()
+    rel = np.asarray(starts, dtype=np.int64) - start
+    keep = np.ones(raw.size, dtype=bool)
+    for k in range(7):
+        keep[rel + k] = False
+    raw[rel + 7] = 0xFF
+    text = raw[keep].tobytes().decode("utf-8", "surrogateescape")
+    items = text.split("\udcff")[1:]
+    if len(items) != len(starts) or _INVALID_UTF8.search(text):
+        raise ModelFileError(f"{what} is not valid UTF-8")
+    return items
 
 
 def _tensor_type(raw: int) -> GGMLQuantizationType | None:
@@ -170,7 +233,8 @@ def parse_header(buf: bytes | mmap.mmap | memoryview) -> Header:
         value_start = c.pos
         vtype = c.unpack("<I", key)
         value = c.value(vtype, key)
-        fields[key] = Field(key, GGUFValueType(vtype), value, start, value_start, c.pos)
+        item_type = GGUFValueType(struct.unpack_from("<I", buf, value_start + 4)[0]) if vtype == GGUFValueType.ARRAY else None
+        fields[key] = Field(key, GGUFValueType(vtype), value, start, value_start, c.pos, item_type)
     tensors: dict[str, TensorInfo] = {}
     for i in range(n_tensors):
         start = c.pos
@@ -186,11 +250,11 @@ def parse_header(buf: bytes | mmap.mmap | memoryview) -> Header:
             raise ModelFileError(f"tensor {name} has unknown type {raw_type}")
         if name in tensors:
             raise ModelFileError(f"duplicate tensor {name}")
-        if any(d == 0 or d >= 1 << 40 for d in dims):
+        if any(d == 0 or d >= 1 << 40 for d in dims) or math.prod(dims) >= 1 << 62:
             raise ModelFileError(f"tensor {name} has invalid dimensions {list(dims)}")
         info = TensorInfo(name, dims, qtype, offset, start, c.pos)
-        if info.n_elements % GGML_QUANT_SIZES[info.type][0]:
-            raise ModelFileError(f"tensor {name}: {info.n_elements} elements are not whole {info.type.name} blocks")
+        if dims[0] % GGML_QUANT_SIZES[info.type][0]:  # ggml quantizes rows: each row is whole blocks
+            raise ModelFileError(f"tensor {name}: rows of {dims[0]} elements are not whole {info.type.name} blocks")
         tensors[name] = info
     alignment = fields["general.alignment"].value if "general.alignment" in fields else DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):

@@ -12,6 +12,7 @@ import numpy as np
 from .. import contract as C
 from ..errors import ModelFileError
 from ..gguf_header import GGUFFile
+from ..validate import open_validated
 from .answers import response
 from .backbone import Backbone
 from .head import JointSchemaHead
@@ -52,7 +53,7 @@ class ClefModel:
         n_threads: int | None = None,
     ) -> None:
         self.path = Path(path)
-        self.file = GGUFFile.open(self.path)
+        self.file = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
         config, self.template = _decision_metadata(self.file)
         names = C.head_tensor_shapes(config)
         missing = [n for n in names if C.HEAD_PREFIX + n not in self.file.header.tensors]
