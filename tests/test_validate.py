@@ -351,26 +351,31 @@ class RangeServer:
                 if not self.path.startswith("/files/") or not path.is_file():
                     self.send_error(404)
                     return
-                data = path.read_bytes()
+                size = path.stat().st_size
                 match = re.match(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+                start, end = 0, size - 1
                 if match and server.honour_range:
-                    start, end = int(match[1]), min(int(match[2]), len(data) - 1)
-                    if start >= len(data):
+                    start, end = int(match[1]), min(int(match[2]), size - 1)
+                    if start >= size:
                         self.send_error(416)
                         return
-                    body = data[start : end + 1]
                     self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
                 else:
-                    body = data
                     self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(end + 1 - start))
                 self.end_headers()
-                try:
-                    self.wfile.write(body)
-                    server.bytes_sent += len(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client stops reading once it has the header
+                with path.open("rb") as f:
+                    f.seek(start)
+                    left = end + 1 - start
+                    while left > 0:  # in chunks: the client hangs up once it has the header
+                        chunk = f.read(min(left, 1 << 20))
+                        try:
+                            self.wfile.write(chunk)
+                        except (BrokenPipeError, ConnectionResetError):
+                            return
+                        server.bytes_sent += len(chunk)
+                        left -= len(chunk)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
