@@ -213,6 +213,32 @@ def validate(
     raise typer.Exit(report.exit_code)
 
 
+@app.command()
+def serve(
+    model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False)],
+    host: Annotated[str, typer.Option(help="Interface to bind; the default keeps the server on this machine.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    n_gpu_layers: GpuLayers = 0,
+    max_prompt_tokens: MaxPrompt = 4096,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="CLEF_GGUF_API_KEY", help="Require Authorization: Bearer KEY on /v1 (default: none; header ignored)"),
+    ] = None,
+    max_queue: Annotated[int, typer.Option(min=1, help="Requests admitted at once (running + waiting); more get 503.")] = 64,
+    drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
+    threads: Annotated[int | None, typer.Option(help="llama.cpp CPU threads (default: all cores).", show_default=False)] = None,
+) -> None:
+    """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) with this model."""
+    from .runtime.model import load
+    from .server import serve as run_server
+
+    # Loaded before the port is bound: a file that loading rejects never gets a listening server.
+    loaded = _run(lambda: load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads))
+    url = f"http://{host}:{port}/v1/systemone"
+    err.print(f"serving {loaded.name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
+    run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout)
+
+
 def main() -> None:
     app()
 

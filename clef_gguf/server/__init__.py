@@ -1,0 +1,13 @@
+"""`clef-gguf serve`: a Jev-compatible System One server (FastAPI on uvicorn) over one loaded ClefModel.
+
+Routes: POST /v1/systemone, GET /v1/models, GET /health. The model is loaded by the caller
+before the port is bound, so a file that loading rejects never gets a listening server.
+"""
+
+from __future__ import annotations
+
+from .app import DEFAULT_MAX_PENDING, create_app
+from .body import DEFAULT_MAX_BODY_BYTES
+from .run import serve
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_PENDING", "create_app", "serve"]

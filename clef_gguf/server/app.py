@@ -1,0 +1,150 @@
+"""The FastAPI application: routes, API key, and the mapping of every error to TypeSafe's shapes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from ..errors import RequestError
+from ..runtime.prompt import parse_request
+from .body import DEFAULT_MAX_BODY_BYTES, read_json
+from .problems import ApiError, Invalid, from_request_error
+from .worker import DecideWorker, Model
+
+DEFAULT_MAX_PENDING = 64
+JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
+MEDIA_FIELDS = ("assets", "images", "videos")  # the vision tower is not converted
+REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
+_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
+
+
+def _headers(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {REQUEST_ID_HEADER: uuid.uuid4().hex, **(extra or {})}
+
+
+def _error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=_headers(headers))
+
+
+def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    expected = api_key.encode()
+
+    async def check(request: Request) -> None:  # async: FastAPI would run a plain def on a thread pool
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken does not tell how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected):
+            message = "a valid API key is required: Authorization: Bearer KEY"
+            raise ApiError(401, "authentication_error", message, {"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def check_request(body: Any, template: dict[str, str]) -> None:
+    """Reject a malformed request before it waits for the model: 422 even when the server is busy."""
+    if isinstance(body, dict):
+        for key in MEDIA_FIELDS:
+            if body.get(key):
+                raise Invalid(["body", key], "images and videos are not supported: this Clef GGUF has no vision tower")
+    try:
+        parse_request(body, template)
+    except RequestError as e:
+        raise from_request_error(e, body) from e
+
+
+def _models_listing(model: Model) -> dict[str, Any]:
+    # A local file has no release date: the date its GGUF was written is the honest stand-in.
+    written = dt.datetime.fromtimestamp(model.path.stat().st_mtime, dt.timezone.utc).date().isoformat()
+    limit = model.max_prompt_tokens
+    described = f"Clef decision model {model.name} ({model.path.name}) on llama.cpp; prompts up to {limit} tokens"
+    return {
+        "models": [
+            {"name": model.name, "description": described, "release_date": written},
+            {"name": JEV_ALIAS, "description": f"alias of {model.name}", "release_date": written},
+        ]
+    }
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return _error(e.status, e.body(), dict(e.headers))
+
+    @app.exception_handler(Invalid)
+    async def invalid(_: Request, e: Invalid) -> JSONResponse:
+        return _error(422, e.body())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
+        error_type = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
+        return _error(e.status_code, {"detail": {"error_type": error_type, "message": str(e.detail)}}, dict(e.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:  # a bug, not the client's fault
+        return _error(500, {"detail": {"error_type": "api_error", "message": f"internal error: {type(e).__name__}: {e}"}})
+
+
+def create_app(
+    model: Model,
+    *,
+    api_key: str | None = None,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    owns_model: bool = True,
+) -> FastAPI:
+    """A System One app over a loaded model; with owns_model it closes the model at shutdown."""
+    worker = DecideWorker(model, max_pending)
+    template = dict(model.template)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn has drained the connections (or timed out): finish the running decide, then free.
+        await worker.close()
+        if owns_model:
+            model.close()
+
+    app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_require_key(api_key))] if api_key else [])
+
+    @router.post("/systemone")
+    async def systemone(request: Request) -> Response:
+        arrived = time.perf_counter()
+        body = await read_json(request, max_body_bytes)
+        check_request(body, template)
+        parsed = time.perf_counter()
+        try:
+            decision = await worker.decide(body)
+        except RequestError as e:  # PromptTooLongError: raised before any compute
+            raise from_request_error(e, body) from e
+        except RecursionError as e:  # a state nested deeper than the prompt renderer recurses
+            raise Invalid(["body", "state"], "nested too deeply", "json_invalid") from e
+        # Server-Timing tells a client where its latency went: reading, waiting, deciding, handing back.
+        back = time.perf_counter() - decision.finished
+        timing = (
+            f"read;dur={(parsed - arrived) * 1e3:.3f}, queue;dur={decision.queued_s * 1e3:.3f}, "
+            f"decide;dur={decision.decide_s * 1e3:.3f}, back;dur={back * 1e3:.3f}"
+        )
+        return Response(decision.body, media_type="application/json", headers=_headers({"Server-Timing": timing}))
+
+    @router.get("/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(_models_listing(model), headers=_headers())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        # Unauthenticated on purpose: liveness probes carry no key.
+        status = {"status": "ok", "model": model.name, "max_prompt_tokens": model.max_prompt_tokens, "pending": worker.pending}
+        return JSONResponse(status, headers=_headers())
+
+    app.include_router(router)
+    return app

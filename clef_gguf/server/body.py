@@ -1,0 +1,156 @@
+"""A request body: bounded in size, Content-Encoding undone, parsed as strict JSON.
+
+Everything a client can get wrong here is a 4xx: a body over the limit (413), an encoding or
+media type the server cannot read (415), bytes that are not UTF-8 JSON (422). Strict JSON
+means no NaN or Infinity (Python's json accepts them), and no lone UTF-16 surrogates
+(escapes like "\\ud800" decode to strings that cannot be encoded again, which would fail
+deep in tokenization or in writing the response).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+
+from .problems import ApiError, Invalid, Location
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any prompt a context can hold
+# A \uD800-\uDFFF escape in the raw bytes is the only way a JSON text yields a surrogate
+# (strict UTF-8 decoding rejects encoded ones): only then is the parsed value walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _zstd_decompressor() -> Callable[[bytes, int], tuple[bytes, bool]] | None:
+    try:  # Python 3.14 has zstd; before it, backports.zstd (a dependency) provides the same API
+        from compression.zstd import ZstdDecompressor  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from backports.zstd import ZstdDecompressor  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return None
+
+    def decompress(data: bytes, limit: int) -> tuple[bytes, bool]:
+        d = ZstdDecompressor()
+        return d.decompress(data, max_length=limit), d.eof
+
+    return decompress
+
+
+def _zlib(wbits: int) -> Callable[[bytes, int], tuple[bytes, bool]]:
+    def decompress(data: bytes, limit: int) -> tuple[bytes, bool]:
+        d = zlib.decompressobj(wbits)
+        return d.decompress(data, limit), d.eof
+
+    return decompress
+
+
+# typesafe-sdk compresses bodies of 1 KiB or more with zstd whenever zstd is importable
+# (Python >= 3.14, or its [zstd] extra): a compatible server must read them.
+DECODERS = {"gzip": _zlib(16 + zlib.MAX_WBITS), "x-gzip": _zlib(16 + zlib.MAX_WBITS), "deflate": _zlib(zlib.MAX_WBITS)}
+if (_zstd := _zstd_decompressor()) is not None:
+    DECODERS["zstd"] = _zstd
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, "request_too_large", f"the request body is larger than this server's limit of {limit} bytes")
+
+
+async def read(request: Request, limit: int) -> bytes:
+    """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_media_type(content_type: str | None) -> None:
+    # The SDK sends multipart/form-data only to carry images, which this model cannot see.
+    if content_type and content_type.split(";")[0].strip().lower().startswith("multipart/"):
+        raise ApiError(415, "invalid_request_error", "multipart bodies carry images; this Clef GGUF has no vision tower")
+
+
+def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """Undo Content-Encoding (applied in the order listed, so undone last to first), bounded by `limit`."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        decoder = DECODERS.get(coding)
+        if decoder is None:
+            supported = ", ".join(DECODERS)
+            raise ApiError(415, "invalid_request_error", f"unsupported Content-Encoding {coding!r} (supported: {supported})")
+        try:
+            raw, complete = decoder(raw, limit + 1)
+        except Exception as e:  # zlib.error, ZstdError: the codecs share no base class but Exception
+            raise Invalid(["body"], f"the {coding} body cannot be decoded: {e}") from e
+        if len(raw) > limit:
+            raise too_large(limit)
+        if not complete:
+            raise Invalid(["body"], f"the {coding} body is truncated")
+    return raw
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _surrogate_at(value: Any, loc: Location) -> Location | None:
+    """Where the first string (or key) with a lone surrogate is, if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return loc
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _surrogate_at(key, [*loc, key]) or _surrogate_at(item, [*loc, key])
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _surrogate_at(item, [*loc, index])
+            if found:
+                return found
+    return None
+
+
+def parse(raw: bytes) -> Any:
+    """Strict JSON (RFC 8259) of a UTF-8 body; every failure is a 422 naming where."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Invalid(["body", e.start], "the body is not UTF-8", "json_invalid") from e
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise Invalid(["body", e.pos], f"JSON decode error: {e.msg}", "json_invalid") from e
+    except RecursionError as e:
+        raise Invalid(["body"], "the JSON is nested too deeply", "json_invalid") from e
+    except ValueError as e:  # NaN/Infinity, integers over Python's digit limit
+        raise Invalid(["body"], f"JSON decode error: {e}", "json_invalid") from e
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            where = _surrogate_at(value, ["body"])
+        except RecursionError as e:
+            raise Invalid(["body"], "the JSON is nested too deeply", "json_invalid") from e
+        if where:
+            raise Invalid(where, "a string holds a lone UTF-16 surrogate (not Unicode text)", "string_unicode")
+    return value
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    check_media_type(request.headers.get("content-type"))
+    raw = decode(await read(request, limit), request.headers.get("content-encoding"), limit)
+    return parse(raw)

@@ -1,0 +1,50 @@
+"""Running the app on uvicorn: loopback by default, graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import uvicorn
+
+from .app import DEFAULT_MAX_PENDING, create_app
+from .worker import Model
+
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+
+
+def _drained(_signum: int, _frame: object) -> None:
+    """uvicorn re-raises SIGTERM/SIGINT to the previous handler once it has drained: the stop was clean."""
+
+
+def serve(
+    model: Model,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+) -> None:
+    """Serve until SIGTERM/SIGINT. uvicorn then stops accepting connections, lets in-flight and
+    queued requests finish (up to drain_timeout_s), and the app closes the model; then this returns."""
+    app = create_app(model, api_key=api_key, max_pending=max_pending)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,  # a log line per decision costs more than the routing does
+        timeout_graceful_shutdown=drain_timeout_s,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    if threading.current_thread() is not threading.main_thread():
+        server.run()  # no signals off the main thread: the caller stops it with server.should_exit
+        return
+    previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

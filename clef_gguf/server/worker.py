@@ -1,0 +1,81 @@
+"""Decide on one dedicated thread, behind a bounded admission count.
+
+ClefModel.decide is CPU-bound and serialized by the model's lock (one llama.cpp context):
+running it on a worker thread keeps the event loop answering (health, errors, new
+connections), and one thread makes the order plain: requests are answered first come,
+first served, each exactly as a direct decide() would. Admission is bounded, so a burst
+gets a prompt 503 with Retry-After (which typesafe-sdk honours) instead of an unbounded
+queue and unbounded memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from .problems import ApiError
+
+
+class Model(Protocol):
+    """What the server uses of a ClefModel."""
+
+    name: str
+    path: Path
+    template: Mapping[str, str]
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    def decide(self, request: dict[str, Any]) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    body: bytes  # the response JSON, UTF-8
+    queued_s: float
+    decide_s: float
+    finished: float  # perf_counter() when decide returned, to time the hand-back to the event loop
+
+
+def render(response: dict[str, Any]) -> bytes:
+    # allow_nan=False: a NaN can never reach a client as the invalid token NaN.
+    return json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+class DecideWorker:
+    def __init__(self, model: Model, max_pending: int) -> None:
+        self.model = model
+        self.max_pending = max_pending
+        self.pending = 0  # admitted and not yet answered; touched on the event loop only
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-decide")
+
+    def _run(self, request: dict[str, Any], submitted: float) -> Decision:
+        started = time.perf_counter()
+        body = render(self.model.decide(request))
+        finished = time.perf_counter()
+        return Decision(body, started - submitted, finished - started, finished)
+
+    async def decide(self, request: dict[str, Any]) -> Decision:
+        if self.pending >= self.max_pending:
+            raise ApiError(
+                503, "overloaded_error", f"{self.pending} requests are already waiting; retry shortly", {"Retry-After": "1"}
+            )
+        self.pending += 1
+        try:
+            # A cancelled wait (client gone, drain timeout) cancels the job if it has not started.
+            future = self._executor.submit(self._run, request, time.perf_counter())
+            return await asyncio.wrap_future(future)
+        finally:
+            self.pending -= 1
+
+    async def close(self) -> None:
+        """Wait for the running decide (the model must not be closed under it); drop queued ones."""
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)

@@ -1,0 +1,638 @@
+"""`clef-gguf serve`: the real server (uvicorn on 127.0.0.1) spoken to over HTTP, by httpx and by the
+official typesafe-sdk client, against TypeSafe's System One contract."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import httpx
+import httpx2
+import numpy as np
+import pytest
+import typesafe_sdk as ts
+import uvicorn
+from request_suite import all_requests, long_state_request, mixed_request
+
+import clef_gguf
+from clef_gguf.errors import ModelFileError
+from clef_gguf.server import create_app
+from clef_gguf.server.body import DECODERS
+
+TIMEOUT = httpx.Timeout(120.0)
+Request = dict[str, Any]
+
+
+# --- A live server in this process (for the contract), or a `clef-gguf serve` subprocess ---------------------
+@dataclass
+class Live:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def start(app: Any) -> Live:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; no race with other tests
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return Live(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(model: Path, port: int, *args: str) -> subprocess.Popen[str]:
+    # One llama.cpp thread: on a shared machine, more threads than free cores make every decode wait at barriers.
+    command = [
+        sys.executable,
+        "-m",
+        "clef_gguf.cli",
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--ctx",
+        "8192",
+        "--threads",
+        "1",
+        *args,
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_healthy(process: subprocess.Popen[str], url: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("the server did not answer /health")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def model(ws):
+    return ws.model("untied_f32", "f32")
+
+
+@pytest.fixture(scope="module")
+def live(model) -> Iterator[Live]:
+    server = start(create_app(model, owns_model=False, max_body_bytes=1 << 20))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> Callable[[Request], dict[str, Any]]:
+    """What a direct decide() answers: the server must answer exactly that."""
+    memo: dict[str, dict[str, Any]] = {}
+
+    def decide(request: Request) -> dict[str, Any]:
+        key = json.dumps(request, sort_keys=False)
+        if key not in memo:
+            memo[key] = model.decide(copy.deepcopy(request))
+        return memo[key]
+
+    return decide
+
+
+# --- The response contract -----------------------------------------------------------------------------------
+def choice_confidence(p: list[float]) -> float:
+    """TypeSafe's documented choice confidence: (p_max - 1/n) / (1 - 1/n)."""
+    n = len(p)
+    return (max(p) - 1 / n) / (1 - 1 / n)
+
+
+def score_confidence(p: list[float]) -> float:
+    """TypeSafe's documented score confidence: 1 - sum p_i |i - mode| / the same for a uniform distribution."""
+    n = len(p)
+    mode = max(range(n), key=p.__getitem__)
+    return 1 - sum(p[i] * abs(i - mode) for i in range(n)) / (sum(abs(i - (n - 1) / 2) for i in range(n)) / n)
+
+
+def test_the_confidence_formulas_give_typesafe_documented_figures():
+    assert math.isclose(choice_confidence([0.07, 0.01, 0.92]), 0.88, abs_tol=0.005)
+    assert math.isclose(score_confidence([0.16, 0.10, 0.75]), 0.37, abs_tol=0.01)
+
+
+def _no_constants(name: str) -> Any:
+    raise AssertionError(f"{name} in a response")
+
+
+def check_contract(request: Request, response: httpx.Response) -> dict[str, Any]:
+    """Every rule a System One response obeys, checked on the raw HTTP response."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = json.loads(response.content, parse_constant=_no_constants)  # no NaN, no Infinity
+    assert {"model", "answers", "usage"} <= set(body) and all(
+        k.startswith("x_") for k in set(body) - {"model", "answers", "usage"}
+    )
+    assert isinstance(body["model"], str)
+    assert body["usage"]["output_tokens"] == 0 and body["usage"]["input_tokens"] > 0
+    questions = request["questions"]
+    assert list(body["answers"]) == list(questions)  # exactly one answer per question id, in order
+    for qid, question in questions.items():
+        answer = body["answers"][qid]
+        assert answer["type"] == question["type"]
+        # Non-ASCII ids and option names come back byte for byte (UTF-8, not escaped, not normalized).
+        assert json.dumps(qid, ensure_ascii=False).encode() in response.content
+        if question["type"] == "noul":
+            assert set(answer) == {"type", "noul"} and 0 <= answer["noul"] <= 1
+            continue
+        p = answer["probabilities"]
+        n = len(question["criteria"])
+        tolerance = n * 5e-5 + 1e-9  # each probability is rounded to 4 decimals
+        assert abs(sum(p.values()) - 1) <= tolerance and all(0 <= v <= 1 for v in p.values())
+        if question["type"] == "choice":
+            assert list(p) == list(question["criteria"])
+            for name in question["criteria"]:
+                assert json.dumps(name, ensure_ascii=False).encode() in response.content
+            assert p[answer["choice"]] == max(p.values())
+            expected_confidence = choice_confidence(list(p.values()))
+        else:
+            levels = [str(i) for i in range(n)]
+            assert list(p) == levels and answer["legend"] == dict(zip(levels, question["criteria"], strict=True))
+            assert abs(answer["score"] - sum(i * p[level] for i, level in enumerate(levels))) <= n * tolerance
+            expected_confidence = score_confidence(list(p.values()))
+        assert 0 <= answer["confidence"] <= 1
+        assert abs(answer["confidence"] - min(max(expected_confidence, 0), 1)) <= 4 * n * tolerance
+    return body
+
+
+@pytest.mark.parametrize("name", list(all_requests()))
+def test_every_suite_request_is_answered_as_a_direct_decide(client, expected, name):
+    request = all_requests()[name]
+    response = client.post("/v1/systemone", json=request)
+    assert check_contract(request, response) == expected(request)
+    assert len(response.headers["x-typesafe-request-id"]) == 32
+
+
+def _question(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+ACCEPTED: dict[str, Request] = {
+    "jev-latest": {"model": "jev-latest", "state": "s", "questions": {"q": _question("noul")}},
+    "any model name": {"model": "gpt-5 / whatever", "state": "s", "questions": {"q": _question("noul")}},
+    "state an array": {"model": "m", "state": [1, {"a": None}, "x"], "questions": {"q": _question("noul")}},
+    "instructions an object, an array, null": {
+        "model": "m",
+        "state": {"t": "x"},
+        "questions": {
+            "a": _question("noul", instructions={"k": [1, 2]}),
+            "b": _question("noul", instructions=["one", 2]),
+            "c": _question("noul", instructions=None),
+        },
+    },
+    "noul criteria absent, null, one-sided, two-sided": {
+        "model": "m",
+        "state": "s",
+        "questions": {
+            "absent": _question("noul", instructions="?"),
+            "null": _question("noul", instructions="?", criteria=None),
+            "true only": _question("noul", criteria={"true": "yes"}),
+            "false only": _question("noul", criteria={"false": {"no": True}}),
+            "both": _question("noul", criteria={"true": ["y"], "false": None}),
+        },
+    },
+    "choice descriptions of every shape and non-ASCII names": {
+        "model": "m",
+        "state": "s",
+        "questions": {
+            "ünïcødé id.with.dots": _question(
+                "choice",
+                criteria={"cafe\u0301": None, "café": "NFC", "🙂": {"tone": 1}, "名前": ["a"], "a.b": "dots"},
+            )
+        },
+    },
+    "choice with 2 options, score with 2 and 10 levels": {
+        "model": "m",
+        "state": "s",
+        "questions": {
+            "c": _question("choice", criteria={"yes": None, "no": None}),
+            "s2": _question("score", criteria=["low", {"level": "high"}]),
+            "s10": _question("score", criteria=[f"level {i}" for i in range(10)]),
+        },
+    },
+    "choice with 255 options": {
+        "model": "m",
+        "state": "s",
+        "questions": {"c": _question("choice", criteria={f"label {i:03d}": None for i in range(255)})},
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_every_documented_request_shape_is_accepted(client, expected, name):
+    request = ACCEPTED[name]
+    raw = json.dumps(request, ensure_ascii=False).encode()  # UTF-8 on the wire, as clients send it
+    response = client.post("/v1/systemone", content=raw, headers={"content-type": "application/json"})
+    assert check_contract(request, response) == expected(request)
+
+
+def test_unknown_fields_are_ignored_and_the_authorization_header_too(client, expected):
+    request = mixed_request()
+    noisy = {**request, "temperature": 0.2, "metadata": {"trace": [1, 2]}, "stream": False}
+    response = client.post("/v1/systemone", json=noisy, headers={"Authorization": "Bearer sk-anything"})
+    assert check_contract(request, response) == expected(request)
+
+
+# --- Errors --------------------------------------------------------------------------------------------------
+def _with(change: Callable[[Request], Any]) -> Request:
+    request = copy.deepcopy(mixed_request())
+    change(request)
+    return request
+
+
+MALFORMED: dict[str, tuple[bytes | Request, list[Any]]] = {
+    "not JSON": (b'{"state": ', ["body", 10]),
+    "NaN": (b'{"model": "m", "state": NaN, "questions": {"q": {"type": "noul"}}}', ["body"]),
+    "not UTF-8": (b'{"state": "\xff"}', ["body", 11]),
+    "lone surrogate": (b'{"state": {"k": ["\\ud800"]}, "questions": {"q": {"type": "noul"}}}', ["body", "state", "k", 0]),
+    "nested too deeply": (b"[" * 100_000 + b"]" * 100_000, ["body"]),
+    "huge integer": (b'{"state": ' + b"9" * 5000 + b"}", ["body"]),
+    "an array": (b"[]", ["body"]),
+    "no state": (_with(lambda r: r.pop("state")), ["body", "state"]),
+    "state a number": (_with(lambda r: r.update(state=3)), ["body", "state"]),
+    "model a number": (_with(lambda r: r.update(model=3)), ["body", "model"]),
+    "no questions": (_with(lambda r: r.update(questions={})), ["body", "questions"]),
+    "65 questions": (_with(lambda r: r.update(questions={f"q{i}": {"type": "noul"} for i in range(65)})), ["body", "questions"]),
+    "empty id": (_with(lambda r: r["questions"].update({"": {"type": "noul"}})), ["body", "questions"]),
+    "question a string": (_with(lambda r: r["questions"].update({"a.b": "x"})), ["body", "questions", "a.b"]),
+    "unknown type": (_with(lambda r: r["questions"].update({"r": {"type": "rank"}})), ["body", "questions", "r", "type"]),
+    "instructions a number": (
+        _with(lambda r: r["questions"]["is_spam"].update(instructions=1)),
+        ["body", "questions", "is_spam", "instructions"],
+    ),
+    "choice with 1 option": (
+        _with(lambda r: r["questions"]["category"].update(criteria={"a": None})),
+        ["body", "questions", "category", "criteria"],
+    ),
+    "choice with 256 options": (
+        _with(lambda r: r["questions"]["category"].update(criteria={str(i): None for i in range(256)})),
+        ["body", "questions", "category", "criteria"],
+    ),
+    "choice description a number": (
+        _with(lambda r: r["questions"]["category"].update(criteria={"x.y": 1, "z": None})),
+        ["body", "questions", "category", "criteria", "x.y"],
+    ),
+    "score as a map": (
+        _with(lambda r: r["questions"]["severity"].update(criteria={"0": "low", "1": "high"})),
+        ["body", "questions", "severity", "criteria"],
+    ),
+    "score with 1 level": (
+        _with(lambda r: r["questions"]["severity"].update(criteria=["only"])),
+        ["body", "questions", "severity", "criteria"],
+    ),
+    "score with 11 levels": (
+        _with(lambda r: r["questions"]["severity"].update(criteria=list("abcdefghijk"))),
+        ["body", "questions", "severity", "criteria"],
+    ),
+    "score level a number": (
+        _with(lambda r: r["questions"]["severity"].update(criteria=["a", 2])),
+        ["body", "questions", "severity", "criteria", 1],
+    ),
+    "noul with other keys": (
+        _with(lambda r: r["questions"].update(n={"type": "noul", "criteria": {"maybe": "x"}})),
+        ["body", "questions", "n", "criteria"],
+    ),
+    "an image": (_with(lambda r: r.update(assets={"img": {"type": "image", "data_base64": "AAAA"}})), ["body", "assets"]),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_request_gets_422_with_the_location(client, name):
+    body, loc = MALFORMED[name]
+    raw = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
+    response = client.post("/v1/systemone", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/json"
+    [problem] = response.json()["detail"]
+    assert problem["loc"] == loc and isinstance(problem["msg"], str) and problem["msg"]
+    assert problem["type"] in {"json_invalid", "missing", "value_error", "string_unicode"}
+
+
+def _api_error(response: httpx.Response, status: int, error_type: str) -> str:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    detail = response.json()["detail"]
+    assert set(detail) == {"error_type", "message"} and detail["error_type"] == error_type
+    return detail["message"]
+
+
+def test_a_prompt_over_the_limit_gets_413_naming_its_size_and_the_limit(client, model):
+    request = long_state_request(paragraphs=50)
+    n_tokens = len(model.encode(request).tokens)
+    assert n_tokens > model.max_prompt_tokens
+    message = _api_error(client.post("/v1/systemone", json=request), 413, "prompt_too_long")
+    assert f"{n_tokens} tokens" in message and f"limit of {model.max_prompt_tokens} tokens" in message
+
+
+def test_compressed_bodies_are_read_and_bad_ones_are_4xx(client, expected):
+    request = mixed_request()
+    raw = json.dumps(request).encode()
+    encoders: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress, "deflate": zlib.compress}
+    if "zstd" in DECODERS:
+        try:
+            from compression.zstd import compress as zstd_compress  # Python >= 3.14
+        except ImportError:
+            from backports.zstd import compress as zstd_compress
+        encoders["zstd"] = zstd_compress
+    assert "zstd" in encoders, "typesafe-sdk sends zstd bodies when zstd is importable: the server must read them"
+    for coding, encode in encoders.items():
+        response = client.post("/v1/systemone", content=encode(raw), headers={"content-encoding": coding})
+        assert check_contract(request, response) == expected(request), coding
+    _api_error(client.post("/v1/systemone", content=raw, headers={"content-encoding": "br"}), 415, "invalid_request_error")
+    corrupt = client.post("/v1/systemone", content=b"\x28\xb5\x2f\xfdgarbage", headers={"content-encoding": "zstd"})
+    assert corrupt.status_code == 422 and corrupt.json()["detail"][0]["loc"] == ["body"]
+    bomb = gzip.compress(b" " * (2 << 20))  # 2 KiB that inflate past the 1 MiB limit of this server
+    _api_error(client.post("/v1/systemone", content=bomb, headers={"content-encoding": "gzip"}), 413, "request_too_large")
+    _api_error(client.post("/v1/systemone", content=b" " * (1 << 20) + b" "), 413, "request_too_large")
+    multipart = {"content-type": "multipart/form-data; boundary=x"}
+    _api_error(client.post("/v1/systemone", content=b"--x--", headers=multipart), 415, "invalid_request_error")
+
+
+def test_unknown_routes_and_methods_get_the_error_shape(client):
+    _api_error(client.get("/v1/nothing"), 404, "not_found_error")
+    _api_error(client.get("/v1/systemone"), 405, "invalid_request_error")
+
+
+def test_models_and_health(client, model):
+    listed = client.get("/v1/models").json()["models"]
+    assert [m["name"] for m in listed] == [model.name, "jev-latest"]
+    assert all(len(m["release_date"]) == 10 and m["description"] for m in listed)
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == model.name and health["max_prompt_tokens"] == model.max_prompt_tokens
+
+
+def test_an_api_key_is_required_when_set(model):
+    live = start(create_app(model, owns_model=False, api_key="s3cret"))
+    try:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+            request = mixed_request()
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "Basic s3cret"},
+                {"Authorization": "s3cret"},
+            ):
+                response = c.post("/v1/systemone", json=request, headers=headers)
+                _api_error(response, 401, "authentication_error")
+                assert response.headers["www-authenticate"] == "Bearer"
+            _api_error(c.get("/v1/models"), 401, "authentication_error")
+            # The key is checked before the body is read: a malformed body without a key is still a 401.
+            _api_error(c.post("/v1/systemone", content=b"{"), 401, "authentication_error")
+            assert c.post("/v1/systemone", json=request, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert c.get("/health").status_code == 200  # liveness probes carry no key
+            sdk = ts.TypeSafeClient(base_url=live.url, api_key="wrong", retry=ts.RetryPolicy(max_retries=0))
+            with sdk, pytest.raises(ts.TypeSafeAuthenticationError):
+                sdk.system_one(state="s", questions={"q": ts.Noul(instructions="?")})
+    finally:
+        live.stop()
+
+
+# --- Concurrency ---------------------------------------------------------------------------------------------
+def test_16_concurrent_clients_get_the_sequential_answers(live, expected):
+    suite = all_requests()
+    requests = [suite["mixed"], suite["ten_level_score"], *(r for name, r in ACCEPTED.items() if "255" not in name)]
+    sequential = [expected(r) for r in requests]
+    per_client = 4  # 16 clients x 4 requests, every request sent by 8 clients, in a rotating order
+
+    def client_run(offset: int) -> list[tuple[int, int, Any]]:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+            order = [(offset + k) % len(requests) for k in range(per_client)]
+            return [(i, (r := c.post("/v1/systemone", json=requests[i])).status_code, r.json()) for i in order]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = [item for run in pool.map(client_run, range(16)) for item in run]
+    assert len(results) == 16 * per_client
+    for i, status, body in results:
+        assert status == 200 and body == sequential[i]
+
+
+class BlockingModel:
+    """A real model whose decide waits for a release: to hold the queue full on purpose."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.name, self.path, self.template = model.name, model.path, model.template
+        self.max_prompt_tokens = model.max_prompt_tokens
+        self.release = threading.Event()
+
+    def decide(self, request: Request) -> dict[str, Any]:
+        assert self.release.wait(60)
+        return self.model.decide(request)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_full_queue_gets_503_and_a_bad_request_never_waits(model, expected):
+    blocking = BlockingModel(model)
+    live = start(create_app(blocking, max_pending=2))
+    request = ACCEPTED["jev-latest"]
+    try:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c, ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(httpx.post, f"{live.url}/v1/systemone", json=request, timeout=TIMEOUT) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while c.get("/health").json()["pending"] < 2:  # /health answers while decide is busy
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            busy = c.post("/v1/systemone", json=request)
+            _api_error(busy, 503, "overloaded_error")
+            assert busy.headers["retry-after"] == "1"
+            assert c.post("/v1/systemone", json={"state": "s"}).status_code == 422  # validated before admission
+            blocking.release.set()
+            assert [f.result().json() for f in held] == [expected(request)] * 2
+    finally:
+        blocking.release.set()
+        live.stop()
+
+
+# --- The official client -------------------------------------------------------------------------------------
+def test_the_typesafe_sdk_client_parses_every_answer_type(live, expected, model):
+    questions = {
+        "spam": ts.Noul(instructions="Is this spam?", criteria={"true": "Unsolicited"}),
+        "tone ✓": ts.Choice(instructions={"ask": "tone"}, criteria={"calm": None, "ängry": "upset", "🙂": ["happy"]}),
+        "urgency": ts.Score(instructions="How urgent?", criteria=["low", "medium", {"level": "high"}]),
+    }
+    state = {"message": "Refund me now, the café order was wrong! " * 40}  # > 1 KiB: the SDK compresses it
+    sent: list[httpx2.Request] = []
+
+    def capturing() -> httpx2.Client:
+        return httpx2.Client(timeout=120, event_hooks={"request": [sent.append]})
+
+    no_retry = ts.RetryPolicy(max_retries=0)
+    clients = (  # first uncompressed, to read the body; then zstd, as the SDK sends by default when zstd is importable
+        ts.TypeSafeClient(base_url=live.url, api_key="local", retry=no_retry, http_client=capturing(), compression=False),
+        ts.TypeSafeClient(base_url=live.url, api_key="local", retry=no_retry, http_client=capturing()),
+    )
+    for sdk in clients:
+        with sdk:
+            got = sdk.system_one(state=state, questions=questions)
+            want = expected(json.loads(sent[0].content))  # the body the SDK put on the wire, answered directly
+            assert got.model == "jev-latest" and got.usage.input_tokens == want["usage"]["input_tokens"]
+            assert got.nouls["spam"].noul == want["answers"]["spam"]["noul"]
+            choice = got.choices["tone ✓"]
+            assert choice.choice == want["answers"]["tone ✓"]["choice"]
+            assert choice.probabilities == want["answers"]["tone ✓"]["probabilities"]
+            assert choice.confidence == want["answers"]["tone ✓"]["confidence"]
+            score = got.scores["urgency"]
+            assert (
+                score.score == want["answers"]["urgency"]["score"]
+                and score.confidence == want["answers"]["urgency"]["confidence"]
+            )
+            assert score.probabilities == {int(k): v for k, v in want["answers"]["urgency"]["probabilities"].items()}
+            assert score.legend == {0: "low", 1: "medium", 2: {"level": "high"}}
+            assert len(got.request_id) == 32
+            assert [m.name for m in sdk.models.list().models] == [model.name, "jev-latest"]
+    assert [r.headers.get("content-encoding") for r in sent if r.method == "POST"] == [None, "zstd"]
+    # The SDK's own errors for this server's 4xx: typed, and not retried (only 408, 429 and 5xx are).
+    with ts.TypeSafeClient(base_url=live.url, api_key="local") as sdk:
+        with pytest.raises(ts.TypeSafeUnprocessableEntityError, match="questions.s.criteria"):
+            sdk.system_one(state="s", questions={"s": ts.Score(criteria=["only one level"])})
+        with pytest.raises(ts.TypeSafeAPIError) as too_long:
+            sdk.system_one(state=long_state_request(paragraphs=50)["state"], questions={"q": ts.Noul(instructions="?")})
+        assert too_long.value.status == 413 and "tokens" in str(too_long.value)
+
+
+# --- Semantics: the ids and the other questions are part of the prompt ----------------------------------------
+def test_ids_and_question_order_are_sent_to_the_model_unchanged(client, expected):
+    """Renaming an id, adding a question or reordering them changes the prompt (the head decides
+    fields jointly): the server answers each variant as decide() does, and rewrites nothing."""
+    base = mixed_request()
+    renamed = {**base, "questions": {f"x_{qid}": q for qid, q in base["questions"].items()}}
+    reordered = {**base, "questions": dict(reversed(base["questions"].items()))}
+    added = {**base, "questions": {**base["questions"], "extra": {"type": "noul", "instructions": "Is it Monday?"}}}
+    answers = {}
+    for name, request in {"base": base, "renamed": renamed, "reordered": reordered, "added": added}.items():
+        answers[name] = check_contract(request, client.post("/v1/systemone", json=request))
+        assert answers[name] == expected(request)
+    assert answers["renamed"]["usage"]["input_tokens"] != answers["base"]["usage"]["input_tokens"]
+    assert answers["added"]["usage"]["input_tokens"] > answers["base"]["usage"]["input_tokens"]
+
+
+# --- The command: refusing bad files, memory, SIGTERM ----------------------------------------------------------
+def _plain_gguf(path: Path) -> Path:
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_serve_refuses_a_file_that_is_not_a_clef_model(tmp_path):
+    random_bytes = tmp_path / "random.gguf"
+    random_bytes.write_bytes(os.urandom(4096))
+    for path in (random_bytes, _plain_gguf(tmp_path / "llama.gguf")):
+        with pytest.raises(ModelFileError) as refused:  # what loading (validate) says of the file
+            clef_gguf.load(path)
+        port = free_port()
+        process = serve_process(path, port)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == refused.value.exit_code, stderr
+        assert str(refused.value) in stderr and "Traceback" not in stderr and "Uvicorn running" not in stderr
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_memory_stays_flat_under_repeated_requests(ws):
+    """A short soak (tools/load_test.py --soak runs 10,000): RSS after 450 more requests stays within 8 MiB."""
+    port = free_port()
+    process = serve_process(ws.gguf("untied_f32", "f32"), port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(process, url)
+        good = ACCEPTED["jev-latest"]
+        bad = {"state": "s", "questions": {"q": {"type": "score", "criteria": {"0": "map"}}}}
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+
+            def burst(count: int) -> None:
+                for i in range(count):
+                    response = c.post("/v1/systemone", json=bad if i % 10 == 9 else good)
+                    assert response.status_code == (422 if i % 10 == 9 else 200)
+
+            burst(150)  # warm-up: allocator pools, llama.cpp buffers, first-call caches
+            before = rss_bytes(process.pid)
+            burst(450)
+            after = rss_bytes(process.pid)
+        assert after - before < 8 << 20, (before, after)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=120)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(ws, model):
+    port = free_port()
+    process = serve_process(ws.gguf("untied_f32", "f32"), port)
+    url = f"http://127.0.0.1:{port}"
+    request = long_state_request()  # the slowest small request: several are in flight at once
+    try:
+        wait_healthy(process, url)
+        with ThreadPoolExecutor(4) as pool, httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            in_flight = [pool.submit(httpx.post, f"{url}/v1/systemone", json=request, timeout=TIMEOUT) for _ in range(4)]
+            deadline = time.monotonic() + 60
+            while c.get("/health").json()["pending"] < 4:
+                assert time.monotonic() < deadline and not any(f.done() for f in in_flight), "requests finished too soon"
+                time.sleep(0.005)
+            process.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in in_flight]
+        assert [r.status_code for r in responses] == [200] * 4
+        want = model.decide(request)
+        assert all(r.json() == want for r in responses)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr
+        assert "Traceback" not in stderr and "Application shutdown complete" in stderr
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
