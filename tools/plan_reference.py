@@ -93,7 +93,8 @@ def write_sparse(path: Path, types: dict[str, GT]) -> None:
     """A qwen35 GGUF whose data section is a hole: real header, real size, no weights."""
     shapes = C.backbone_tensor_shapes(QWEN35_9B)
     writer = gguf.GGUFWriter(path, C.BACKBONE_ARCH)
-    write_metadata(writer, name="Qwen3.5-9B (shapes only)", hparams=HPARAMS, vocab=byte_level_vocab(QWEN35_9B.n_vocab), file_type=0, head=None)
+    vocab = byte_level_vocab(QWEN35_9B.n_vocab)
+    write_metadata(writer, name="Qwen3.5-9B (shapes only)", hparams=HPARAMS, vocab=vocab, file_type=0, head=None)
     total = 0
     for name, shape in shapes.items():
         qtype = types[name]
