@@ -19,7 +19,7 @@ import numpy as np
 
 from . import contract as C
 from .errors import ConversionError, ReleaseError
-from .graft import HEAD_TYPES, assemble, head_tensors
+from .graft import HEAD_TYPES, assemble, head_tensors, write_clef
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
@@ -27,7 +27,6 @@ from .writer import (
     GT,
     OutTensor,
     Progress,
-    atomic_output,
     check_free_space,
     encode,
     staging_dir,
@@ -149,24 +148,19 @@ def convert(
     if file_type in LLAMA_FILE_TYPES:
         return _convert_with_llama(release, out, file_type, hparams, vocab, head_type, imatrix, force, progress)
     qtype, ftype = NUMPY_FILE_TYPES[file_type]
-    check_free_space(out.parent, int(_n_weights(release) * gguf.GGML_QUANT_SIZES[qtype][1] / gguf.GGML_QUANT_SIZES[qtype][0]))
-    # Backbone first and contiguous from offset 0: the runtime's qwen35 view needs it.
     tensors = backbone_tensors(release, qtype) + head_tensors(release, head_type)
-
-    def metadata(w: gguf.GGUFWriter) -> None:
-        write_metadata(
-            w,
-            name=release.name,
-            hparams=hparams,
-            vocab=vocab,
-            file_type=ftype,
-            head=release.head_config,
-            reference_sha256=reference_sha256(release),
-        )
-
-    with atomic_output(out, force) as tmp:
-        write_gguf(tmp, C.ARCH, metadata, tensors, progress, "converting")
-    return out
+    return write_clef(
+        out,
+        release,
+        hparams,
+        vocab,
+        ftype,
+        tensors,
+        reference_sha256=reference_sha256(release),
+        force=force,
+        progress=progress,
+        stage="converting",
+    )
 
 
 def _convert_with_llama(

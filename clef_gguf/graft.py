@@ -158,24 +158,44 @@ def assemble(
         if release.head_config.hidden_size != shape.n_embd:
             raise MismatchError(f"the head reads hidden size {release.head_config.hidden_size}, the backbone has {shape.n_embd}")
         tensors = _backbone_tensors(f, shape) + head_tensors(release, head_type)
-        check_free_space(out.parent, sum(t.n_bytes for t in tensors))
-
-        def metadata(w: gguf.GGUFWriter) -> None:
-            file_type = int(f.header.get("general.file_type", 0))
-            write_metadata(
-                w,
-                name=release.name,
-                hparams=hparams,
-                vocab=vocab,
-                file_type=file_type,
-                head=release.head_config,
-                reference_sha256=reference_sha256,
-            )
-
-        with atomic_output(out, force) as tmp:
-            write_gguf(tmp, C.ARCH, metadata, tensors, progress, "writing")
+        file_type = int(f.header.get("general.file_type", 0))
+        write_clef(
+            out, release, hparams, vocab, file_type, tensors, reference_sha256=reference_sha256, force=force, progress=progress
+        )
     finally:
         f.close()
+    return out
+
+
+def write_clef(
+    out: Path,
+    release: Release,
+    hparams: dict[str, object],
+    vocab: Vocab,
+    file_type: int,
+    tensors: list[OutTensor],
+    *,
+    reference_sha256: str,
+    force: bool,
+    progress: Progress | None,
+    stage: str = "writing",
+) -> Path:
+    """Write a Clef file: its metadata, then `tensors` (the backbone in contract order, then the head)."""
+    check_free_space(out.parent, sum(t.n_bytes for t in tensors))
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        write_metadata(
+            w,
+            name=release.name,
+            hparams=hparams,
+            vocab=vocab,
+            file_type=file_type,
+            head=release.head_config,
+            reference_sha256=reference_sha256,
+        )
+
+    with atomic_output(out, force) as tmp:
+        write_gguf(tmp, C.ARCH, metadata, tensors, progress, stage)
     return out
 
 
