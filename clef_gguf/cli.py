@@ -153,6 +153,47 @@ def decide(
 
 
 @app.command()
+def plan(
+    model: Annotated[Path, typer.Argument(help="A Clef GGUF (or a backbone-only qwen35 GGUF).")],
+    vram: Annotated[
+        str | None, typer.Option("--vram", help="Device memory to fit, e.g. 8GiB: reports the largest prompt that fits.")
+    ] = None,
+    ctx: Annotated[int, typer.Option("--ctx", help="Prompt limit (physical batch) to plan for.")] = 4096,
+    n_gpu_layers: GpuLayers = -1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
+) -> None:
+    """Device and host memory for a model at a prompt limit: weights by type, KV, recurrent state, compute buffer."""
+    from rich.table import Table
+
+    from .plan import memory_plan, parse_size
+
+    try:
+        vram_bytes = parse_size(vram) if vram else None
+    except ValueError as e:
+        err.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, vram_bytes))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    mib = 1 << 20
+    table = Table(title=f"{model.name}: prompt limit {ctx} tokens, n_gpu_layers {n_gpu_layers}")
+    for column in ("component", "device MiB", "host MiB", "source"):
+        table.add_column(column, justify="left" if column in ("component", "source") else "right")
+    for line in result.lines:
+        table.add_row(line.component, f"{line.device_bytes / mib:.1f}", f"{line.host_bytes / mib:.1f}", line.source)
+    table.add_row("[bold]total", f"[bold]{result.device_bytes / mib:.1f}", f"[bold]{result.host_bytes / mib:.1f}", "")
+    out = Console()
+    out.print(table)
+    out.print("weights by type: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in sorted(result.weights_by_type.items())))
+    if not result.gpu_backend:
+        out.print("[yellow]this llama.cpp build has no GPU backend: the compute buffer was measured on the CPU backend.[/]")
+    if vram_bytes is not None:
+        fits = result.max_prompt_tokens
+        out.print(f"largest prompt that fits {vram}: {fits} tokens" if fits else f"does not fit {vram} even at 256 tokens")
+
+
+@app.command()
 def demo(n_gpu_layers: GpuLayers = 0) -> None:
     """Run the bundled tiny demo model on a bundled request. Its weights are random: so are its answers."""
     from .data import DEMO_MODEL, DEMO_REQUEST

@@ -68,3 +68,24 @@ def test_sizes_read_like_a_card_label(text, value):
 def test_a_physical_batch_llama_cpp_cannot_plan_is_refused_before_loading(ws):
     with pytest.raises(SettingsError, match="ubatch"):
         clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=MAX_UBATCH + 1)
+
+
+def test_the_plan_command_prints_a_table_or_json(ws):
+    import json
+    import subprocess
+    import sys
+
+    path = str(ws.gguf("k256", "q4_k_m"))
+    run = subprocess.run(
+        [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "48MiB", "--json"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    assert plan["max_prompt_tokens"] == memory_plan(path, 4096, vram=parse_size("48MiB")).max_prompt_tokens
+    assert {line["source"] for line in plan["lines"]} == {"file", "llama.cpp", "computed"}
+    table = subprocess.run(
+        [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "48MiB"], capture_output=True, text=True
+    )
+    assert table.returncode == 0 and "largest prompt that fits 48MiB" in table.stdout
+    bad = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "lots"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a size" in bad.stderr
