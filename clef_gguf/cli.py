@@ -124,11 +124,13 @@ def _read_request(path: str) -> dict[str, Any]:
         raise RequestError(f"the request is not valid JSON: {e}") from e
 
 
-def _decide(model_path: Path, request_path: str, n_gpu_layers: int, max_prompt_tokens: int) -> dict[str, Any]:
+def _decide(
+    model_path: Path, request_path: str, n_gpu_layers: int, max_prompt_tokens: int, ubatch: int | None = None
+) -> dict[str, Any]:
     from .runtime.model import load
 
     request = _read_request(request_path)
-    with load(model_path, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens) as model:
+    with load(model_path, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, ubatch=ubatch) as model:
         return model.decide(request)
 
 
@@ -140,6 +142,15 @@ def decide(
     ],
     n_gpu_layers: GpuLayers = 0,
     max_prompt_tokens: MaxPrompt = 4096,
+    ubatch: Annotated[
+        int | None,
+        typer.Option(
+            "--ubatch",
+            min=1,
+            help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
+            "not the prompt. Default: the whole prompt in one ubatch.",
+        ),
+    ] = None,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout."""
     from .data import DEMO_MODEL
@@ -148,7 +159,10 @@ def decide(
         err.print("[bold red]error:[/] expected [MODEL.gguf] REQUEST.json")
         raise typer.Exit(2)
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
-    answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens))
+    if ubatch is not None and ubatch > max_prompt_tokens:
+        err.print(f"[bold red]error:[/] --ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
+        raise typer.Exit(2)
+    answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens, ubatch))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 

@@ -1,5 +1,9 @@
 """The joint schema head in numpy (float32), read top to bottom like the reference.
 
+The TEST REFERENCE of the native head (native/head_graph.cpp, runtime/native_head.py),
+which is what decide() runs: this module is kept because it reads like Cloudflare's
+JointSchemaHead line by line, and tests/test_native_head.py holds the ggml graph to it.
+
 Inputs: the backbone's final hidden states of one prompt, the prompt's spans, and
 the output-embedding rows of each option's tokens (the lexical prior). Output: one
 logit per option, per question.
@@ -10,9 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import gguf
 import numpy as np
 
+from .. import contract as C
 from ..contract import HeadConfig
+from ..gguf_header import GGUFFile
 from .prompt import QUESTION_TYPES, EncodedPrompt
 
 LN_EPS = 1e-5  # torch LayerNorm default, also inside TransformerDecoderLayer
@@ -146,3 +153,27 @@ class JointSchemaHead:
             residual = self.linear(gelu(self.linear(features, "residual_scorer.0")), "residual_scorer.3")[:, 0]
             logits.append(prior + gate * (joint_scale * cosine + residual))
         return logits
+
+
+# --- Reading the reference's inputs from a Clef GGUF (dequantized to float32) -------------------------
+def _dequantize(f: GGUFFile, name: str) -> np.ndarray:
+    t = f.header.tensors[name]
+    return gguf.quants.dequantize(f.tensor_bytes(name), t.type).reshape(t.shape).astype(np.float32)  # a copy
+
+
+def reference_head(f: GGUFFile, config: HeadConfig) -> JointSchemaHead:
+    names = C.head_tensor_shapes(config)
+    return JointSchemaHead(config, {n: _dequantize(f, C.HEAD_PREFIX + n).reshape(shape) for n, shape in names.items()})
+
+
+def lexical_rows(f: GGUFFile, prompt: EncodedPrompt) -> list[np.ndarray]:
+    """Mean output-embedding row of each option's tokens (the head's lexical prior)."""
+    name = "output.weight" if "output.weight" in f.header.tensors else "token_embd.weight"
+    t = f.header.tensors[name]
+    rows = f.tensor_bytes(name).reshape(t.shape[0], -1)
+    ids = np.unique([prompt.tokens[i] for q in prompt.questions for s, e in q.option_spans for i in range(s, e)])
+    table = dict(zip(ids.tolist(), gguf.quants.dequantize(rows[ids], t.type).astype(np.float32), strict=True))
+    return [
+        np.stack([np.mean([table[prompt.tokens[i]] for i in range(s, e)], axis=0) for s, e in q.option_spans])
+        for q in prompt.questions
+    ]

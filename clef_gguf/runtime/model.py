@@ -6,26 +6,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
-
 from .. import contract as C
 from ..errors import ModelFileError
 from ..gguf_header import GGUFFile
 from ..validate import open_validated
 from .answers import response
 from .backbone import Backbone
-from .head import JointSchemaHead
+from .native_head import NativeHead
 from .prompt import EncodedPrompt, encode, parse_request
 
 DEFAULT_MAX_PROMPT_TOKENS = 4096
-
-
-def _dequantize(f: GGUFFile, name: str) -> np.ndarray:
-    t = f.header.tensors[name]
-    return (
-        gguf.quants.dequantize(f.tensor_bytes(name), t.type).reshape(t.shape).astype(np.float32)
-    )  # a copy: the map closes later
 
 
 def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, dict[str, str]]:
@@ -51,6 +41,7 @@ class ClefModel:
         n_gpu_layers: int = 0,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         n_threads: int | None = None,
+        ubatch: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.file = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
@@ -61,15 +52,17 @@ class ClefModel:
             raise ModelFileError(
                 f"{self.path.name}: {len(missing)} of the {len(names)} head tensors are missing (first: {missing[0]})"
             )
-        weights = {n: _dequantize(self.file, C.HEAD_PREFIX + n).reshape(shape) for n, shape in names.items()}
-        self.head = JointSchemaHead(config, weights)
-        tensors = self.file.header.tensors
-        self._output_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         self.name = str(self.file.header.get("general.name") or self.path.stem)
         nfc = self.file.header.get(C.KEY_NORMALIZER) == "NFC"
         self.backbone = Backbone(
-            self.file, n_gpu_layers=n_gpu_layers, max_prompt_tokens=max_prompt_tokens, n_threads=n_threads, nfc=nfc
+            self.file, n_gpu_layers=n_gpu_layers, max_prompt_tokens=max_prompt_tokens, n_threads=n_threads, nfc=nfc, ubatch=ubatch
         )
+        try:
+            # The head runs where the backbone runs: on the GPU when layers are offloaded.
+            self.head = NativeHead(self.path, gpu=n_gpu_layers != 0, n_threads=n_threads)
+        except Exception:
+            self.backbone.close()
+            raise
         self._lock = threading.Lock()
 
     @property
@@ -80,26 +73,17 @@ class ClefModel:
         """Validate and tokenize a request (no compute). Raises RequestError."""
         return encode(parse_request(request, self.template), self.template, self.backbone.tokenize)
 
-    def _lexical(self, prompt: EncodedPrompt) -> list[np.ndarray]:
-        """Mean output-embedding row of each option's tokens (the head's lexical prior)."""
-        t = self.file.header.tensors[self._output_name]
-        rows = self.file.tensor_bytes(self._output_name).reshape(t.shape[0], -1)
-        ids = np.unique([prompt.tokens[i] for q in prompt.questions for s, e in q.option_spans for i in range(s, e)])
-        table = dict(zip(ids.tolist(), gguf.quants.dequantize(rows[ids], t.type).astype(np.float32), strict=True))
-        return [
-            np.stack([np.mean([table[prompt.tokens[i]] for i in range(s, e)], axis=0) for s, e in q.option_spans])
-            for q in prompt.questions
-        ]
-
     def decide(self, request: dict[str, Any]) -> dict[str, Any]:
         """Answer a SystemOne request body with the SystemOne response body."""
         prompt = self.encode(request)
         with self._lock:
-            hidden = self.backbone.hidden_states(prompt.tokens)  # raises PromptTooLongError before compute
-        logits = self.head(hidden, prompt, self._lexical(prompt))
+            # A view of llama.cpp's output buffer, valid until the next decode: the head reads it under the same lock.
+            hidden = self.backbone.hidden_states(prompt.tokens, copy=False)  # raises PromptTooLongError before compute
+            logits = self.head(hidden, prompt)
         return response(prompt, self.name, logits)
 
     def close(self) -> None:
+        self.head.close()
         self.backbone.close()
         self.file.close()
 
@@ -111,7 +95,16 @@ class ClefModel:
 
 
 def load(
-    path: str | Path, n_gpu_layers: int = 0, n_ctx: int = DEFAULT_MAX_PROMPT_TOKENS, n_threads: int | None = None
+    path: str | Path,
+    n_gpu_layers: int = 0,
+    n_ctx: int = DEFAULT_MAX_PROMPT_TOKENS,
+    n_threads: int | None = None,
+    ubatch: int | None = None,
 ) -> ClefModel:
-    """Load a Clef GGUF. n_ctx is the largest prompt (one physical batch) it will accept."""
-    return ClefModel(path, n_gpu_layers=n_gpu_layers, max_prompt_tokens=n_ctx, n_threads=n_threads)
+    """Load a Clef GGUF. n_ctx is the largest prompt it will accept.
+
+    ubatch: None processes a prompt in one physical batch (compute buffers sized for
+    n_ctx tokens); N processes it in ubatches of N tokens, the state carried over, so
+    that llama.cpp's compute buffer is bounded by N instead.
+    """
+    return ClefModel(path, n_gpu_layers=n_gpu_layers, max_prompt_tokens=n_ctx, n_threads=n_threads, ubatch=ubatch)

@@ -1,0 +1,161 @@
+// The C API: a loaded head on its backend, and one decision at a time through the
+// ggml backend scheduler (which also falls back to the CPU for any op the device lacks).
+#include "clef_head.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "head.h"
+
+struct clef_head {
+    clef::Model model;
+    ggml_backend_t device = nullptr;  // the GPU, or null when the head runs on the CPU
+    ggml_backend_t cpu = nullptr;
+    ggml_backend_sched_t sched = nullptr;
+    std::string device_name;
+};
+
+namespace {
+
+constexpr size_t SCHED_GRAPH_SIZE = 1 << 16;  // upper bound of a decision's nodes (see graph_size)
+
+void report(char * err, size_t err_size, const char * message) {
+    if (err != nullptr && err_size > 0) std::snprintf(err, err_size, "%s", message);
+}
+
+// The first GPU ggml's registry knows (the one llama.cpp offloads to first), if asked for.
+ggml_backend_dev_t gpu_device() {
+    for (auto type : {GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU}) {
+        if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(type)) return dev;
+    }
+    return nullptr;
+}
+
+void set_threads(ggml_backend_t cpu, int n_threads) {
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(cpu));
+    auto set = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+    if (set != nullptr && n_threads > 0) set(cpu, n_threads);
+}
+
+void init_backends(clef_head & head, const char * path, bool use_gpu, int n_threads) {
+    head.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    if (head.cpu == nullptr) throw clef::Error("ggml has no CPU backend");
+    set_threads(head.cpu, n_threads);
+    if (ggml_backend_dev_t dev = use_gpu ? gpu_device() : nullptr) {
+        head.device = ggml_backend_dev_init(dev, nullptr);
+        if (head.device == nullptr) throw clef::Error(std::string("cannot start the ggml device ") + ggml_backend_dev_name(dev));
+    }
+    ggml_backend_t primary = head.device ? head.device : head.cpu;
+    head.device_name = ggml_backend_name(primary);
+    ggml_backend_t backends[2] = {primary, head.cpu};
+    int n_backends = head.device ? 2 : 1;  // the scheduler wants the CPU last
+    head.sched = ggml_backend_sched_new(backends, nullptr, n_backends, SCHED_GRAPH_SIZE, false, false);
+    clef::load_model(head.model, path, ggml_backend_get_default_buffer_type(primary));
+}
+
+void free_head(clef_head * head) {
+    if (head == nullptr) return;
+    clef::free_model(head->model);
+    if (head->sched) ggml_backend_sched_free(head->sched);
+    if (head->device) ggml_backend_free(head->device);
+    if (head->cpu) ggml_backend_free(head->cpu);
+    delete head;
+}
+
+void check_span(int32_t start, int32_t end, int32_t n_tokens, const char * what) {
+    if (start < 0 || end <= start || end > n_tokens) {
+        throw clef::Error(std::string("bad ") + what + " span [" + std::to_string(start) + ", " + std::to_string(end) + ") in a prompt of " +
+                          std::to_string(n_tokens) + " tokens");
+    }
+}
+
+clef::Decision decision(const clef_head & head, const float * hidden, int32_t n_tokens, const int32_t * tokens, int32_t n_questions,
+                        const int32_t * type_ids, const int32_t * question_spans, const int32_t * option_counts,
+                        const int32_t * option_spans) {
+    if (n_tokens < 1 || n_questions < 1) throw clef::Error("a decision needs at least one token and one question");
+    clef::Decision d{hidden, n_tokens, std::vector<int32_t>(tokens, tokens + n_tokens), {}, {}, {}, {}};
+    for (int32_t t : d.tokens) {
+        if (t < 0 || t >= head.model.lexicon.n_vocab) throw clef::Error("token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+    int64_t option = 0;
+    for (int32_t q = 0; q < n_questions; q++) {
+        if (type_ids[q] < 0 || type_ids[q] > 2) throw clef::Error("question type ids are 0 (noul), 1 (choice) or 2 (score)");
+        if (option_counts[q] < 1) throw clef::Error("every question needs at least one option");
+        d.type_ids.push_back(type_ids[q]);
+        for (int32_t i = 0; i < option_counts[q]; i++, option++) {
+            check_span(option_spans[2 * option], option_spans[2 * option + 1], n_tokens, "option");
+            d.question_of.push_back(q);
+            d.span_starts.push_back(option_spans[2 * option]);
+            d.span_lengths.push_back(option_spans[2 * option + 1] - option_spans[2 * option]);
+        }
+    }
+    for (int32_t q = 0; q < n_questions; q++) {
+        check_span(question_spans[2 * q], question_spans[2 * q + 1], n_tokens, "question");
+        d.span_starts.push_back(question_spans[2 * q]);
+        d.span_lengths.push_back(question_spans[2 * q + 1] - question_spans[2 * q]);
+    }
+    return d;
+}
+
+void run(clef_head & head, const clef::Decision & d, float * logits) {
+    size_t nodes = clef::graph_size(head.model, d);
+    if (nodes > SCHED_GRAPH_SIZE) throw clef::Error("this request has too many spans for one graph");
+    ggml_init_params params = {ggml_tensor_overhead() * nodes * 2 + ggml_graph_overhead_custom(nodes, false), nullptr, true};
+    ggml_context * ctx = ggml_init(params);
+    try {
+        clef::Graph g = clef::build_graph(ctx, head.model, d);
+        ggml_backend_sched_reset(head.sched);
+        if (!ggml_backend_sched_alloc_graph(head.sched, g.graph)) {
+            throw clef::Error("cannot allocate the head's compute buffer on " + head.device_name + " (out of memory?)");
+        }
+        ggml_backend_tensor_set(g.hidden, d.hidden, 0, ggml_nbytes(g.hidden));
+        for (const clef::Input & input : g.inputs) ggml_backend_tensor_set(input.tensor, input.bytes.data(), 0, input.bytes.size());
+        if (ggml_backend_sched_graph_compute(head.sched, g.graph) != GGML_STATUS_SUCCESS) {
+            throw clef::Error("the head's graph failed on " + head.device_name);
+        }
+        ggml_backend_tensor_get(g.logits, logits, 0, ggml_nbytes(g.logits));
+    } catch (...) {
+        ggml_free(ctx);
+        throw;
+    }
+    ggml_free(ctx);
+}
+
+}  // namespace
+
+extern "C" {
+
+int clef_head_load(const char * path, int use_gpu, int n_threads, clef_head ** out, char * err, size_t err_size) {
+    auto * head = new clef_head();
+    try {
+        init_backends(*head, path, use_gpu != 0, n_threads);
+    } catch (const std::exception & e) {
+        free_head(head);
+        report(err, err_size, e.what());
+        return 1;
+    }
+    *out = head;
+    return 0;
+}
+
+void clef_head_free(clef_head * head) { free_head(head); }
+
+const char * clef_head_device(const clef_head * head) { return head->device_name.c_str(); }
+
+int32_t clef_head_hidden_size(const clef_head * head) { return (int32_t) head->model.config.hidden_size; }
+
+int clef_head_run(clef_head * head, const float * hidden, int32_t n_tokens, const int32_t * tokens, int32_t n_questions,
+                  const int32_t * type_ids, const int32_t * question_spans, const int32_t * option_counts, const int32_t * option_spans,
+                  float * logits, char * err, size_t err_size) {
+    try {
+        clef::Decision d = decision(*head, hidden, n_tokens, tokens, n_questions, type_ids, question_spans, option_counts, option_spans);
+        run(*head, d, logits);
+    } catch (const std::exception & e) {
+        report(err, err_size, e.what());
+        return 1;
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,41 @@
+// The C API of libclef_head: Clef's joint schema head as a ggml graph, on the device
+// the backbone runs on. Python binds it with ctypes (clef_gguf/runtime/native_head.py).
+//
+// Every function that can fail returns 0 on success, or non-zero with a one-line
+// message in err (err_size bytes, always NUL-terminated).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CLEF_HEAD_API __attribute__((visibility("default")))
+
+typedef struct clef_head clef_head;
+
+// Read the head (`head.*` tensors, in their stored types) and the output-embedding
+// table's location from the Clef GGUF at `path`. use_gpu: run on the first GPU
+// device ggml knows (CUDA when llama-cpp-python was built with it), else on the CPU.
+CLEF_HEAD_API int clef_head_load(const char * path, int use_gpu, int n_threads, clef_head ** out, char * err, size_t err_size);
+CLEF_HEAD_API void clef_head_free(clef_head * head);
+
+// The device the head runs on ("CPU", "CUDA0", ...) and the hidden size it expects.
+CLEF_HEAD_API const char * clef_head_device(const clef_head * head);
+CLEF_HEAD_API int32_t clef_head_hidden_size(const clef_head * head);
+
+// One decision. hidden: n_tokens rows of hidden_size floats (the backbone's final
+// hidden states); tokens: the prompt's ids (the lexical prior reads the output
+// embedding rows of each option's tokens). Spans are [start, end) token positions:
+// question_spans has 2 * n_questions entries, option_spans 2 * sum(option_counts),
+// question by question. logits receives one float per option, in the same order.
+CLEF_HEAD_API int clef_head_run(clef_head * head, const float * hidden, int32_t n_tokens, const int32_t * tokens,
+                                int32_t n_questions, const int32_t * type_ids, const int32_t * question_spans,
+                                const int32_t * option_counts, const int32_t * option_spans, float * logits, char * err,
+                                size_t err_size);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,113 @@
+// Internal types of libclef_head: the head's weights, the loaded head, one decision's inputs.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+namespace clef {
+
+// A message for the caller (bad file, bad request): reported through err, never aborts.
+struct Error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// JointSchemaHead's constructor arguments (clef.head.* in the GGUF).
+struct Config {
+    int64_t hidden_size, width, routing_layers, layers, heads, feedforward;
+};
+
+struct Norm {  // torch.nn.LayerNorm
+    ggml_tensor *weight, *bias;
+};
+struct Linear {  // torch.nn.Linear; bias may be null
+    ggml_tensor *weight, *bias;
+};
+struct Attention {  // torch.nn.MultiheadAttention (packed in_proj)
+    ggml_tensor *in_weight, *in_bias;
+    Linear out;
+    // Attentions over the prompt's memory only: the key block of in_weight, transposed per
+    // head ([head_dim, width, heads], F32), derived at load for the folded form (head_graph.cpp).
+    ggml_tensor * key_t = nullptr;
+};
+struct EvidenceLayer {
+    Norm query_norm, memory_norm, feedforward_norm;
+    Attention attention;
+    Linear up, down;
+};
+struct DecoderLayer {  // torch.nn.TransformerDecoderLayer(norm_first=True, activation="gelu")
+    Attention self_attn, cross_attn;
+    Linear up, down;
+    Norm norm1, norm2, norm3;
+};
+
+struct Weights {
+    Norm hidden_norm, option_summary_norm, field_norm, option_norm;
+    Linear memory, question, option_question, global, option_context, option_lexical;
+    ggml_tensor * type_embedding;
+    std::vector<EvidenceLayer> evidence;
+    std::vector<DecoderLayer> layers;
+    Linear scorer_up, scorer_down;
+    // Scalars, read once: exp(min(s, log 100)) and sigmoid(gate), as the reference computes them.
+    float prior_scale, joint_scale, gate;
+};
+
+// Where the output-embedding table (output.weight, or token_embd.weight when tied)
+// lies in the file: the lexical prior reads the rows it needs, in the stored type.
+struct Lexicon {
+    ggml_type type;
+    int64_t n_embd, n_vocab;
+    size_t row_size;
+    uint64_t offset;  // absolute, in the file
+};
+
+struct Model {
+    Config config;
+    Weights weights;
+    Lexicon lexicon;
+    int fd = -1;
+    ggml_context * ctx = nullptr;  // tensor metadata of the weights
+    ggml_backend_buffer_t buffer = nullptr;
+};
+
+// Load the head's tensors into a buffer of `buft`; throws Error.
+void load_model(Model & model, const char * path, ggml_backend_buffer_type_t buft);
+void free_model(Model & model);
+std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids);
+
+// One decision, validated: spans lie in [0, n_tokens) and are not empty.
+struct Decision {
+    const float * hidden;
+    int64_t n_tokens;
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> type_ids;       // per question
+    std::vector<int32_t> question_of;    // per option: its question
+    std::vector<int32_t> span_starts;    // options first, then questions
+    std::vector<int32_t> span_lengths;
+    int64_t n_questions() const { return (int64_t) type_ids.size(); }
+    int64_t n_options() const { return (int64_t) question_of.size(); }
+};
+
+// A graph's inputs: created while building, filled once the scheduler allocated them.
+struct Input {
+    ggml_tensor * tensor;
+    std::vector<uint8_t> bytes;
+};
+
+struct Graph {
+    ggml_cgraph * graph;
+    ggml_tensor * logits;      // [n_options]
+    ggml_tensor * hidden;      // [hidden_size, n_tokens], filled from Decision::hidden
+    std::vector<Input> inputs; // everything else
+};
+
+// Build the head's graph for one decision in `ctx` (no_alloc).
+Graph build_graph(ggml_context * ctx, const Model & model, const Decision & decision);
+// Nodes a decision's graph may need (for ggml_new_graph_custom and the context size).
+size_t graph_size(const Model & model, const Decision & decision);
+
+}  // namespace clef

@@ -1,0 +1,288 @@
+// The joint schema head as one ggml graph, op for op as clef_gguf/runtime/head.py (the
+// numpy reference) and Cloudflare's JointSchemaHead compute it.
+//
+// Layout: a numpy (rows, cols) matrix is a ggml tensor [cols, rows]: hidden states
+// are [hidden_size, n_tokens], options [width, n_options], and so on.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "head.h"
+
+namespace clef {
+namespace {
+
+constexpr float LN_EPS = 1e-5f;       // torch LayerNorm default
+constexpr float L2_EPS = 1e-12f;      // torch functional.normalize default
+constexpr float COSINE_EPS = 1e-8f;   // torch cosine_similarity default
+// Span means multiply gathered rows by an averaging matrix of tokens x spans. Split
+// into chunks of consecutive spans so that no matrix exceeds this many entries:
+// memory stays linear in the prompt whatever the number of options.
+constexpr int64_t MEAN_CHUNK_ENTRIES = 1 << 22;
+
+// Consecutive spans [first, last) whose averaging matrix (tokens x spans) fits MEAN_CHUNK_ENTRIES.
+std::vector<std::pair<size_t, size_t>> mean_chunks(const std::vector<int32_t> & lengths) {
+    std::vector<std::pair<size_t, size_t>> chunks;
+    for (size_t first = 0; first < lengths.size();) {
+        size_t last = first;
+        int64_t tokens = 0;
+        while (last < lengths.size() && (last == first || (tokens + lengths[last]) * (int64_t) (last - first + 1) <= MEAN_CHUNK_ENTRIES)) {
+            tokens += lengths[last++];
+        }
+        chunks.emplace_back(first, last);
+        first = last;
+    }
+    return chunks;
+}
+
+struct Memory {
+    ggml_tensor * x;   // [w, n]
+    ggml_tensor * xt;  // [n, w]
+};
+
+class Builder {
+  public:
+    Builder(ggml_context * ctx, const Model & model, Graph & graph) : ctx_(ctx), w_(model.weights), c_(model.config), g_(graph) {}
+
+    // A graph input: its bytes are copied in after the scheduler allocated it.
+    ggml_tensor * input(ggml_type type, int64_t ne0, int64_t ne1, std::vector<uint8_t> bytes) {
+        ggml_tensor * t = ggml_new_tensor_2d(ctx_, type, ne0, ne1);
+        ggml_set_input(t);
+        g_.inputs.push_back({t, std::move(bytes)});
+        return t;
+    }
+
+    template <typename T> ggml_tensor * input(ggml_type type, int64_t ne0, int64_t ne1, const std::vector<T> & values) {
+        std::vector<uint8_t> bytes(values.size() * sizeof(T));
+        std::memcpy(bytes.data(), values.data(), bytes.size());
+        return input(type, ne0, ne1, std::move(bytes));
+    }
+
+    ggml_tensor * ids(const std::vector<int32_t> & values) { return input(GGML_TYPE_I32, (int64_t) values.size(), 1, values); }
+
+    ggml_tensor * layer_norm(ggml_tensor * x, const Norm & n) {
+        return ggml_add(ctx_, ggml_mul(ctx_, ggml_norm(ctx_, x, LN_EPS), n.weight), n.bias);
+    }
+
+    ggml_tensor * linear(ggml_tensor * x, const Linear & l) {
+        ggml_tensor * y = ggml_mul_mat(ctx_, l.weight, x);
+        return l.bias ? ggml_add(ctx_, y, l.bias) : y;
+    }
+
+    ggml_tensor * gelu(ggml_tensor * x) { return ggml_gelu_erf(ctx_, x); }  // nn.GELU(): the exact, erf form
+
+    // One of the in_proj blocks (0: query, 1: key, 2: value) applied to x [w, L], with its bias.
+    ggml_tensor * project(ggml_tensor * x, const Attention & a, int part) {
+        const int64_t w = c_.width;
+        ggml_tensor * weight = ggml_view_2d(ctx_, a.in_weight, w, w, a.in_weight->nb[1], part * w * a.in_weight->nb[1]);
+        ggml_tensor * bias = ggml_view_1d(ctx_, a.in_bias, w, part * w * a.in_bias->nb[0]);
+        return ggml_add(ctx_, ggml_mul_mat(ctx_, weight, x), bias);
+    }
+
+    // [w, L] -> [d, L, H]: one matrix per head.
+    ggml_tensor * split_heads(ggml_tensor * x) {
+        const int64_t d = c_.width / c_.heads;
+        return ggml_cont(ctx_, ggml_permute(ctx_, ggml_reshape_3d(ctx_, x, d, c_.heads, x->ne[1]), 0, 2, 1, 3));
+    }
+
+    // [d, L, H] -> [w, L], then out_proj.
+    ggml_tensor * merge_heads(ggml_tensor * x, const Attention & a) {
+        ggml_tensor * merged = ggml_cont(ctx_, ggml_permute(ctx_, x, 0, 2, 1, 3));  // [d, H, L]
+        return linear(ggml_reshape_2d(ctx_, merged, c_.width, x->ne[1]), a.out);
+    }
+
+    // nn.MultiheadAttention(queries, memory, memory), no mask: queries [w, Lq], memory [w, Lk].
+    ggml_tensor * attention(ggml_tensor * queries, ggml_tensor * memory, const Attention & a) {
+        const int64_t d = c_.width / c_.heads, lk = memory->ne[1];
+        ggml_tensor * q = split_heads(project(queries, a, 0));  // [d, Lq, H]
+        ggml_tensor * k = split_heads(project(memory, a, 1));   // [d, Lk, H]
+        ggml_tensor * v = ggml_cont(ctx_, ggml_permute(ctx_, ggml_reshape_3d(ctx_, project(memory, a, 2), d, c_.heads, lk), 1, 2, 0, 3));  // [Lk, d, H]
+        ggml_tensor * scores = ggml_soft_max_ext(ctx_, ggml_mul_mat(ctx_, k, q), nullptr, 1.0f / std::sqrt((float) d), 0.0f);  // [Lk, Lq, H]
+        return merge_heads(ggml_mul_mat(ctx_, v, scores), a);
+    }
+
+    // The same attention over the prompt's memory m = gamma * x + beta (x alone when norm is null),
+    // with the projections moved to the few queries' side:
+    //   scores_h = (W_k,h^T q_h)^T m: the key bias, and beta, add one constant per query, which the softmax ignores;
+    //   out_h = W_v,h (m p_h) + b_v,h: the weights p_h sum to 1.
+    // The memory is then read by two products of n x w x (Lq * heads), instead of being projected to
+    // keys and values (n x w x 2w): worth it while Lq * heads < w + Lq (see folds()).
+    ggml_tensor * memory_attention(ggml_tensor * queries, const Memory & m, const Norm * norm, const Attention & a) {
+        const int64_t w = c_.width, heads = c_.heads, d = w / heads, lq = queries->ne[1];
+        if (!folds(lq)) {
+            ggml_tensor * memory = norm ? ggml_add(ctx_, ggml_mul(ctx_, m.x, norm->weight), norm->bias) : m.x;
+            return attention(queries, memory, a);
+        }
+        ggml_tensor * folded = ggml_mul_mat(ctx_, a.key_t, split_heads(project(queries, a, 0)));  // [w, Lq, H]
+        if (norm) folded = ggml_mul(ctx_, folded, norm->weight);
+        ggml_tensor * scores = ggml_mul_mat(ctx_, m.x, ggml_reshape_2d(ctx_, folded, w, lq * heads));  // [n, Lq * H]
+        scores = ggml_soft_max_ext(ctx_, scores, nullptr, 1.0f / std::sqrt((float) d), 0.0f);
+        ggml_tensor * mixed = ggml_mul_mat(ctx_, m.xt, scores);  // [w, Lq * H]: x p
+        if (norm) mixed = ggml_add(ctx_, ggml_mul(ctx_, mixed, norm->weight), norm->bias);
+        const size_t row = a.in_weight->nb[1];
+        ggml_tensor * values = ggml_view_3d(ctx_, a.in_weight, w, d, heads, row, d * row, 2 * w * row);  // W_v per head
+        ggml_tensor * bias = ggml_view_3d(ctx_, a.in_bias, d, 1, heads, d * sizeof(float), d * sizeof(float), 2 * w * sizeof(float));
+        ggml_tensor * out = ggml_add(ctx_, ggml_mul_mat(ctx_, values, ggml_reshape_3d(ctx_, mixed, w, lq, heads)), bias);  // [d, Lq, H]
+        return merge_heads(out, a);
+    }
+
+    bool folds(int64_t n_queries) const { return n_queries * c_.heads < c_.width + n_queries; }
+
+    ggml_tensor * evidence_layer(ggml_tensor * queries, const Memory & standardized, const EvidenceLayer & l) {
+        ggml_tensor * routed = memory_attention(layer_norm(queries, l.query_norm), standardized, &l.memory_norm, l.attention);
+        queries = ggml_add(ctx_, queries, routed);
+        ggml_tensor * hidden = gelu(linear(layer_norm(queries, l.feedforward_norm), l.up));
+        return ggml_add(ctx_, queries, linear(hidden, l.down));
+    }
+
+    ggml_tensor * decoder_layer(ggml_tensor * x, const Memory & memory, const DecoderLayer & l) {
+        ggml_tensor * h = layer_norm(x, l.norm1);
+        x = ggml_add(ctx_, x, attention(h, h, l.self_attn));
+        x = ggml_add(ctx_, x, memory_attention(layer_norm(x, l.norm2), memory, nullptr, l.cross_attn));
+        ggml_tensor * hidden = gelu(linear(layer_norm(x, l.norm3), l.up));
+        return ggml_add(ctx_, x, linear(hidden, l.down));
+    }
+
+    // A memory [w, n], and its transpose when an attention over it folds (else unused, and not computed).
+    Memory memory(ggml_tensor * x, int64_t n_queries) {
+        return {x, folds(n_queries) ? ggml_cont(ctx_, ggml_transpose(ctx_, x)) : nullptr};
+    }
+
+    // Means of consecutive spans of `rows` [dim, sum(lengths)]: [dim, n_spans].
+    ggml_tensor * span_means(ggml_tensor * rows, const std::vector<int32_t> & lengths) {
+        std::vector<ggml_tensor *> parts;
+        int64_t token = 0;
+        for (const auto & [first, last] : mean_chunks(lengths)) {
+            int64_t tokens = 0;
+            for (size_t s = first; s < last; s++) tokens += lengths[s];
+            parts.push_back(chunk_means(rows, token, tokens, lengths, first, last));
+            token += tokens;
+        }
+        return concat(parts, 0, parts.size());
+    }
+
+    ggml_context * ctx() const { return ctx_; }
+
+  private:
+    ggml_tensor * chunk_means(ggml_tensor * rows, int64_t token, int64_t tokens, const std::vector<int32_t> & lengths, size_t first, size_t last) {
+        const int64_t n_spans = (int64_t) (last - first);
+        std::vector<float> average((size_t) (tokens * n_spans), 0.0f);  // [tokens, n_spans]: 1/len on each span's tokens
+        int64_t at = 0;
+        for (int64_t s = 0; s < n_spans; s++) {
+            const int32_t len = lengths[first + s];
+            std::fill_n(average.begin() + s * tokens + at, len, 1.0f / (float) len);
+            at += len;
+        }
+        ggml_tensor * part = ggml_view_2d(ctx_, rows, rows->ne[0], tokens, rows->nb[1], token * rows->nb[1]);
+        ggml_tensor * transposed = ggml_cont(ctx_, ggml_transpose(ctx_, part));  // [tokens, dim]
+        return ggml_mul_mat(ctx_, transposed, input(GGML_TYPE_F32, tokens, n_spans, average));
+    }
+
+    ggml_tensor * concat(const std::vector<ggml_tensor *> & parts, size_t lo, size_t hi) {  // a balanced tree: O(n log n) copies
+        if (hi - lo == 1) return parts[lo];
+        size_t mid = (lo + hi) / 2;
+        return ggml_concat(ctx_, concat(parts, lo, mid), concat(parts, mid, hi), 1);
+    }
+
+    ggml_context * ctx_;
+    const Weights & w_;
+    const Config & c_;
+    Graph & g_;
+};
+
+// Gather the span tokens: options' spans first, then questions', each span's tokens in order.
+std::vector<int32_t> span_tokens(const Decision & d, size_t first, size_t last) {
+    std::vector<int32_t> out;
+    for (size_t s = first; s < last; s++) {
+        for (int32_t t = 0; t < d.span_lengths[s]; t++) out.push_back(d.span_starts[s] + t);
+    }
+    return out;
+}
+
+// The lexical prior's rows: each option token's output-embedding row, in the stored type.
+ggml_tensor * lexical_rows(Builder & b, const Model & model, const Decision & d) {
+    std::vector<int32_t> positions = span_tokens(d, 0, (size_t) d.n_options());
+    std::vector<int32_t> unique;
+    for (int32_t p : positions) unique.push_back(d.tokens[p]);
+    std::sort(unique.begin(), unique.end());
+    unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+    std::vector<int32_t> local;
+    for (int32_t p : positions) local.push_back((int32_t) (std::lower_bound(unique.begin(), unique.end(), d.tokens[p]) - unique.begin()));
+    ggml_tensor * table = b.input(model.lexicon.type, model.lexicon.n_embd, (int64_t) unique.size(), read_lexicon_rows(model, unique));
+    return ggml_get_rows(b.ctx(), table, b.ids(local));  // dequantized to F32 [hidden, option tokens]
+}
+
+}  // namespace
+
+size_t graph_size(const Model & model, const Decision & decision) {
+    // Layers and the logits take a few hundred nodes, each chunk of span means 8 at most.
+    std::vector<int32_t> options(decision.span_lengths.begin(), decision.span_lengths.begin() + decision.n_options());
+    size_t chunks = mean_chunks(decision.span_lengths).size() + mean_chunks(options).size();
+    return (size_t) (512 + 128 * (model.config.routing_layers + model.config.layers)) + 8 * chunks;
+}
+
+Graph build_graph(ggml_context * ctx, const Model & model, const Decision & d) {
+    Graph g{};
+    g.graph = ggml_new_graph_custom(ctx, graph_size(model, d), false);
+    Builder b(ctx, model, g);
+    const Weights & w = model.weights;
+    const int64_t n = d.n_tokens, n_options = d.n_options(), n_questions = d.n_questions();
+    const int64_t h = model.config.hidden_size, width = model.config.width;
+
+    g.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, h, n);
+    ggml_set_input(g.hidden);
+    ggml_tensor * hs = b.layer_norm(g.hidden, w.hidden_norm);
+    ggml_tensor * memory = b.linear(hs, w.memory);
+    ggml_tensor * global = ggml_view_2d(ctx, hs, h, 1, hs->nb[1], (n - 1) * hs->nb[1]);  // the last token
+
+    // Span means of the normalized hidden states: options' contexts, then questions.
+    ggml_tensor * spans = b.span_means(ggml_get_rows(ctx, hs, b.ids(span_tokens(d, 0, d.span_lengths.size()))), d.span_lengths);
+    ggml_tensor * contexts = ggml_view_2d(ctx, spans, h, n_options, spans->nb[1], 0);
+    ggml_tensor * questions = ggml_view_2d(ctx, spans, h, n_questions, spans->nb[1], n_options * spans->nb[1]);
+    std::vector<int32_t> option_lengths(d.span_lengths.begin(), d.span_lengths.begin() + n_options);
+    ggml_tensor * lexical = b.span_means(lexical_rows(b, model, d), option_lengths);  // [h, options]
+    ggml_tensor * question_of = b.ids(d.question_of);
+
+    ggml_tensor * routed = ggml_add(ctx, b.linear(contexts, w.option_context), b.linear(lexical, w.option_lexical));
+    routed = ggml_add(ctx, routed, ggml_get_rows(ctx, b.linear(questions, w.option_question), question_of));
+    // Each evidence layer normalizes the memory with its own weights: standardize it once.
+    Memory standardized = b.memory(ggml_norm(ctx, memory, LN_EPS), n_options);
+    for (const EvidenceLayer & layer : w.evidence) routed = b.evidence_layer(routed, standardized, layer);
+
+    // Each question's summary: a softmax over its own options (a mask hides the others).
+    ggml_tensor * base_fields = b.linear(questions, w.question);  // [w, Q]
+    std::vector<float> mask((size_t) (n_options * n_questions), -INFINITY);  // [options, questions]
+    for (int64_t o = 0; o < n_options; o++) mask[(size_t) (d.question_of[o] * n_options + o)] = 0.0f;
+    ggml_tensor * weights = ggml_soft_max_ext(ctx, ggml_mul_mat(ctx, routed, base_fields), b.input(GGML_TYPE_F32, n_options, n_questions, mask),
+                                              1.0f / std::sqrt((float) width), 0.0f);
+    ggml_tensor * summaries = ggml_mul_mat(ctx, ggml_cont(ctx, ggml_transpose(ctx, routed)), weights);  // [w, Q]
+    ggml_tensor * fields = ggml_add(ctx, base_fields, b.layer_norm(summaries, w.option_summary_norm));
+    fields = ggml_add(ctx, fields, b.linear(global, w.global));
+    fields = ggml_add(ctx, fields, ggml_get_rows(ctx, w.type_embedding, b.ids(d.type_ids)));
+    Memory raw_memory = b.memory(memory, n_questions);
+    for (const DecoderLayer & layer : w.layers) fields = b.decoder_layer(fields, raw_memory, layer);
+    fields = b.layer_norm(fields, w.field_norm);
+
+    // The lexical prior: cosine of each option's mean embedding with its question + the last token.
+    ggml_tensor * anchors = ggml_get_rows(ctx, ggml_l2_norm(ctx, ggml_add(ctx, questions, global), L2_EPS), question_of);
+    ggml_tensor * prior = ggml_sum_rows(ctx, ggml_mul(ctx, ggml_l2_norm(ctx, lexical, L2_EPS), anchors));  // [1, options]
+
+    // The joint score: cosine of option and field, plus the residual scorer on their features.
+    ggml_tensor * options = b.layer_norm(routed, w.option_norm);
+    ggml_tensor * field = ggml_get_rows(ctx, fields, question_of);  // [w, options]
+    ggml_tensor * dot = ggml_sum_rows(ctx, ggml_mul(ctx, options, field));
+    ggml_tensor * norms = ggml_mul(ctx, ggml_sqrt(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, options))),
+                                   ggml_sqrt(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, field))));
+    ggml_tensor * cosine = ggml_div(ctx, dot, ggml_clamp(ctx, norms, COSINE_EPS, INFINITY));
+    ggml_tensor * features = ggml_concat(ctx, ggml_concat(ctx, field, options, 0),
+                                         ggml_concat(ctx, ggml_mul(ctx, field, options), ggml_abs(ctx, ggml_sub(ctx, field, options)), 0), 0);
+    ggml_tensor * residual = b.linear(b.gelu(b.linear(features, w.scorer_up)), w.scorer_down);  // [1, options]
+    ggml_tensor * joint = ggml_add(ctx, ggml_scale(ctx, cosine, w.joint_scale), residual);
+    g.logits = ggml_add(ctx, ggml_scale(ctx, prior, w.prior_scale), ggml_scale(ctx, joint, w.gate));
+    ggml_set_output(g.logits);
+    ggml_build_forward_expand(g.graph, g.logits);
+    return g;
+}
+
+}  // namespace clef

@@ -1,0 +1,150 @@
+"""The native head (libclef_head, a ggml graph) against the numpy reference (runtime/head.py),
+one ggml in the process, and prefill in several ubatches."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import llama_cpp
+import numpy as np
+import pytest
+from request_suite import all_requests
+
+import clef_gguf
+from clef_gguf.gguf_header import GGUFFile
+from clef_gguf.runtime.head import lexical_rows, reference_head
+from clef_gguf.runtime.model import _decision_metadata
+from clef_gguf.runtime.native_head import NativeHead, library_path
+from clef_gguf.runtime.prompt import QUESTION_TYPES, EncodedPrompt, EncodedQuestion, Question, Request
+
+# (release, file type, head type, tolerance on |logit difference| relative to 1 + |logit|).
+# With F32 head weights both sides compute in float32 (only the order of sums differs);
+# F16 / Q8_0 weights make ggml round the activations to that type too, as llama.cpp does.
+CASES = [
+    ("untied_f32", "f32", "f32", 1e-4),
+    ("tied_bf16", "q8_0", "f32", 1e-4),
+    ("k256", "q4_k_m", "f32", 1e-4),
+    ("k256", "f32", "f16", 5e-3),
+    ("k256", "f32", "q8_0", 3e-2),
+]
+
+
+def gguf_path(ws, release: str, file_type: str, head_type: str = "f32"):
+    """ws.gguf is cached by its arguments: call it as the other tests do."""
+    return ws.gguf(release, file_type) if head_type == "f32" else ws.gguf(release, file_type, head_type)
+
+
+def random_prompt(rng: np.random.Generator, n_tokens: int, n_vocab: int, questions: int, max_options: int) -> EncodedPrompt:
+    """Random spans (possibly overlapping: the head only averages) over random token ids."""
+
+    def span(max_len: int = 12) -> tuple[int, int]:
+        start = int(rng.integers(0, n_tokens - 1))
+        return start, min(n_tokens, start + int(rng.integers(1, max_len + 1)))
+
+    encoded = []
+    for index in range(questions):
+        kind = list(QUESTION_TYPES)[index % 3]
+        n_options = int(rng.integers(2, max_options + 1))
+        question = Question(f"q{index}", kind, None, tuple((str(i), None) for i in range(n_options)))
+        encoded.append(EncodedQuestion(question, span(), tuple(span() for _ in range(n_options))))
+    tokens = rng.integers(0, n_vocab, size=n_tokens).tolist()
+    return EncodedPrompt(Request(None, "", tuple(q.question for q in encoded)), tokens, tuple(encoded))
+
+
+@pytest.mark.parametrize(("release", "file_type", "head_type", "tolerance"), CASES)
+def test_native_head_equals_the_numpy_reference(ws, release, file_type, head_type, tolerance):
+    path = gguf_path(ws, release, file_type, head_type)
+    f = GGUFFile.open(path)
+    try:
+        config, _ = _decision_metadata(f)
+        reference = reference_head(f, config)
+        native = NativeHead(path, n_threads=2)
+        n_vocab = f.header.tensors["token_embd.weight"].shape[0]
+        rng = np.random.default_rng(0)
+        # Few queries take the folded attention over the memory, many (17 questions of up to 9 options
+        # over width 32 or 64) the per-head one: head_graph.cpp's folds().
+        for n_tokens, questions, max_options in [(1, 1, 2), (40, 1, 2), (300, 5, 6), (900, 17, 9)]:
+            prompt = random_prompt(rng, max(n_tokens, 2), n_vocab, questions, max_options)
+            hidden = rng.normal(0.0, 2.0, size=(len(prompt.tokens), config.hidden_size)).astype(np.float32)
+            expected = reference(hidden, prompt, lexical_rows(f, prompt))
+            got = native(hidden, prompt)
+            assert [len(g) for g in got] == [len(e) for e in expected]
+            for g, e in zip(got, expected, strict=True):
+                np.testing.assert_allclose(g, e, rtol=tolerance, atol=tolerance)
+        native.close()
+    finally:
+        f.close()
+
+
+def test_span_means_split_into_chunks_give_the_same_logits(ws):
+    """64 questions x 40 options over 6000 tokens: the averaging matrices are split in several chunks."""
+    path = ws.gguf("untied_f32", "f32")
+    f = GGUFFile.open(path)
+    try:
+        config, _ = _decision_metadata(f)
+        rng = np.random.default_rng(1)
+        prompt = random_prompt(rng, 6000, f.header.tensors["token_embd.weight"].shape[0], 64, 40)
+        hidden = rng.normal(0.0, 1.0, size=(6000, config.hidden_size)).astype(np.float32)
+        expected = reference_head(f, config)(hidden, prompt, lexical_rows(f, prompt))
+        got = NativeHead(path, n_threads=2)(hidden, prompt)
+        np.testing.assert_allclose(np.concatenate(got), np.concatenate(expected), rtol=1e-4, atol=1e-4)
+    finally:
+        f.close()
+
+
+def test_decide_uses_the_native_head(ws):
+    model = ws.model("untied_f32", "f32")
+    assert isinstance(model.head, NativeHead) and model.head.device  # "CPU" here; "CUDA0" under tools/gpu_check.sh
+
+
+def test_bad_spans_and_tokens_are_errors_not_crashes(ws):
+    path = ws.gguf("untied_f32", "f32")
+    head = NativeHead(path, n_threads=1)
+    rng = np.random.default_rng(2)
+    prompt = random_prompt(rng, 20, 100, 1, 2)
+    hidden = np.zeros((20, head.hidden_size), dtype=np.float32)
+    q = prompt.questions[0]
+    for bad in [EncodedQuestion(q.question, (5, 5), q.option_spans), EncodedQuestion(q.question, q.span, ((0, 21), (1, 2)))]:
+        with pytest.raises(RuntimeError, match="span"):
+            head(hidden, EncodedPrompt(prompt.request, prompt.tokens, (bad,)))
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        head(hidden, EncodedPrompt(prompt.request, [10**8] * 20, prompt.questions))
+    with pytest.raises(ValueError, match="hidden states"):
+        head(hidden[:10], prompt)
+
+
+def test_one_ggml_in_the_process(ws):
+    """libclef_head resolves ggml's symbols to the libggml-base that libllama uses."""
+    ws.model("untied_f32", "f32")
+    dlsym = ctypes.CDLL(None).dlsym
+    dlsym.restype = ctypes.c_void_p
+    dlsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ours = ctypes.CDLL(str(library_path()))
+    theirs = llama_cpp.llama_cpp._lib
+    for symbol in (b"ggml_init", b"ggml_backend_dev_count", b"gguf_init_from_file"):
+        assert dlsym(ours._handle, symbol) == dlsym(theirs._handle, symbol), symbol
+    assert os.path.dirname(library_path()).endswith(os.path.join("clef_gguf", "_native"))
+
+
+@pytest.mark.parametrize("ubatch", [16, 500])
+def test_prefill_in_ubatches_gives_the_same_hidden_states(ws, ubatch):
+    path = ws.gguf("untied_f32", "f32")
+    request = all_requests()["long_state"]
+    whole = ws.model("untied_f32", "f32")
+    prompt = whole.encode(request)
+    assert len(prompt.tokens) > 2 * ubatch  # really split
+    with clef_gguf.load(path, n_ctx=8192, ubatch=ubatch) as split:
+        difference = np.abs(split.backbone.hidden_states(prompt.tokens) - whole.backbone.hidden_states(prompt.tokens))
+        # Other ubatch sizes change ggml's summation order (and the DeltaNet chunking): float noise,
+        # on hidden states of RMS ~1 and up to ~5 here.
+        assert difference.max() < 5e-3 and difference.mean() < 5e-4, (difference.max(), difference.mean())
+        ours, expected = split.decide(request)["answers"], whole.decide(request)["answers"]
+    for qid, answer in expected.items():
+        assert ours[qid].get("noul") == pytest.approx(answer.get("noul"), abs=2e-3)
+        assert ours[qid].get("probabilities") == pytest.approx(answer.get("probabilities"), abs=2e-3)
+
+
+def test_ubatch_out_of_range_is_refused(ws):
+    with pytest.raises(ValueError, match="ubatch"):
+        clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=1024, ubatch=2048)
