@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <map>
 
 #include "head.h"
 
@@ -43,7 +42,7 @@ struct Memory {
 
 class Builder {
   public:
-    Builder(ggml_context * ctx, const Model & model, Graph & graph) : ctx_(ctx), w_(model.weights), c_(model.config), g_(graph) {}
+    Builder(ggml_context * ctx, const Model & model, Graph & graph) : ctx_(ctx), c_(model.config), g_(graph) {}
 
     // A graph input: its bytes are copied in after the scheduler allocated it.
     ggml_tensor * input(ggml_type type, int64_t ne0, int64_t ne1, std::vector<uint8_t> bytes) {
@@ -186,7 +185,6 @@ class Builder {
     }
 
     ggml_context * ctx_;
-    const Weights & w_;
     const Config & c_;
     Graph & g_;
 };
@@ -222,52 +220,69 @@ size_t graph_size(const Model & model, const Decision & decision) {
     return (size_t) (512 + 128 * (model.config.routing_layers + model.config.layers)) + 8 * chunks;
 }
 
-Graph build_graph(ggml_context * ctx, const Model & model, const Decision & d) {
-    Graph g{};
-    g.graph = ggml_new_graph_custom(ctx, graph_size(model, d), false);
-    Builder b(ctx, model, g);
+namespace {
+
+// What the head reads off the prompt: the memory, the last token, and span means.
+struct PromptViews {
+    ggml_tensor * memory;     // [w, n]
+    ggml_tensor * global;     // [h, 1]: the last token
+    ggml_tensor * contexts;   // [h, options]: each option's span
+    ggml_tensor * questions;  // [h, questions]: each question's instruction span
+    ggml_tensor * lexical;    // [h, options]: each option's mean output-embedding row
+};
+
+PromptViews read_prompt(Builder & b, ggml_context * ctx, const Model & model, const Decision & d, ggml_tensor * hidden) {
     const Weights & w = model.weights;
-    const int64_t n = d.n_tokens, n_options = d.n_options(), n_questions = d.n_questions();
-    const int64_t h = model.config.hidden_size, width = model.config.width;
-
-    g.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, h, n);
-    ggml_set_input(g.hidden);
-    ggml_tensor * hs = b.layer_norm(g.hidden, w.hidden_norm);
-    ggml_tensor * memory = b.linear(hs, w.memory);
-    ggml_tensor * global = ggml_view_2d(ctx, hs, h, 1, hs->nb[1], (n - 1) * hs->nb[1]);  // the last token
-
-    // Span means of the normalized hidden states: options' contexts, then questions.
+    const int64_t n = d.n_tokens, h = model.config.hidden_size;
+    ggml_tensor * hs = b.layer_norm(hidden, w.hidden_norm);
     ggml_tensor * spans = b.span_means(ggml_get_rows(ctx, hs, b.ids(span_tokens(d, 0, d.span_lengths.size()))), d.span_lengths);
-    ggml_tensor * contexts = ggml_view_2d(ctx, spans, h, n_options, spans->nb[1], 0);
-    ggml_tensor * questions = ggml_view_2d(ctx, spans, h, n_questions, spans->nb[1], n_options * spans->nb[1]);
-    std::vector<int32_t> option_lengths(d.span_lengths.begin(), d.span_lengths.begin() + n_options);
-    ggml_tensor * lexical = b.span_means(lexical_rows(b, model, d), option_lengths);  // [h, options]
-    ggml_tensor * question_of = b.ids(d.question_of);
+    std::vector<int32_t> option_lengths(d.span_lengths.begin(), d.span_lengths.begin() + d.n_options());
+    return {
+        b.linear(hs, w.memory),
+        ggml_view_2d(ctx, hs, h, 1, hs->nb[1], (n - 1) * hs->nb[1]),
+        ggml_view_2d(ctx, spans, h, d.n_options(), spans->nb[1], 0),
+        ggml_view_2d(ctx, spans, h, d.n_questions(), spans->nb[1], d.n_options() * spans->nb[1]),
+        b.span_means(lexical_rows(b, model, d), option_lengths),
+    };
+}
 
-    ggml_tensor * routed = ggml_add(ctx, b.linear(contexts, w.option_context), b.linear(lexical, w.option_lexical));
-    routed = ggml_add(ctx, routed, ggml_get_rows(ctx, b.linear(questions, w.option_question), question_of));
+// The options, routed through the evidence layers over the memory: [w, options].
+ggml_tensor * route_options(Builder & b, ggml_context * ctx, const Weights & w, const PromptViews & p, ggml_tensor * question_of) {
+    ggml_tensor * routed = ggml_add(ctx, b.linear(p.contexts, w.option_context), b.linear(p.lexical, w.option_lexical));
+    routed = ggml_add(ctx, routed, ggml_get_rows(ctx, b.linear(p.questions, w.option_question), question_of));
     // Each evidence layer normalizes the memory with its own weights: standardize it once.
-    Memory standardized = b.memory(ggml_norm(ctx, memory, LN_EPS), n_options);
+    Memory standardized = b.memory(ggml_norm(ctx, p.memory, LN_EPS), routed->ne[1]);
     for (const EvidenceLayer & layer : w.evidence) routed = b.evidence_layer(routed, standardized, layer);
+    return routed;
+}
 
+// One field per question, decoded jointly over the memory: [w, questions].
+ggml_tensor * decode_fields(Builder & b, ggml_context * ctx, const Model & model, const Decision & d, const PromptViews & p,
+                            ggml_tensor * routed) {
+    const Weights & w = model.weights;
+    const int64_t n_options = d.n_options(), n_questions = d.n_questions();
     // Each question's summary: a softmax over its own options (a mask hides the others).
-    ggml_tensor * base_fields = b.linear(questions, w.question);  // [w, Q]
+    ggml_tensor * base = b.linear(p.questions, w.question);
     std::vector<float> mask((size_t) (n_options * n_questions), -INFINITY);  // [options, questions]
     for (int64_t o = 0; o < n_options; o++) mask[(size_t) (d.question_of[o] * n_options + o)] = 0.0f;
-    ggml_tensor * weights = ggml_soft_max_ext(ctx, ggml_mul_mat(ctx, routed, base_fields), b.input(GGML_TYPE_F32, n_options, n_questions, mask),
-                                              1.0f / std::sqrt((float) width), 0.0f);
-    ggml_tensor * summaries = ggml_mul_mat(ctx, ggml_cont(ctx, ggml_transpose(ctx, routed)), weights);  // [w, Q]
-    ggml_tensor * fields = ggml_add(ctx, base_fields, b.layer_norm(summaries, w.option_summary_norm));
-    fields = ggml_add(ctx, fields, b.linear(global, w.global));
+    ggml_tensor * scores = ggml_mul_mat(ctx, routed, base);  // [options, questions]
+    ggml_tensor * weights = ggml_soft_max_ext(ctx, scores, b.input(GGML_TYPE_F32, n_options, n_questions, mask),
+                                              1.0f / std::sqrt((float) model.config.width), 0.0f);
+    ggml_tensor * summaries = ggml_mul_mat(ctx, ggml_cont(ctx, ggml_transpose(ctx, routed)), weights);
+    ggml_tensor * fields = ggml_add(ctx, base, b.layer_norm(summaries, w.option_summary_norm));
+    fields = ggml_add(ctx, fields, b.linear(p.global, w.global));
     fields = ggml_add(ctx, fields, ggml_get_rows(ctx, w.type_embedding, b.ids(d.type_ids)));
-    Memory raw_memory = b.memory(memory, n_questions);
-    for (const DecoderLayer & layer : w.layers) fields = b.decoder_layer(fields, raw_memory, layer);
-    fields = b.layer_norm(fields, w.field_norm);
+    Memory memory = b.memory(p.memory, n_questions);
+    for (const DecoderLayer & layer : w.layers) fields = b.decoder_layer(fields, memory, layer);
+    return b.layer_norm(fields, w.field_norm);
+}
 
+// Each option's logit: prior + gate * (joint_scale * cosine + residual): [1, options].
+ggml_tensor * option_logits(Builder & b, ggml_context * ctx, const Weights & w, const PromptViews & p, ggml_tensor * routed,
+                            ggml_tensor * fields, ggml_tensor * question_of) {
     // The lexical prior: cosine of each option's mean embedding with its question + the last token.
-    ggml_tensor * anchors = ggml_get_rows(ctx, ggml_l2_norm(ctx, ggml_add(ctx, questions, global), L2_EPS), question_of);
-    ggml_tensor * prior = ggml_sum_rows(ctx, ggml_mul(ctx, ggml_l2_norm(ctx, lexical, L2_EPS), anchors));  // [1, options]
-
+    ggml_tensor * anchors = ggml_get_rows(ctx, ggml_l2_norm(ctx, ggml_add(ctx, p.questions, p.global), L2_EPS), question_of);
+    ggml_tensor * prior = ggml_sum_rows(ctx, ggml_mul(ctx, ggml_l2_norm(ctx, p.lexical, L2_EPS), anchors));
     // The joint score: cosine of option and field, plus the residual scorer on their features.
     ggml_tensor * options = b.layer_norm(routed, w.option_norm);
     ggml_tensor * field = ggml_get_rows(ctx, fields, question_of);  // [w, options]
@@ -275,11 +290,26 @@ Graph build_graph(ggml_context * ctx, const Model & model, const Decision & d) {
     ggml_tensor * norms = ggml_mul(ctx, ggml_sqrt(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, options))),
                                    ggml_sqrt(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, field))));
     ggml_tensor * cosine = ggml_div(ctx, dot, ggml_clamp(ctx, norms, COSINE_EPS, INFINITY));
-    ggml_tensor * features = ggml_concat(ctx, ggml_concat(ctx, field, options, 0),
-                                         ggml_concat(ctx, ggml_mul(ctx, field, options), ggml_abs(ctx, ggml_sub(ctx, field, options)), 0), 0);
-    ggml_tensor * residual = b.linear(b.gelu(b.linear(features, w.scorer_up)), w.scorer_down);  // [1, options]
+    ggml_tensor * product = ggml_mul(ctx, field, options), * distance = ggml_abs(ctx, ggml_sub(ctx, field, options));
+    ggml_tensor * features = ggml_concat(ctx, ggml_concat(ctx, field, options, 0), ggml_concat(ctx, product, distance, 0), 0);
+    ggml_tensor * residual = b.linear(b.gelu(b.linear(features, w.scorer_up)), w.scorer_down);
     ggml_tensor * joint = ggml_add(ctx, ggml_scale(ctx, cosine, w.joint_scale), residual);
-    g.logits = ggml_add(ctx, ggml_scale(ctx, prior, w.prior_scale), ggml_scale(ctx, joint, w.gate));
+    return ggml_add(ctx, ggml_scale(ctx, prior, w.prior_scale), ggml_scale(ctx, joint, w.gate));
+}
+
+}  // namespace
+
+Graph build_graph(ggml_context * ctx, const Model & model, const Decision & d) {
+    Graph g{};
+    g.graph = ggml_new_graph_custom(ctx, graph_size(model, d), false);
+    Builder b(ctx, model, g);
+    g.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, model.config.hidden_size, d.n_tokens);
+    ggml_set_input(g.hidden);
+    PromptViews prompt = read_prompt(b, ctx, model, d, g.hidden);
+    ggml_tensor * question_of = b.ids(d.question_of);
+    ggml_tensor * routed = route_options(b, ctx, model.weights, prompt, question_of);
+    ggml_tensor * fields = decode_fields(b, ctx, model, d, prompt, routed);
+    g.logits = option_logits(b, ctx, model.weights, prompt, routed, fields, question_of);
     ggml_set_output(g.logits);
     ggml_build_forward_expand(g.graph, g.logits);
     return g;

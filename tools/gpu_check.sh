@@ -8,10 +8,11 @@
 #   libraries needs (no models, docs, tests, examples, tools, other backends; mtmd off)
 #   as .gpu/llama_cpp_python-0.3.36.tar.gz, and the pure-Python wheels such a machine may
 #   lack (gguf, diskcache, clef-finetune: the reference the parity tests hold us to).
-# run: in a virtual environment over the system site-packages (torch, transformers,
-#   scikit-build-core...), builds llama-cpp-python with GGML_CUDA for this card's
-#   architecture only, installs clef-gguf (editable: its native head is compiled against
-#   that CUDA ggml), checks the head runs on the GPU, then runs, with n_gpu_layers=-1:
+# run: into python3's own environment (the GPU machine is disposable; a virtual environment
+#   made from it would not see its torch, transformers, scikit-build-core...), builds
+#   llama-cpp-python with GGML_CUDA for this card's architecture only, installs clef-gguf
+#   (editable: its native head is compiled against that CUDA ggml), checks the head runs
+#   on the GPU, then runs, with n_gpu_layers=-1:
 #   the native-vs-numpy tests, the parity tests against the reference, a GPU-vs-CPU
 #   comparison of every fixture decision, and tools/bench_head.py. Everything it reports
 #   lands in $OUT (or .gpu/out): gpu_check.log, head_gpu.md/.json/.png.
@@ -69,21 +70,18 @@ run() {
     command -v nvcc >/dev/null || { echo "no nvcc: a CUDA build of llama.cpp needs the CUDA toolkit"; exit 1; }
     local arch
     arch=$(cuda_architecture)
-    local venv=/tmp/clef-gpu-venv
-    python3 -m venv --system-site-packages "$venv"
-    # shellcheck disable=SC1091
-    source "$venv/bin/activate"
-    python -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
+    python3 -m pip --version
+    python3 -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
 
     echo "== llama-cpp-python $LLAMA_VERSION with CUDA for $arch ($(nproc) jobs)"
     CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_CUDA_FA=${GPU_CHECK_CUDA_FA:-OFF} -DLLAVA_BUILD=OFF" \
         CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        python -m pip install -q --no-index --no-deps --no-build-isolation "$BUNDLE/$SDIST.tar.gz"
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation "$BUNDLE/$SDIST.tar.gz"
     echo "   built in $((SECONDS - start)) s"
 
     echo "== clef-gguf (its native head against that ggml)"
-    python -m pip install -q --no-index --no-deps --no-build-isolation -e .
-    python - <<'EOF'
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+    python3 - <<'EOF'
 import clef_gguf
 from importlib import resources
 model = clef_gguf.load(resources.files("clef_gguf") / "data" / "demo.gguf", n_gpu_layers=-1)
@@ -114,11 +112,11 @@ native_head.NativeHead.__init__ = _on_gpu_head
 EOF
     export PYTHONPATH="$plugin${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     echo "== native head vs numpy, parity with the reference (n_gpu_layers=-1)"
-    python -m pytest -q -p clef_on_gpu tests/test_native_head.py tests/test_parity.py || echo "!! some tests failed (see above)"
+    python3 -m pytest -q -p clef_on_gpu tests/test_native_head.py tests/test_parity.py || echo "!! some tests failed (see above)"
     echo "   tests done after $((SECONDS - start)) s"
 
     echo "== GPU vs CPU decisions on the fixtures"
-    python - <<'EOF' || echo "!! the GPU-vs-CPU comparison failed"
+    python3 - <<'EOF' || echo "!! the GPU-vs-CPU comparison failed"
 import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")
@@ -142,7 +140,7 @@ with tempfile.TemporaryDirectory() as tmp:
 EOF
 
     echo "== benchmarks (n_gpu_layers=-1)"
-    python tools/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out" || echo "!! the benchmark failed"
+    python3 tools/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out" || echo "!! the benchmark failed"
     echo "== done in $((SECONDS - start)) s"
 }
 
