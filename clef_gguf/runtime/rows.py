@@ -29,7 +29,8 @@ class _TypeTraits(ctypes.Structure):
     ]
 
 
-_ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+# The file libllama links (its soname), so that this is the ggml already in the process, not a second copy.
+_ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
 _ggml.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
 _ggml.ggml_get_type_traits.argtypes = [ctypes.c_int]
 _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
