@@ -39,7 +39,7 @@ from gguf import GGUFValueType as VT
 
 from . import contract as C
 from .errors import CorruptModelError, IncompleteModelError, ModelFileError, NotADecisionModelError
-from .gguf_header import GGUF_MAGIC, GGUFFile, Header, TensorInfo, TruncatedHeader, parse_header
+from .gguf_header import GGUF_MAGIC, Field, GGUFFile, Header, TensorInfo, TruncatedHeader, parse_header
 
 # Limits no real model comes near. A Clef header is ~16 MB (a 248k-token vocabulary and its
 # merges); parsing the largest header allowed stays within seconds.
@@ -232,13 +232,18 @@ class _Reader:
     def bad(self, message: str) -> None:
         self.problems.append(Problem("metadata", message))
 
-    def uint(self, suffix: str, low: int, high: int, default: int | None = None, layers: int | None = None) -> int | None:
-        """A UINT32 (llama.cpp rejects other types); with `layers`, also a per-layer array of equal values."""
+    def _field(self, suffix: str, required: bool) -> tuple[str, Field | None]:
+        """The key of a hyperparameter and its field; a missing required one is a problem."""
         key = f"{self.prefix}.{suffix}"
         f = self.h.fields.get(key)
+        if f is None and required:
+            self.bad(f"{key} is missing")
+        return key, f
+
+    def uint(self, suffix: str, low: int, high: int, default: int | None = None, layers: int | None = None) -> int | None:
+        """A UINT32 (llama.cpp rejects other types); with `layers`, also a per-layer array of equal values."""
+        key, f = self._field(suffix, required=default is None)
         if f is None:
-            if default is None:
-                self.bad(f"{key} is missing")
             return default
         value = f.value
         if f.type == VT.ARRAY and layers is not None and f.item_type in (VT.INT32, VT.UINT32):
@@ -255,11 +260,8 @@ class _Reader:
         return value
 
     def float(self, suffix: str, low: float, high: float, default: float | None = None) -> float | None:
-        key = f"{self.prefix}.{suffix}"
-        f = self.h.fields.get(key)
+        key, f = self._field(suffix, required=default is None)
         if f is None:
-            if default is None:
-                self.bad(f"{key} is missing")
             return default
         if f.type != VT.FLOAT32:
             self.bad(f"{key} is stored as {f.type.name}; llama.cpp reads it as FLOAT32")
