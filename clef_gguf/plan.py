@@ -22,9 +22,9 @@ import llama_cpp as L
 from . import contract as C
 from .errors import ModelFileError
 from .gguf_header import GGUFFile
-from .runtime import llama_log
+from .runtime import cpu_buffers, llama_log
 from .runtime.backbone import MAX_UBATCH
-from .runtime.qwen35_view import open_qwen35_view
+from .runtime.qwen35_view import open_qwen35_view, view_tensor_names
 
 MIB = 1 << 20
 _SIZE = re.compile(r"(\w+)\s+compute buffer size =\s+([\d.]+) MiB")
@@ -76,13 +76,17 @@ class _NoAllocModel:
         llama_log.clear_errors()
         # The lean view, as the runtime loads it (no n_vocab logits): for a Clef file, or a
         # backbone in the same tensor order; any other qwen35 file as llama.cpp loads it by path.
+        # Weights are placed as the runtime places them (cpu_buffers): the figures describe what runs.
         try:
             view = open_qwen35_view(f, lean=True)
         except ModelFileError:
             self.lean = False
+            cpu_buffers.placement(f.header.tensors, n_gpu_layers=n_gpu_layers).apply(params)
             self.model = L.llama_model_load_from_file(str(f.path).encode(), params)
         else:
             self.lean = True
+            names = view_tensor_names(f, lean=True)
+            cpu_buffers.placement({n: f.header.tensors[n] for n in names}, n_gpu_layers=n_gpu_layers).apply(params)
             try:
                 self.model = L.llama_model_load_from_file_ptr(view.fp, params)
             finally:

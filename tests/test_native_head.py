@@ -15,7 +15,8 @@ import clef_gguf
 from clef_gguf.gguf_header import GGUFFile
 from clef_gguf.runtime.head import lexical_rows, reference_head
 from clef_gguf.runtime.model import _decision_metadata
-from clef_gguf.runtime.native_head import NativeHead, library_path
+from clef_gguf.runtime.native import library_path
+from clef_gguf.runtime.native_head import NativeHead
 from clef_gguf.runtime.prompt import QUESTION_TYPES, EncodedPrompt, EncodedQuestion, Question, Request
 
 # (release, file type, head type, tolerance on |logit difference| relative to 1 + |logit|).

@@ -62,12 +62,13 @@ class BareLlama:
     def __init__(self, path: Path, n_ctx: int, n_gpu_layers: int, threads: int) -> None:
         import llama_cpp as L
 
-        from clef_gguf.runtime import llama_log
+        from clef_gguf.runtime import cpu_buffers, llama_log
 
         llama_log.init_backend()
         self.L = L
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        cpu_buffers.for_gguf(path, n_gpu_layers=n_gpu_layers).apply(params)  # as the runtime: never AMX (it segfaults)
         self.model = L.llama_model_load_from_file(str(path).encode(), params)
         cparams = L.llama_context_default_params()
         cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = n_ctx

@@ -44,9 +44,10 @@ if mode == "clef":
     model = clef_gguf.load(path, n_ctx=n_ctx)
 else:
     import llama_cpp as L
-    from clef_gguf.runtime import llama_log
+    from clef_gguf.runtime import cpu_buffers, llama_log
     llama_log.init_backend()
     mp = L.llama_model_default_params()
+    cpu_buffers.for_gguf(path).apply(mp)  # as the runtime places weights: never AMX (it segfaults)
     model = L.llama_model_load_from_file(path.encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx

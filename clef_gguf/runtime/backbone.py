@@ -22,8 +22,8 @@ import numpy as np
 
 from ..errors import ModelFileError, PromptTooLongError, SettingsError
 from ..gguf_header import GGUFFile
-from . import llama_log
-from .qwen35_view import open_qwen35_view
+from . import cpu_buffers, llama_log
+from .qwen35_view import open_qwen35_view, view_tensor_names
 from .rows import RowTable
 
 # Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of
@@ -37,6 +37,8 @@ def _load(f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = 
     params.n_gpu_layers = n_gpu_layers
     params.vocab_only = vocab_only
     params.load_mode = L.LLAMA_LOAD_MODE_NONE  # a FILE* from fopencookie cannot be mmapped
+    tensors = {n: f.header.tensors[n] for n in view_tensor_names(f, lean)}
+    cpu_buffers.placement(tensors, n_gpu_layers=n_gpu_layers).apply(params)  # never AMX: it segfaults
     view = open_qwen35_view(f, lean)
     try:
         llama_log.clear_errors()

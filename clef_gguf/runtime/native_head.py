@@ -1,13 +1,8 @@
-"""The joint schema head on the backbone's device: libclef_head (native/, built by CMake) through ctypes.
+"""The joint schema head on the backbone's device: libclef_head's ggml graph (native/head_graph.cpp).
 
-The library is a ggml graph of the head, linked against the ggml that llama-cpp-python
-ships. `llama_cpp` is imported first: it loads libllama and, as its dependencies,
-llama_cpp/lib/libggml.so.0 and libggml-base.so.0. The dynamic loader then resolves
-libclef_head's own dependencies (the same sonames) to those very objects; its RUNPATH
-($ORIGIN/../../llama_cpp/lib) names the same files should it ever be loaded first.
-One ggml, one backend registry: the head finds the GPU llama.cpp uses.
-
-clef_gguf/runtime/head.py (numpy) is the reference the tests hold this against.
+Its weights live in the device's default buffer type (on the CPU: never AMX, see
+runtime/cpu_buffers.py). clef_gguf/runtime/head.py (numpy) is the reference the tests
+hold this against.
 """
 
 from __future__ import annotations
@@ -16,81 +11,14 @@ import ctypes
 import os
 from pathlib import Path
 
-import llama_cpp  # noqa: F401  (loads llama.cpp's ggml before libclef_head asks for it)
 import numpy as np
 
-import clef_gguf
-
 from ..errors import ModelFileError
+from .native import library
 from .prompt import QUESTION_TYPES, EncodedPrompt
 
-LIBRARY_NAME = "libclef_head.so"
-ENV_LIBRARY = "CLEF_GGUF_NATIVE_LIB"  # a development build, instead of the installed one
 _ERR_SIZE = 1024
 _i32p = ctypes.POINTER(ctypes.c_int32)
-
-
-def library_path() -> Path:
-    """The installed libclef_head, in clef_gguf/_native/.
-
-    An editable install (scikit-build-core's redirect mode) keeps the Python sources in
-    the checkout and the CMake install in site-packages: the package's __path__ lists both.
-    """
-    if os.environ.get(ENV_LIBRARY):
-        return Path(os.environ[ENV_LIBRARY])
-    for directory in clef_gguf.__path__:
-        candidate = Path(directory) / "_native" / LIBRARY_NAME
-        if candidate.is_file():
-            return candidate
-    raise ModelFileError(
-        f"{LIBRARY_NAME} is not installed (clef-gguf's native head): reinstall the package with "
-        "`pip install .` (or `pip install -e .`), which builds it with CMake"
-    )
-
-
-def _load_library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(library_path()))
-    lib.clef_head_load.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.c_char_p,
-        ctypes.c_size_t,
-    ]
-    lib.clef_head_load.restype = ctypes.c_int
-    lib.clef_head_free.argtypes = [ctypes.c_void_p]
-    lib.clef_head_free.restype = None
-    lib.clef_head_device.argtypes = [ctypes.c_void_p]
-    lib.clef_head_device.restype = ctypes.c_char_p
-    lib.clef_head_hidden_size.argtypes = [ctypes.c_void_p]
-    lib.clef_head_hidden_size.restype = ctypes.c_int32
-    lib.clef_head_run.argtypes = [
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_float),
-        ctypes.c_int32,
-        _i32p,
-        ctypes.c_int32,
-        _i32p,
-        _i32p,
-        _i32p,
-        _i32p,
-        ctypes.POINTER(ctypes.c_float),
-        ctypes.c_char_p,
-        ctypes.c_size_t,
-    ]
-    lib.clef_head_run.restype = ctypes.c_int
-    return lib
-
-
-_lib: ctypes.CDLL | None = None
-
-
-def library() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        _lib = _load_library()
-    return _lib
 
 
 def _i32(values: list[int] | np.ndarray) -> np.ndarray:
