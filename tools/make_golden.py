@@ -86,9 +86,7 @@ print(json.dumps({"keys": keys, "tensors": tensors}))
 
 def llama_cpp_source() -> Path:
     """The llama.cpp/ tree of the pinned source (fetched and unpacked once, then cached)."""
-    out = subprocess.run(
-        ["bash", str(TOOLS / "llama_cpp_source.sh")], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    out = subprocess.run(["bash", str(TOOLS / "llama_cpp_source.sh")], check=True, capture_output=True, text=True).stdout.strip()
     return Path(out.splitlines()[-1])
 
 
