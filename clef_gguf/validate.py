@@ -22,7 +22,6 @@ import math
 import mmap
 import os
 import re
-import string
 import struct
 import time
 from dataclasses import asdict, dataclass, field
@@ -285,18 +284,28 @@ def _layer_types(r: _Reader, n_layer: int) -> tuple[bool, ...] | None:
 
 
 def _rope(r: _Reader, head_dim: int) -> None:
+    """What ggml's M-RoPE asserts (docs/loader_assumptions.md): n_dims even, <= head_dim; 4 sections, one of the first 3 > 0."""
     n_rot = r.uint("rope.dimension_count", 2, head_dim, default=head_dim)
+    if n_rot is not None and n_rot % 2:
+        r.bad(f"{r.prefix}.rope.dimension_count {n_rot} is odd (ggml's rope asserts an even count: decide would abort)")
     r.float("rope.freq_base", 0.0, 1e12, default=10_000.0)
     key = f"{r.prefix}.rope.dimension_sections"
     f = r.h.fields.get(key)
     if f is None:
         r.bad(f"{key} is missing (llama.cpp's qwen35 requires it)")
-    elif f.type != VT.ARRAY or f.item_type not in (VT.INT32, VT.UINT32) or not 1 <= len(f.value) <= 4:
-        r.bad(f"{key} must be an array of up to 4 integers (llama.cpp aborts on anything else)")
-    elif n_rot is not None and (min(f.value) < 0 or 2 * sum(f.value) > n_rot):
-        r.bad(f"{key} {f.value} must be non-negative and cover at most the {n_rot // 2} rotary pairs (llama.cpp asserts)")
-    elif n_rot is not None and n_rot % 2:
-        r.bad(f"{r.prefix}.rope.dimension_count {n_rot} is odd")
+        return
+    if f.type != VT.ARRAY or f.item_type not in (VT.INT32, VT.UINT32) or len(f.value) != 4:
+        r.bad(f"{key} must be an array of 4 integers (llama.cpp's loader refuses any other length)")
+        return
+    sections = [int(v) for v in f.value]
+    shown = f"{key} = [{','.join(map(str, sections))}]"
+    if min(sections) < 0 or max(sections) >= 1 << 31:
+        r.bad(f"{shown}: sections must be non-negative int32 values")
+    elif not any(sections[:3]):
+        # ggml_compute_forward_rope: GGML_ASSERT(sections[0] > 0 || sections[1] > 0 || sections[2] > 0), an abort.
+        r.bad(f"{shown}: one of the first three sections must be positive (ggml's M-RoPE asserts it: decide would abort)")
+    elif n_rot is not None and 2 * sum(sections) > n_rot:
+        r.bad(f"{shown} must cover at most the {n_rot // 2} rotary pairs (llama.cpp asserts)")
 
 
 def backbone_shape(h: Header, prefix: str) -> tuple[C.BackboneShape | None, list[Problem]]:
@@ -495,6 +504,9 @@ def check_types(h: Header) -> list[Problem]:
             problems.append(Problem("types", f"tensor {name} is {t.type.name}, which llama.cpp does not run as a weight"))
         elif name.endswith(C.F32_ONLY_SUFFIXES) and t.type != GT.F32:
             problems.append(Problem("types", f"tensor {name} is {t.type.name}; llama.cpp needs it in F32"))
+        elif t.n_elements == t.dims[0] and t.type != GT.F32:  # norms and biases: ggml_add / ggml_mul operands
+            message = f"tensor {name} is {t.type.name}; llama.cpp adds and multiplies 1-D tensors in F32 only (ggml aborts)"
+            problems.append(Problem("types", message))
     if len(problems) > 1:  # one type problem usually repeats over many tensors: name the first, count the rest
         problems[1:] = [Problem("types", f"{len(problems) - 1} more tensors have types that cannot run")]
     return problems
@@ -528,8 +540,9 @@ def check_tokenizer(h: Header) -> list[Problem]:
         bad.append("tokenizer.ggml.merges is missing or empty: llama.cpp refuses a BPE vocabulary without merges")
     elif min(map(str.find, merges, repeat(" "), repeat(1))) < 0:  # str.find(m, " ", 1) over ~250k merges, in C
         bad.append("tokenizer.ggml.merges holds entries that are not two tokens separated by a space")
-    if len(set(tokens)) != len(tokens):
-        bad.append("tokenizer.ggml.tokens holds the same token twice")
+    # llama.cpp renames an empty token i to "[EMPTY_i]" and asserts (aborts) when two tokens share a text.
+    if len(set(t or f"[EMPTY_{i}]" for i, t in enumerate(tokens))) != len(tokens):
+        bad.append("tokenizer.ggml.tokens holds the same token twice (llama.cpp reads an empty token i as [EMPTY_i])")
     for key in (k for k in h.fields if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
         f = h.fields[key]
         if f.type != VT.UINT32 or not 0 <= f.value < len(tokens):
@@ -552,8 +565,27 @@ def _template_tokens(tokens: list[str], types: list[int] | None) -> list[str]:
     return []
 
 
+_BRACES = re.compile(r"\{[^{}]*\}|[{}]")  # a placeholder, or a brace that is not part of one
+
+
 def _placeholders(text: str) -> set[str]:
-    return {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+    return {m[0][1:-1] for m in _BRACES.finditer(text) if len(m[0]) > 2}
+
+
+def _template_problem(key: str, text: str, allowed: set[str]) -> str | None:
+    """The runtime fills `{name}` for the names it knows, once each; anything else with a brace is refused.
+
+    The template is data, never a format string: no format specs (`{index:>1000000000}` would
+    allocate a GB under str.format), conversions, attribute or index lookups, escapes or repeats.
+    """
+    seen: set[str] = set()
+    for m in _BRACES.finditer(text):
+        name = m[0][1:-1]
+        if m[0] != "{" + name + "}" or name not in allowed or name in seen:
+            fills = ", ".join("{" + n + "}" for n in sorted(allowed))
+            return f"{key} holds {m[0][:60]!r}: the runtime fills only {fills}, each at most once, and nothing else"
+        seen.add(name)
+    return None
 
 
 def check_decision_metadata(h: Header) -> list[Problem]:
@@ -573,13 +605,10 @@ def check_decision_metadata(h: Header) -> list[Problem]:
             continue
         allowed = _placeholders(reference)
         if not allowed:
-            continue  # used as is, never formatted
-        try:
-            unknown = _placeholders(text) - allowed
-        except ValueError:
-            unknown = {"(malformed braces)"}
-        if unknown:
-            bad.append(f"{key} uses placeholders {sorted(unknown)} the runtime does not fill")
+            continue  # used as is, never filled: its braces are text
+        problem = _template_problem(key, text, allowed)
+        if problem:
+            bad.append(problem)
     return [Problem("decision", m) for m in bad]
 
 

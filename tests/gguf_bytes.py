@@ -85,3 +85,17 @@ def rebuild(src: Path, dst: Path, *, drop_keys=frozenset(), replace=None, keep=l
 
 def poke(data: bytes, offset: int, value: bytes) -> bytes:
     return data[:offset] + value + data[offset + len(value) :]
+
+
+def kv_f32(key: str, value: float) -> bytes:
+    return pack_str(key) + struct.pack("<If", GGUFValueType.FLOAT32, value)
+
+
+def kv_i32(key: str, value: int) -> bytes:
+    return pack_str(key) + struct.pack("<Ii", GGUFValueType.INT32, value)
+
+
+def kv_array(key: str, item_type: GGUFValueType, fmt: str, values: list) -> bytes:
+    """An array of numbers: `fmt` is their struct code (I, i, f, b)."""
+    body = struct.pack(f"<IIQ{len(values)}{fmt}", GGUFValueType.ARRAY, item_type, len(values), *values)
+    return pack_str(key) + body

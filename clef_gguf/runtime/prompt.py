@@ -8,6 +8,7 @@ stored in the GGUF file.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -137,12 +138,26 @@ def parse_request(body: Any, template: Mapping[str, str]) -> Request:
 
 
 # --- Encoding ---------------------------------------------------------------------------------------------------
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def fill(template: str, **values: str) -> str:
+    """`template` with each `{name}` of `values` replaced by its value, in one pass.
+
+    The template comes from the file: it is data, never a format string, so a format spec
+    (`{index:>1000000000}`) or a conversion in it is text, not code that runs or allocates.
+    Values are inserted as they are, never re-parsed. validate refuses templates with any
+    other braces, so for the files it passes this equals str.format.
+    """
+    return _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), template)
+
+
 def encode(request: Request, template: Mapping[str, str], tokenize: Tokenize) -> EncodedPrompt:
     """Token ids and spans, piece by piece as the reference's encode_record."""
     schema = tokenize(template["schema_header"])
     encoded = []
     for index, q in enumerate(request.questions, start=1):
-        schema += tokenize(template["field_header"].format(index=index, id=q.id, type=q.type))
+        schema += tokenize(fill(template["field_header"], index=str(index), id=q.id, type=q.type))
         start = len(schema)
         instructions = q.instructions if q.instructions not in (None, "") else q.id
         schema += tokenize(render(instructions))
@@ -150,7 +165,7 @@ def encode(request: Request, template: Mapping[str, str], tokenize: Tokenize) ->
         schema += tokenize(template["options_header"])
         option_spans = []
         for option_index, (option_id, description) in enumerate(q.options, start=1):
-            schema += tokenize(template["option_header"].format(index=option_index))
+            schema += tokenize(fill(template["option_header"], index=str(option_index)))
             start = len(schema)
             semantics: dict[str, Any] = {"option_id": option_id}
             if description is not None:
@@ -160,7 +175,7 @@ def encode(request: Request, template: Mapping[str, str], tokenize: Tokenize) ->
             schema += tokenize(template["option_end"])
         schema += tokenize(template["field_end"])
         encoded.append((q, span, option_spans))
-    prefix = tokenize(template["prefix"].format(system=template["system"]))
+    prefix = tokenize(fill(template["prefix"], system=template["system"]))
     state = tokenize(render(request.state))
     suffix = tokenize(template["suffix"])
     offset = len(prefix) + len(state)
