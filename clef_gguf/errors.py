@@ -67,13 +67,13 @@ class RequestError(ClefError):
 
 
 class PromptTooLongError(RequestError):
-    """The prompt needs more tokens than the context / physical batch was sized for."""
+    """The prompt needs more tokens than the context was sized for."""
 
     def __init__(self, n_tokens: int, limit: int) -> None:
         super().__init__(
             f"the prompt has {n_tokens} tokens but this model was loaded with a limit of "
-            f"{limit} tokens (one physical batch); shorten the state or load the model with "
-            f"a larger max_prompt_tokens (--max-prompt-tokens), at the cost of a larger compute buffer"
+            f"{limit} tokens (its context); shorten the state or load the model with a larger "
+            f"context (n_ctx, --max-prompt-tokens / --ctx), at the cost of a larger KV cache"
         )
         self.n_tokens = n_tokens
         self.limit = limit

@@ -49,7 +49,8 @@ class Workspace:
         return Oracle(self.release(name))
 
     def _model(self, name: str, file_type: str) -> clef_gguf.ClefModel:
-        model = clef_gguf.load(self.gguf(name, file_type), n_ctx=MAX_PROMPT_TOKENS)
+        # One physical batch (ubatch = n_ctx): the reference the ubatch tests compare the default prefill with.
+        model = clef_gguf.load(self.gguf(name, file_type), n_ctx=MAX_PROMPT_TOKENS, ubatch=MAX_PROMPT_TOKENS)
         self._models.append(model)
         return model
 

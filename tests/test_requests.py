@@ -51,6 +51,7 @@ INVALID = {
     "score as a map": (lambda r: _score(r).update(criteria={"0": "low", "1": "high"}), ".criteria"),
     "score with 11 levels": (lambda r: _score(r).update(criteria=[str(i) for i in range(11)]), ".criteria"),
     "score with 1 level": (lambda r: _score(r).update(criteria=["only"]), ".criteria"),
+    "score level null": (lambda r: _score(r).update(criteria=["low", None, "high"]), ".criteria.1"),
     "noul with other keys": (
         lambda r: r["questions"].update(n={"type": "noul", "criteria": {"maybe": "x"}}),
         "questions.n.criteria",

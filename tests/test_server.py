@@ -10,8 +10,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -28,6 +26,7 @@ import numpy as np
 import pytest
 import typesafe_sdk as ts
 import uvicorn
+from live_server import free_port, rss_bytes, serve_process, wait_healthy
 from request_suite import all_requests, long_state_request, mixed_request
 
 import clef_gguf
@@ -62,50 +61,6 @@ def start(app: Any) -> Live:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     return Live(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_process(model: Path, port: int, *args: str) -> subprocess.Popen[str]:
-    # One llama.cpp thread: on a shared machine, more threads than free cores make every decode wait at barriers.
-    command = [
-        sys.executable,
-        "-m",
-        "clef_gguf.cli",
-        "serve",
-        str(model),
-        "--port",
-        str(port),
-        "--ctx",
-        "8192",
-        "--threads",
-        "1",
-        *args,
-    ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_healthy(process: subprocess.Popen[str], url: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("the server did not answer /health")
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +291,11 @@ MALFORMED: dict[str, tuple[bytes | Request, list[Any]]] = {
         _with(lambda r: r["questions"]["severity"].update(criteria=["a", 2])),
         ["body", "questions", "severity", "criteria", 1],
     ),
+    # TypeSafe's schema has no null level, and typesafe-sdk cannot parse a null in the answer's legend.
+    "score level null": (
+        _with(lambda r: r["questions"]["severity"].update(criteria=["a", None])),
+        ["body", "questions", "severity", "criteria", 1],
+    ),
     "noul with other keys": (
         _with(lambda r: r["questions"].update(n={"type": "noul", "criteria": {"maybe": "x"}})),
         ["body", "questions", "n", "criteria"],
@@ -396,6 +356,48 @@ def test_compressed_bodies_are_read_and_bad_ones_are_4xx(client, expected):
     _api_error(client.post("/v1/systemone", content=b"--x--", headers=multipart), 415, "invalid_request_error")
 
 
+# --- The Workers AI route: the same answers in Cloudflare's envelope ---------------------------------------------
+WORKERS_AI_PATHS = [
+    f"{prefix}/accounts/acct-1/ai/run/{model_id}"
+    for prefix in ("", "/client/v4")
+    for model_id in ("@cf/cloudflare/clef", "@cf/cloudflare/clef-flash")
+]
+
+
+def _envelope_error(response: httpx.Response, status: int, code: int) -> str:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert body["success"] is False and body["result"] is None and body["messages"] == []
+    [error] = body["errors"]
+    assert error["code"] == code and isinstance(error["message"], str) and error["message"]
+    return error["message"]
+
+
+@pytest.mark.parametrize("path", WORKERS_AI_PATHS)
+def test_the_workers_ai_route_wraps_the_systemone_answer_in_the_envelope(client, expected, path):
+    request = {**mixed_request(), "model": "clef-flash"}  # the body model field Workers AI clients send
+    response = client.post(path, json=request, headers={"Authorization": "Bearer cf-api-token"})
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    assert response.json() == {"result": expected(request), "success": True, "errors": [], "messages": []}
+    direct = client.post("/v1/systemone", json=request)
+    assert response.content == b'{"result":' + direct.content + b',"success":true,"errors":[],"messages":[]}'
+    assert len(response.headers["x-typesafe-request-id"]) == 32 and "decide;dur=" in response.headers["server-timing"]
+
+
+def test_workers_ai_errors_keep_their_status_in_the_envelope(client):
+    path = WORKERS_AI_PATHS[-1]
+    unknown = client.post("/client/v4/accounts/a/ai/run/@cf/meta/llama-3.1-8b-instruct", json=mixed_request())
+    assert "@cf/meta/llama-3.1-8b-instruct" in _envelope_error(unknown, 400, 5007)
+    null_level = _with(lambda r: r["questions"]["severity"].update(criteria=["a", None]))
+    assert _envelope_error(client.post(path, json=null_level), 422, 422).startswith("body.questions.severity.criteria.1: ")
+    assert _envelope_error(client.post(path, content=b"{"), 422, 422).startswith("body.1: JSON decode error")
+    too_long = _envelope_error(client.post(path, json=long_state_request(paragraphs=50)), 413, 3006)
+    assert "tokens" in too_long
+    _envelope_error(client.post(path, content=b" " * (1 << 20) + b" "), 413, 3006)
+    _envelope_error(client.get(path), 405, 405)
+
+
 def test_unknown_routes_and_methods_get_the_error_shape(client):
     _api_error(client.get("/v1/nothing"), 404, "not_found_error")
     _api_error(client.get("/v1/systemone"), 405, "invalid_request_error")
@@ -427,6 +429,10 @@ def test_an_api_key_is_required_when_set(model):
             # The key is checked before the body is read: a malformed body without a key is still a 401.
             _api_error(c.post("/v1/systemone", content=b"{"), 401, "authentication_error")
             assert c.post("/v1/systemone", json=request, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            workers = WORKERS_AI_PATHS[0]
+            refused = c.post(workers, json=request, headers={"Authorization": "Bearer wrong"})
+            assert "Bearer" in _envelope_error(refused, 401, 401) and refused.headers["www-authenticate"] == "Bearer"
+            assert c.post(workers, json=request, headers={"Authorization": "Bearer s3cret"}).json()["success"] is True
             assert c.get("/health").status_code == 200  # liveness probes carry no key
             sdk = ts.TypeSafeClient(base_url=live.url, api_key="wrong", retry=ts.RetryPolicy(max_retries=0))
             with sdk, pytest.raises(ts.TypeSafeAuthenticationError):
@@ -460,7 +466,7 @@ class BlockingModel:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.name, self.path, self.template = model.name, model.path, model.template
-        self.max_prompt_tokens = model.max_prompt_tokens
+        self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
         self.release = threading.Event()
 
     def decide(self, request: Request) -> dict[str, Any]:
@@ -485,6 +491,8 @@ def test_a_full_queue_gets_503_and_a_bad_request_never_waits(model, expected):
             busy = c.post("/v1/systemone", json=request)
             _api_error(busy, 503, "overloaded_error")
             assert busy.headers["retry-after"] == "1"
+            busy = c.post(WORKERS_AI_PATHS[0], json=request)
+            assert "retry" in _envelope_error(busy, 503, 503) and busy.headers["retry-after"] == "1"
             assert c.post("/v1/systemone", json={"state": "s"}).status_code == 422  # validated before admission
             blocking.release.set()
             assert [f.result().json() for f in held] == [expected(request)] * 2

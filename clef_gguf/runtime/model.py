@@ -12,10 +12,9 @@ from ..gguf_header import GGUFFile
 from ..validate import open_validated
 from .answers import response
 from .backbone import Backbone
+from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from .native_head import NativeHead
 from .prompt import EncodedPrompt, encode, parse_request
-
-DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 
 def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, dict[str, str]]:
@@ -43,6 +42,9 @@ class ClefModel:
         n_threads: int | None = None,
         ubatch: int | None = None,
     ) -> None:
+        if ubatch is None:  # the default: ubatches of DEFAULT_UBATCH, or the whole prompt when the limit is smaller
+            ubatch = min(DEFAULT_UBATCH, max_prompt_tokens)
+        self.ubatch = ubatch
         self.path = Path(path)
         self.file = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
         config, self.template = _decision_metadata(self.file)
@@ -101,10 +103,10 @@ def load(
     n_threads: int | None = None,
     ubatch: int | None = None,
 ) -> ClefModel:
-    """Load a Clef GGUF. n_ctx is the largest prompt it will accept.
+    """Load a Clef GGUF. n_ctx is the largest prompt it will accept (default: Clef's 65,536).
 
-    ubatch: None processes a prompt in one physical batch (compute buffers sized for
-    n_ctx tokens); N processes it in ubatches of N tokens, the state carried over, so
-    that llama.cpp's compute buffer is bounded by N instead.
+    ubatch: prompts are processed in ubatches of this many tokens, the state carried over,
+    so llama.cpp's compute buffer is bounded by the ubatch, not the prompt (default:
+    DEFAULT_UBATCH, or n_ctx if smaller); ubatch = n_ctx processes a prompt in one physical batch.
     """
     return ClefModel(path, n_gpu_layers=n_gpu_layers, max_prompt_tokens=n_ctx, n_threads=n_threads, ubatch=ubatch)

@@ -102,8 +102,16 @@ def _options(
     low, high = SCORE_LEVELS
     if not isinstance(criteria, list) or not low <= len(criteria) <= high:
         raise RequestError(f"must be a list of {low} to {high} levels", where)
-    levels = tuple(_check_description(v, f"{where}.{i}") for i, v in enumerate(criteria))
+    levels = tuple(_check_level(v, f"{where}.{i}") for i, v in enumerate(criteria))
     return tuple((str(i), v) for i, v in enumerate(levels)), levels
+
+
+def _check_level(value: Any, where: str) -> Description:
+    # TypeSafe's schema allows no null level (a choice option may be null, a score level may not), and
+    # the answer's legend repeats the levels: typesafe-sdk refuses a response whose legend holds a null.
+    if value is None:
+        raise RequestError("a score level must be a string, an object or an array, not null", where)
+    return _check_description(value, where)
 
 
 def parse_request(body: Any, template: Mapping[str, str]) -> Request:

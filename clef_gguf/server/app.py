@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, API key, and the mapping of every error to TypeSafe's shapes."""
+"""The FastAPI application: routes, API key, and the mapping of every error to TypeSafe's (or Workers AI's) shapes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import RequestError
 from ..runtime.prompt import parse_request
+from . import workers_ai
 from .body import DEFAULT_MAX_BODY_BYTES, read_json
 from .problems import ApiError, Invalid, from_request_error
 from .worker import DecideWorker, Model
@@ -73,23 +74,30 @@ def _models_listing(model: Model) -> dict[str, Any]:
     }
 
 
+def _problem(request: Request, problem: ApiError | Invalid) -> JSONResponse:
+    """The one rendering of an error: TypeSafe's shape, or the Workers AI envelope on its routes."""
+    status, headers = (422, {}) if isinstance(problem, Invalid) else (problem.status, dict(problem.headers))
+    on_workers_ai = workers_ai.is_workers_ai_path(request.scope["path"])
+    return _error(status, workers_ai.failure(problem) if on_workers_ai else problem.body(), headers)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return _error(e.status, e.body(), dict(e.headers))
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _problem(request, e)
 
     @app.exception_handler(Invalid)
-    async def invalid(_: Request, e: Invalid) -> JSONResponse:
-        return _error(422, e.body())
+    async def invalid(request: Request, e: Invalid) -> JSONResponse:
+        return _problem(request, e)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
         error_type = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
-        return _error(e.status_code, {"detail": {"error_type": error_type, "message": str(e.detail)}}, dict(e.headers or {}))
+        return _problem(request, ApiError(e.status_code, error_type, str(e.detail), dict(e.headers or {})))
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> JSONResponse:  # a bug, not the client's fault
-        return _error(500, {"detail": {"error_type": "api_error", "message": f"internal error: {type(e).__name__}: {e}"}})
+    async def internal(request: Request, e: Exception) -> JSONResponse:  # a bug, not the client's fault
+        return _problem(request, ApiError(500, "api_error", f"internal error: {type(e).__name__}: {e}"))
 
 
 def create_app(
@@ -114,10 +122,11 @@ def create_app(
 
     app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_require_key(api_key))] if api_key else [])
+    auth = [Depends(_require_key(api_key))] if api_key else []
+    router = APIRouter(prefix="/v1", dependencies=auth)
 
-    @router.post("/systemone")
-    async def systemone(request: Request) -> Response:
+    async def answer(request: Request) -> tuple[bytes, dict[str, str]]:
+        """Read, validate and decide one System One request: its response JSON and timing header."""
         arrived = time.perf_counter()
         body = await read_json(request, max_body_bytes)
         check_request(body, template)
@@ -134,7 +143,21 @@ def create_app(
             f"read;dur={(parsed - arrived) * 1e3:.3f}, queue;dur={decision.queued_s * 1e3:.3f}, "
             f"decide;dur={decision.decide_s * 1e3:.3f}, back;dur={back * 1e3:.3f}"
         )
-        return Response(decision.body, media_type="application/json", headers=_headers({"Server-Timing": timing}))
+        return decision.body, {"Server-Timing": timing}
+
+    @router.post("/systemone")
+    async def systemone(request: Request) -> Response:
+        body, headers = await answer(request)
+        return Response(body, media_type="application/json", headers=_headers(headers))
+
+    async def workers_ai_run(request: Request, model_id: str) -> Response:
+        # Any account id: the server holds one model, and the key (when set) is the access control.
+        workers_ai.check_model(model_id)
+        body, headers = await answer(request)
+        return Response(workers_ai.success(body), media_type="application/json", headers=_headers(headers))
+
+    for prefix in workers_ai.PREFIXES:
+        app.add_api_route(prefix + workers_ai.ROUTE, workers_ai_run, methods=["POST"], dependencies=auth)
 
     @router.get("/models")
     async def models() -> JSONResponse:
@@ -143,7 +166,13 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         # Unauthenticated on purpose: liveness probes carry no key.
-        status = {"status": "ok", "model": model.name, "max_prompt_tokens": model.max_prompt_tokens, "pending": worker.pending}
+        status = {
+            "status": "ok",
+            "model": model.name,
+            "max_prompt_tokens": model.max_prompt_tokens,
+            "ubatch": model.ubatch,
+            "pending": worker.pending,
+        }
         return JSONResponse(status, headers=_headers())
 
     app.include_router(router)

@@ -28,6 +28,7 @@ class Model(Protocol):
     name: str
     path: Path
     template: Mapping[str, str]
+    ubatch: int  # tokens per physical batch of the prefill
 
     @property
     def max_prompt_tokens(self) -> int: ...

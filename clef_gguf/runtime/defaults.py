@@ -1,0 +1,10 @@
+"""Load defaults, in a module of their own so that the CLI can show them without importing llama.cpp.
+
+Clef's context is 65,536 tokens. Prompts are prefilled in ubatches of DEFAULT_UBATCH tokens, llama.cpp
+carrying the KV and recurrent state over, so device memory is the KV cache of the context plus one
+ubatch's compute buffer, whatever the prompt: with these two, Clef-flash Q4_K_M with every layer
+offloaded fits an 8 GiB card (measured by tools/plan_reference.py; README, "Memory on an 8 GB card").
+"""
+
+DEFAULT_MAX_PROMPT_TOKENS = 65536
+DEFAULT_UBATCH = 1024
