@@ -8,7 +8,12 @@ without quantizing), writes the same sparse file with those types, and runs
 `clef_gguf.plan.memory_plan` on it: llama.cpp's no-alloc pass plans every buffer
 without reading the weights.
 
-    python tools/plan_reference.py [--vram 8GiB] > table.md
+The second table is chunked prefill (the runtime's default): a context of n_ctx tokens
+processed in ubatches of n_ubatch, so the compute buffer is planned for n_ubatch tokens
+against a KV cache of n_ctx; it gives the device total at Clef's full context and the
+largest context that fits the card, per ubatch.
+
+    python tools/plan_reference.py [--vram 8GiB] [--ubatch 512,1024,2048] > table.md
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import gguf
 import llama_cpp as L
 
 from clef_gguf import contract as C
-from clef_gguf.plan import memory_plan, parse_size
+from clef_gguf.gguf_header import GGUFFile
+from clef_gguf.plan import _KV, _RS, _SIZE, _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
 from clef_gguf.runtime import llama_log
 from clef_gguf.vocab import Vocab
 from clef_gguf.writer import GT, storage_type, write_metadata
@@ -127,14 +133,49 @@ def mixture(bf16: Path, file_type: int) -> dict[str, GT]:
     return types
 
 
+def chunked_sizes(model: _NoAllocModel, n_ctx: int, n_ubatch: int) -> dict[str, float]:
+    """MiB of KV cache, recurrent state and compute buffers of a context of n_ctx tokens prefilled in
+    ubatches of n_ubatch, as the runtime creates it (n_batch = n_ctx: one llama_decode per prompt)."""
+    lines: list[str] = []
+    params = L.llama_context_default_params()
+    params.n_ctx = params.n_batch = n_ctx
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = 1
+    params.embeddings = True
+    params.pooling_type = L.LLAMA_POOLING_TYPE_NONE
+    with llama_log.capture_info(lines.append):
+        ctx = L.llama_init_from_model(model.model, params)
+    assert ctx, llama_log.last_error(f"no context of {n_ctx} tokens")
+    L.llama_free(ctx)
+    text = "".join(lines)
+    sizes = {f"compute:{m[1]}": float(m[2]) for m in _SIZE.finditer(text)}
+    sizes["kv"] = sum(float(m[1]) for m in _KV.finditer(text))
+    sizes["recurrent"] = sum(float(m[1]) for m in _RS.finditer(text))
+    return sizes
+
+
+def chunked_device_bytes(path: Path, model: _NoAllocModel, n_ctx: int, n_ubatch: int) -> tuple[int, int]:
+    """(device bytes, compute buffer bytes) with every layer offloaded."""
+    f = GGUFFile.open(path)
+    try:
+        offloaded = QWEN35_9B.n_layer + 1
+        lines = _lines(f, chunked_sizes(model, n_ctx, n_ubatch), n_ctx, offloaded, model.lean)[0]
+    finally:
+        f.close()
+    compute = next(line.device_bytes for line in lines if line.component.startswith("compute buffer"))
+    return sum(line.device_bytes for line in lines), compute
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vram", default="8GiB")
+    parser.add_argument("--ubatch", default="256,512,1024,2048", help="ubatch sizes of the chunked-prefill table")
+    parser.add_argument("--ctx", type=int, default=65536, help="context of the chunked-prefill table (Clef's: 65536)")
     args = parser.parse_args()
     vram = parse_size(args.vram)
+    ubatches = [int(u) for u in args.ubatch.split(",")]
     shapes = C.backbone_tensor_shapes(QWEN35_9B)
-    print(f"| type | weights GiB | device total at 4096 tokens (GiB) | at 16384 | largest prompt in {args.vram} |")
-    print("|---|---:|---:|---:|---:|")
+    one_batch, chunked = [], []
     with tempfile.TemporaryDirectory() as tmp:
         bf16 = Path(tmp) / "qwen35-9b-bf16.gguf"
         write_sparse(bf16, {n: storage_type(n, s, GT.BF16) for n, s in shapes.items()})
@@ -144,10 +185,37 @@ def main() -> None:
             at_4k = memory_plan(path, 4096, -1, vram)
             at_16k = memory_plan(path, 16384, -1)
             weights = sum(at_4k.weights_by_type.values())
-            print(
+            one_batch.append(
                 f"| {name} | {weights / 2**30:.2f} | {at_4k.device_bytes / 2**30:.2f} | {at_16k.device_bytes / 2**30:.2f} "
                 f"| {at_4k.max_prompt_tokens} |"
             )
+            f = GGUFFile.open(path)
+            model = _NoAllocModel(f, -1)
+            try:
+                for ubatch in ubatches:
+                    device, compute = chunked_device_bytes(path, model, args.ctx, ubatch)
+
+                    def device_at(n: int, u: int = ubatch, path: Path = path, model: _NoAllocModel = model) -> int:
+                        return chunked_device_bytes(path, model, max(n, u), u)[0]
+
+                    fits = _largest_fitting(device_at, vram, args.ctx)
+                    chunked.append(
+                        f"| {name} | {ubatch} | {compute / 2**30:.2f} | {device / 2**30:.2f} | {fits} "
+                        f"| {at_4k.max_prompt_tokens} |"
+                    )
+            finally:
+                model.close()
+                f.close()
+    print(f"| type | weights GiB | device total at 4096 tokens (GiB) | at 16384 | largest prompt in {args.vram} |")
+    print("|---|---:|---:|---:|---:|")
+    print("\n".join(one_batch))
+    print()
+    print(
+        f"| type | ubatch | compute buffer GiB | device total at {args.ctx} tokens (GiB) "
+        f"| largest prompt in {args.vram}, chunked | one batch |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    print("\n".join(chunked))
 
 
 if __name__ == "__main__":
