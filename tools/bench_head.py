@@ -227,7 +227,7 @@ mode, path, n_ctx, gpu, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), in
 request = json.loads(sys.stdin.read())
 if mode == "clef":
     import clef_gguf
-    model = clef_gguf.load(path, n_gpu_layers=gpu, n_ctx=n_ctx, n_threads=threads)
+    model = clef_gguf.load(path, n_gpu_layers=gpu, n_ctx=n_ctx, n_threads=threads, ubatch=n_ctx)  # one batch, as the bare side
     model.decide(request["request"])
 else:
     from bench_head import BareLlama
@@ -398,7 +398,8 @@ def main() -> None:
         f = GGUFFile.open(clef)
         write_backbone_gguf(f, plain)
         f.close()
-        model = clef_gguf.load(clef, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, n_threads=args.threads)
+        # ubatch = n_ctx: one physical batch, the same context as the bare llama.cpp it is compared with.
+        model = clef_gguf.load(clef, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, n_threads=args.threads, ubatch=n_ctx)
         bare = BareLlama(plain, n_ctx, args.n_gpu_layers, args.threads)
         results = Results(
             machine=machine(),
