@@ -7,10 +7,13 @@ stderr and an exit code here, never a traceback.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -19,7 +22,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from .convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError
-from .runtime.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -36,26 +38,72 @@ MaxPrompt = Annotated[
     typer.Option(
         "--max-prompt-tokens",
         "--ctx",
-        min=1,
-        help="Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache.",
-    ),
-]
-Ubatch = Annotated[
-    int | None,
-    typer.Option(
-        "--ubatch",
-        min=1,
-        help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
-        f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
-        show_default=False,
+        help="Largest prompt accepted, processed as one physical batch. Raising it grows llama.cpp's compute buffer.",
     ),
 ]
 
 
-def _check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
-    if ubatch is not None and ubatch > max_prompt_tokens:
-        err.print(f"[bold red]error:[/] --ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
-        raise typer.Exit(2)
+def _line(text: object) -> str:
+    """One printable line: messages quote paths, names and values from files, which may hold escapes or newlines."""
+    from .validate import printable
+
+    return printable(str(text), limit=2000)
+
+
+def _error(message: object) -> None:
+    # markup=False: a path holding `[/b]` is text, not Rich markup.
+    err.print(f"error: {_line(message)}", markup=False, highlight=False, soft_wrap=True, style="bold red")
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, so that cleanups run as for Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_pending: list[int] = []  # a signal that arrived where raising would have been lost
+
+
+def _in_llama_callback(frame: FrameType | None) -> bool:
+    """Whether Python runs inside llama.cpp's log callback: ctypes drops an exception raised there."""
+    while frame is not None:
+        if frame.f_code.co_name == "_log" and Path(frame.f_code.co_filename).match("*/runtime/llama_log.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _raise_pending() -> None:
+    """Raise a signal deferred by the handler, once Python runs outside llama.cpp again (progress calls this)."""
+    if _pending and not _in_llama_callback(sys._getframe()):
+        raise _Terminated(_pending[0])
+
+
+@contextmanager
+def _signals_clean_up() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like SIGINT (finally blocks remove partial files); later signals wait for that.
+
+    Inside llama.cpp (its quantizer calls back into Python to log) the signal is kept and raised
+    at the next progress update out of it: an exception cannot unwind C frames.
+    """
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def unwind(signum: int, frame: FrameType | None) -> None:
+        for s in signals:  # a second signal must not interrupt the cleanup the first one started
+            signal.signal(s, signal.SIG_IGN)
+        _pending.append(signum)
+        if not _in_llama_callback(frame):
+            raise _Terminated(signum)
+
+    _pending.clear()
+    previous = {s: signal.signal(s, unwind) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _run(action: Callable[[], T]) -> T:
@@ -63,8 +111,14 @@ def _run(action: Callable[[], T]) -> T:
     try:
         return action()
     except ClefError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _error(e)
         raise typer.Exit(e.exit_code) from None
+    except _Terminated as e:
+        _error(f"stopped by {signal.Signals(e.signum).name}; partial output removed")
+        raise typer.Exit(128 + e.signum) from None
+    except KeyboardInterrupt:
+        _error("interrupted; partial output removed")
+        raise typer.Exit(128 + signal.SIGINT) from None
 
 
 @contextmanager
@@ -81,6 +135,7 @@ def _progress() -> Iterator[Callable[[str, int, int, str], None]]:
         tasks: dict[str, TaskID] = {}
 
         def update(stage: str, done: int, total: int, item: str) -> None:
+            _raise_pending()
             if stage not in tasks:
                 tasks[stage] = bar.add_task(stage, total=total, item="")
             bar.update(tasks[stage], completed=done, total=total, item=item)
@@ -105,10 +160,10 @@ def convert(
     from .convert import convert as run_convert
 
     def work() -> Path:
-        with _progress() as progress:
+        with _signals_clean_up(), _progress() as progress:
             return run_convert(source, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress)
 
-    err.print(f"wrote {_run(work)}")
+    err.print(f"wrote {_line(_run(work))}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -125,21 +180,61 @@ def graft(
     from .graft import graft as run_graft
 
     def work() -> Path:
-        with _progress() as progress:
+        with _signals_clean_up(), _progress() as progress:
             return run_graft(backbone, source, out, head_type=head_type, force=force, progress=progress)
 
-    err.print(f"wrote {_run(work)}")
+    err.print(f"wrote {_line(_run(work))}", markup=False, highlight=False, soft_wrap=True)
+
+
+MAX_REQUEST_NESTING = 256  # arrays and objects inside each other; json and the prompt renderer recurse per level
 
 
 def _read_request(path: str) -> dict[str, Any]:
+    """The request file (or stdin) as JSON; anything that is not UTF-8 JSON text is a RequestError, never a traceback."""
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
-        raise RequestError(f"cannot read the request: {e}") from e
+        raise RequestError(f"cannot read the request: {e.strerror or e}") from e
     try:
-        return json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start}") from e
+    try:
+        body = json.loads(text)
+    except RecursionError as e:
+        raise RequestError(f"the request nests arrays and objects more than {MAX_REQUEST_NESTING} deep") from e
     except ValueError as e:
         raise RequestError(f"the request is not valid JSON: {e}") from e
+    _check_text(body)
+    return body
+
+
+def _check_text(body: Any) -> None:
+    """Bounded nesting, and no lone surrogate (a `\\ud800` escape): it is no Unicode text, and tokenizing it fails.
+
+    Iterative, so that the walk itself never hits Python's recursion limit.
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_REQUEST_NESTING:  # named by its top-level field: the full path would be as deep
+            raise RequestError(f"nests arrays and objects more than {MAX_REQUEST_NESTING} deep", where.split(".")[0])
+        if isinstance(value, str):
+            _check_unicode(value, where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, where)
+                stack.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i), depth + 1) for i, item in enumerate(value))
+
+
+def _check_unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        surrogate = f"U+{ord(text[e.start]):04X}"
+        raise RequestError(f"holds a lone surrogate ({surrogate}), which is not Unicode text", where or None) from None
 
 
 def _decide(
@@ -159,8 +254,16 @@ def decide(
         typer.Argument(help="[MODEL.gguf] REQUEST.json (- reads stdin). Without MODEL: the demo model.", show_default=False),
     ],
     n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
-    ubatch: Ubatch = None,
+    max_prompt_tokens: MaxPrompt = 4096,
+    ubatch: Annotated[
+        int | None,
+        typer.Option(
+            "--ubatch",
+            min=1,
+            help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
+            "not the prompt. Default: the whole prompt in one ubatch.",
+        ),
+    ] = None,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout."""
     from .data import DEMO_MODEL
@@ -169,7 +272,9 @@ def decide(
         err.print("[bold red]error:[/] expected [MODEL.gguf] REQUEST.json")
         raise typer.Exit(2)
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
-    _check_ubatch(ubatch, max_prompt_tokens)
+    if ubatch is not None and ubatch > max_prompt_tokens:
+        err.print(f"[bold red]error:[/] --ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
+        raise typer.Exit(2)
     answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens, ubatch))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
@@ -276,35 +381,49 @@ def validate(
     raise typer.Exit(report.exit_code)
 
 
+def _api_key(value: str | None) -> str | None:
+    """An empty key would turn authentication off unnoticed; a key a client cannot send never matches."""
+    if value is None:
+        if os.environ.get("CLEF_GGUF_API_KEY") == "":  # click reads an empty variable as unset
+            raise typer.BadParameter("CLEF_GGUF_API_KEY is set but empty; unset it to serve without a key")
+        return None
+    if not value:
+        raise typer.BadParameter("the key is empty; omit --api-key (and CLEF_GGUF_API_KEY) to serve without a key")
+    if not all("!" <= c <= "~" for c in value):
+        # HTTP carries header values as bytes that clients encode differently (latin-1, UTF-8): only
+        # visible ASCII reaches the server as the client sent it.
+        raise typer.BadParameter("the key must be visible ASCII characters (no spaces, no control or non-ASCII characters)")
+    return value
+
+
 @app.command()
 def serve(
     model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False)],
     host: Annotated[str, typer.Option(help="Interface to bind; the default keeps the server on this machine.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
-    ubatch: Ubatch = None,
+    max_prompt_tokens: MaxPrompt = 4096,
     api_key: Annotated[
         str | None,
         typer.Option(
             envvar="CLEF_GGUF_API_KEY",
-            help="Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)",
+            callback=_api_key,
+            help="Require Authorization: Bearer KEY on /v1 (default: none; header ignored)",
         ),
     ] = None,
     max_queue: Annotated[int, typer.Option(min=1, help="Requests admitted at once (running + waiting); more get 503.")] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
     threads: Annotated[int | None, typer.Option(help="llama.cpp CPU threads (default: all cores).", show_default=False)] = None,
 ) -> None:
-    """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
-    (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
+    """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) with this model."""
     from .runtime.model import load
     from .server import serve as run_server
 
-    _check_ubatch(ubatch, max_prompt_tokens)
     # Loaded before the port is bound: a file that loading rejects never gets a listening server.
-    loaded = _run(lambda: load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch))
+    loaded = _run(lambda: load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads))
     url = f"http://{host}:{port}/v1/systemone"
-    err.print(f"serving {loaded.name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
+    name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
+    err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
     run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import contract as C
 from .errors import ConversionError, ReleaseError
-from .graft import HEAD_TYPES, assemble, head_tensors, write_clef
+from .graft import HEAD_TYPES, assemble, head_tensors, release_files, write_clef
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
@@ -28,7 +28,10 @@ from .writer import (
     OutTensor,
     Progress,
     check_free_space,
+    check_output,
     encode,
+    header_bytes,
+    refuse_inputs,
     staging_dir,
     storage_type,
     write_gguf,
@@ -137,9 +140,9 @@ def convert(
     if imatrix is not None and file_type not in LLAMA_FILE_TYPES:
         raise ConversionError(f"--imatrix applies to llama.cpp's quantizations ({', '.join(LLAMA_FILE_TYPES)}), not {file_type}")
     out = Path(out)
-    if out.exists() and not force:  # fail before any download or reading
-        raise ConversionError(f"{out} exists; pass --force to overwrite it")
+    check_output(out, force)  # fail before any download or reading
     release = open_release(source)
+    refuse_inputs(out, [*release_files(release), *([Path(imatrix)] if imatrix else [])])
     shape = release.backbone_shape()
     vocab = read_vocab(release.tokenizer, release.tokenizer_config, shape.n_vocab, release.text_config.get("eos_token_id"))
     if release.head_config.hidden_size != shape.n_embd:
@@ -175,7 +178,8 @@ def _convert_with_llama(
     progress: Progress | None,
 ) -> Path:
     n = _n_weights(release)
-    check_free_space(out.parent, int(n * (2 + 2 * approx_bytes_per_weight(file_type))))  # bf16 stage, quantized stage, output
+    # bf16 stage, quantized stage and output, each with its header
+    check_free_space(out.parent, int(n * (2 + 2 * approx_bytes_per_weight(file_type))) + 3 * header_bytes(vocab, ()))
     with staging_dir(out) as stage:
         staged, quantized = stage / "backbone-bf16.gguf", stage / f"backbone-{file_type}.gguf"
 

@@ -304,4 +304,9 @@ class GGUFFile:
         return np.frombuffer(self.map, dtype=np.uint8, count=t.n_bytes, offset=start)
 
     def close(self) -> None:
-        self.map.close()
+        try:
+            self.map.close()
+        except BufferError:
+            # Arrays over the map are still referenced (an exception's traceback holds them while it
+            # unwinds): the map closes when they are freed. Raising here would hide that exception.
+            pass

@@ -21,7 +21,21 @@ from .errors import ConversionError, ModelFileError
 from .gguf_header import GGUFFile, Header
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
-from .writer import GT, OutTensor, Progress, atomic_output, check_free_space, encode, storage_type, write_gguf, write_metadata
+from .writer import (
+    GT,
+    OutTensor,
+    Progress,
+    atomic_output,
+    check_free_space,
+    check_output,
+    data_bytes,
+    encode,
+    header_bytes,
+    refuse_inputs,
+    storage_type,
+    write_gguf,
+    write_metadata,
+)
 
 HEAD_TYPES = {"f32": GT.F32, "f16": GT.F16, "q8_0": GT.Q8_0}
 
@@ -128,6 +142,14 @@ def _backbone_tensors(f: GGUFFile, shape: C.BackboneShape) -> list[OutTensor]:
     return out
 
 
+def release_files(release: Release) -> list[Path]:
+    """Every file of the release folder (a Hub snapshot's are links into the cache: samefile follows them)."""
+    try:
+        return [p for p in release.root.iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
 def assemble(
     backbone_path: Path,
     release: Release,
@@ -181,7 +203,8 @@ def write_clef(
     stage: str = "writing",
 ) -> Path:
     """Write a Clef file: its metadata, then `tensors` (the backbone in contract order, then the head)."""
-    check_free_space(out.parent, sum(t.n_bytes for t in tensors))
+    refuse_inputs(out, release_files(release))
+    check_free_space(out.parent, header_bytes(vocab, tensors) + data_bytes(tensors))
 
     def metadata(w: gguf.GGUFWriter) -> None:
         write_metadata(
@@ -209,14 +232,14 @@ def graft(
     progress: Progress | None = None,
 ) -> Path:
     """A backbone-only qwen35 GGUF (any quantization) + a release (folder or Hub repo id) -> a Clef GGUF."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise ConversionError(f"{out} exists; pass --force to overwrite it")
+    out, backbone = Path(out), Path(backbone)
     if head_type not in HEAD_TYPES:
         raise ConversionError(f"unknown --head-type {head_type}; choose one of {', '.join(HEAD_TYPES)}")
+    check_output(out, force)  # before the release is downloaded
+    refuse_inputs(out, [backbone])
     release = open_release(source, weights=False)
     return assemble(
-        Path(backbone),
+        backbone,
         release,
         out,
         head_type=head_type,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,7 +19,10 @@ from urllib.parse import urlsplit
 from .errors import ClefError, CorruptModelError
 
 HF_SOURCE = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^:]+))?:(?P<filename>[^:]+\.gguf)$")
-TIMEOUT_S = 30.0
+TIMEOUT_S = 30.0  # any one network operation (connect, one read)
+# The whole remote validation, every range request included: a 64 MiB header (the most validate
+# reads) at 1 MB/s. A server slower than that, or one sending a byte a second, is refused.
+DEADLINE_S = 90.0
 _CHUNK = 1 << 16
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
@@ -47,22 +51,25 @@ def resolve(source: str) -> tuple[str, dict[str, str]]:
 
 
 @contextmanager
-def _get(url: str, headers: dict[str, str]) -> Iterator[Any]:
+def _get(url: str, headers: dict[str, str], timeout: float) -> Iterator[Any]:
     """A streamed GET through huggingface_hub's session: httpx-like (hub >= 1.0) or requests (older)."""
     from huggingface_hub import get_session
 
     session = get_session()
     if hasattr(session, "stream"):
-        with session.stream("GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT_S) as response:
+        with session.stream("GET", url, headers=headers, follow_redirects=True, timeout=timeout) as response:
             yield response
     else:
-        with session.get(url, headers=headers, stream=True, timeout=TIMEOUT_S, allow_redirects=True) as response:
+        with session.get(url, headers=headers, stream=True, timeout=timeout, allow_redirects=True) as response:
             yield response
 
 
 def _chunks(response: Any) -> Iterator[bytes]:
+    """Bytes as they arrive, so that the deadline is checked between network reads, not per 64 KiB."""
     if hasattr(response, "iter_bytes"):
-        return response.iter_bytes(_CHUNK)
+        return response.iter_bytes()  # httpx: with no size, one chunk per read
+    if hasattr(response.raw, "read1"):  # requests on urllib3 >= 2.3
+        return iter(lambda: response.raw.read1(_CHUNK), b"")
     return response.iter_content(_CHUNK)
 
 
@@ -77,11 +84,22 @@ def _total_size(status: int, headers: Any) -> int | None:
 class RangeReader:
     """Bytes of a remote file by range. `size` is known after the first read."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, deadline_s: float | None = None) -> None:
         self.source = source
         self.url, self.headers = resolve(source)
         self.size: int | None = None
         self.bytes_read = 0  # what crossed the network, for the report and the tests
+        self.deadline_s = DEADLINE_S if deadline_s is None else deadline_s
+        self._deadline = time.monotonic() + self.deadline_s
+
+    def _time_left(self) -> float:
+        """Seconds left for all reads together; past the deadline, a CorruptModelError."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise CorruptModelError(
+                f"cannot read {self.source}: the header did not arrive within {self.deadline_s:g} s (server too slow)"
+            )
+        return left
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes [start, end) of the file, fewer only where the file ends. Raises CorruptModelError."""
@@ -90,11 +108,13 @@ class RangeReader:
         except ClefError:
             raise
         except Exception as e:  # requests, httpx or httpx2 (by huggingface_hub version) each have their own errors
+            self._time_left()  # a read that timed out at the deadline: say so
             raise CorruptModelError(f"cannot read {self.source}: {type(e).__name__}: {e}") from e
 
     def _read(self, start: int, end: int) -> bytes:
         headers = {**self.headers, "Range": f"bytes={start}-{end - 1}"}
-        with _get(self.url, headers) as response:
+        # Each network operation waits at most what is left of the deadline, so a silent server cannot outlast it.
+        with _get(self.url, headers, timeout=min(TIMEOUT_S, self._time_left())) as response:
             status = response.status_code
             if status == 416:  # the range starts at or after the end of the file
                 return b""
@@ -111,6 +131,7 @@ class RangeReader:
                 self.bytes_read += len(chunk)
                 if len(data) >= skip + end - start:
                     break
+                self._time_left()  # a server trickling bytes is stopped here
         return bytes(data[skip : skip + end - start])
 
 

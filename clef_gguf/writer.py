@@ -7,9 +7,11 @@ written first and then each tensor's bytes are produced, written and dropped.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,21 +62,111 @@ def check_free_space(directory: Path, needed: int) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
         raise ConversionError(
-            f"{directory} has {free / 2**30:.1f} GiB free; this conversion needs about {needed / 2**30:.1f} GiB"
+            f"{directory} has {free / 2**30:.2f} GiB free; this conversion needs about {needed / 2**30:.2f} GiB ({needed} bytes)"
         )
+
+
+def header_bytes(vocab: Vocab, tensors: Iterable[OutTensor], alignment: int = gguf.GGUF_DEFAULT_ALIGNMENT) -> int:
+    """An upper bound of a GGUF header's size: the vocabulary's strings dominate it (~16 MB for Qwen3.5)."""
+    strings = sum(len(t.encode()) + 8 for t in vocab.tokens) + sum(len(m.encode()) + 8 for m in vocab.merges)
+    infos = sum(len(t.name.encode()) + 8 + 4 + 8 * 4 + 4 + 8 for t in tensors)
+    other_keys = 64 << 10  # hyperparameters, the prompt template, the head config: a few kB
+    return strings + 4 * len(vocab.token_types) + infos + other_keys + alignment
+
+
+def data_bytes(tensors: Iterable[OutTensor], alignment: int = gguf.GGUF_DEFAULT_ALIGNMENT) -> int:
+    """The data section: each tensor padded to the alignment."""
+    return sum(-(-t.n_bytes // alignment) * alignment for t in tensors)
+
+
+# --- Output files that clean up after themselves ---------------------------------------------------
+# Temporary names carry the writer's PID, so that a later run can tell the leftovers of a
+# dead process (SIGKILL, a power cut) from the files of a conversion still running.
+def _temporary(out: Path, kind: str) -> Path:
+    return out.with_name(f".{out.name}.{os.getpid()}.{kind}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove the `.OUT.PID.partial` files and `.OUT.PID.stage` folders beside `out` whose process is dead."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(\d+)\.(partial|stage)$")
+    removed = []
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return []  # no folder to clean: check_output says why
+    for path in entries:
+        m = pattern.match(path.name)
+        if not m or int(m[1]) == os.getpid() or _alive(int(m[1])):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def refuse_inputs(out: Path, inputs: Iterable[Path]) -> None:
+    """OUT may never be one of the files a conversion reads, --force or not."""
+    for source in inputs:
+        if _same_file(out, source):
+            raise ConversionError(f"{out} is one of the input files ({source}); choose another output path")
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Refuse an OUT that cannot be written, before anything is read; then remove dead runs' leftovers."""
+    if out.is_dir():
+        raise ConversionError(f"{out} is a folder; give the path of the .gguf file to write")
+    if out.exists() and not force:
+        raise ConversionError(f"{out} exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise ConversionError(f"the folder {out.parent} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ConversionError(f"cannot write in {out.parent}: no permission, or a read-only file system")
+    remove_stale(out)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)  # hard links and symlinks included
+    except OSError:
+        return False
+
+
+def _write_error(out: Path, e: OSError) -> ConversionError:
+    if e.errno == errno.ENOSPC:
+        return ConversionError(f"the disk holding {out.parent} is full; free some space and run again")
+    return ConversionError(f"cannot write {out}: {e.strerror or e}")
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """OSErrors of writing `path` (disk full, permissions) as one-line ConversionErrors; reading errors pass."""
+    try:
+        yield
+    except OSError as e:
+        raise _write_error(path, e) from e
 
 
 @contextmanager
 def atomic_output(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary path beside `out`; rename it to `out` only on success."""
-    if out.exists() and not force:
-        raise ConversionError(f"{out} exists; pass --force to overwrite it")
-    if not out.parent.is_dir():
-        raise ConversionError(f"{out.parent} is not a directory")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    check_output(out, force)
+    tmp = _temporary(out, "partial")
     try:
         yield tmp
-        os.replace(tmp, out)
+        with writing(out):
+            os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -82,8 +174,9 @@ def atomic_output(out: Path, force: bool) -> Iterator[Path]:
 @contextmanager
 def staging_dir(out: Path) -> Iterator[Path]:
     """A scratch folder beside `out` (same disk), removed whatever happens."""
-    path = out.with_name(f".{out.name}.{os.getpid()}.stage")
-    path.mkdir()
+    path = _temporary(out, "stage")
+    with writing(path):
+        path.mkdir()
     try:
         yield path
     finally:
@@ -152,18 +245,26 @@ def write_gguf(
             else:
                 byte_shape, dtype = gguf.quant_shape_to_byte_shape(t.shape, t.qtype), np.dtype(np.uint8)
             writer.add_tensor_info(t.name, byte_shape, dtype, t.n_bytes, raw_dtype=t.qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        with writing(path):
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for f in writer.fout or []:
+                f.flush()
+        # The header is on disk now: what is left to write must fit in what is left.
+        check_free_space(path.parent, data_bytes(tensors))
         for i, t in enumerate(tensors):
-            data = t.data()
+            data = t.data()  # reads the source: its errors are the source's, not the output's
             if data.nbytes != t.n_bytes:
                 raise ConversionError(f"tensor {t.name}: {data.nbytes} bytes produced, {t.n_bytes} expected")
-            writer.write_tensor_data(data)
+            with writing(path):
+                writer.write_tensor_data(data)
             if progress:
                 progress(stage, i + 1, len(tensors), t.name)
-        for f in writer.fout or []:
-            f.flush()
-            os.fsync(f.fileno())
+        with writing(path):
+            for f in writer.fout or []:
+                f.flush()
+                os.fsync(f.fileno())
     finally:
-        writer.close()
+        with writing(path):
+            writer.close()
