@@ -212,7 +212,7 @@ def test_a_255_option_choice_gets_the_oracle_answer_at_the_defaults(fixture_serv
 
 def test_a_30000_token_request_prefilled_in_ubatches_equals_the_oracle(fixture_server, ws):
     url, pid = fixture_server
-    request = long_state_request(paragraphs=180)
+    request = long_state_request(paragraphs=157)  # about 30,300 tokens
     before = rss_bytes(pid)
     answer = systemone(url, request)
     tokens = answer["usage"]["input_tokens"]
