@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from .convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError
+from .runtime.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -38,9 +39,26 @@ MaxPrompt = Annotated[
     typer.Option(
         "--max-prompt-tokens",
         "--ctx",
-        help="Largest prompt accepted, processed as one physical batch. Raising it grows llama.cpp's compute buffer.",
+        min=1,
+        help="Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache.",
     ),
 ]
+Ubatch = Annotated[
+    int | None,
+    typer.Option(
+        "--ubatch",
+        min=1,
+        help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
+        f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
+        show_default=False,
+    ),
+]
+
+
+def _check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
+    if ubatch is not None and ubatch > max_prompt_tokens:
+        err.print(f"[bold red]error:[/] --ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
+        raise typer.Exit(2)
 
 
 def _line(text: object) -> str:
@@ -254,16 +272,8 @@ def decide(
         typer.Argument(help="[MODEL.gguf] REQUEST.json (- reads stdin). Without MODEL: the demo model.", show_default=False),
     ],
     n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = 4096,
-    ubatch: Annotated[
-        int | None,
-        typer.Option(
-            "--ubatch",
-            min=1,
-            help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
-            "not the prompt. Default: the whole prompt in one ubatch.",
-        ),
-    ] = None,
+    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    ubatch: Ubatch = None,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout."""
     from .data import DEMO_MODEL
@@ -272,9 +282,7 @@ def decide(
         err.print("[bold red]error:[/] expected [MODEL.gguf] REQUEST.json")
         raise typer.Exit(2)
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
-    if ubatch is not None and ubatch > max_prompt_tokens:
-        err.print(f"[bold red]error:[/] --ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
-        raise typer.Exit(2)
+    _check_ubatch(ubatch, max_prompt_tokens)
     answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens, ubatch))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
@@ -402,25 +410,28 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind; the default keeps the server on this machine.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = 4096,
+    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    ubatch: Ubatch = None,
     api_key: Annotated[
         str | None,
         typer.Option(
             envvar="CLEF_GGUF_API_KEY",
             callback=_api_key,
-            help="Require Authorization: Bearer KEY on /v1 (default: none; header ignored)",
+            help="Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)",
         ),
     ] = None,
     max_queue: Annotated[int, typer.Option(min=1, help="Requests admitted at once (running + waiting); more get 503.")] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
     threads: Annotated[int | None, typer.Option(help="llama.cpp CPU threads (default: all cores).", show_default=False)] = None,
 ) -> None:
-    """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) with this model."""
+    """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
+    (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
     from .runtime.model import load
     from .server import serve as run_server
 
+    _check_ubatch(ubatch, max_prompt_tokens)
     # Loaded before the port is bound: a file that loading rejects never gets a listening server.
-    loaded = _run(lambda: load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads))
+    loaded = _run(lambda: load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch))
     url = f"http://{host}:{port}/v1/systemone"
     name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
