@@ -8,6 +8,7 @@ anything is allocated). Works on a memory map or on the first bytes of a file.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import re
@@ -304,9 +305,7 @@ class GGUFFile:
         return np.frombuffer(self.map, dtype=np.uint8, count=t.n_bytes, offset=start)
 
     def close(self) -> None:
-        try:
+        # BufferError: arrays over the map are still referenced (an exception's traceback holds them while
+        # it unwinds): the map closes when they are freed. Raising here would hide that exception.
+        with contextlib.suppress(BufferError):
             self.map.close()
-        except BufferError:
-            # Arrays over the map are still referenced (an exception's traceback holds them while it
-            # unwinds): the map closes when they are freed. Raising here would hide that exception.
-            pass
