@@ -280,6 +280,11 @@ def _layer_types(r: _Reader, n_layer: int) -> tuple[bool, ...] | None:
     f = r.h.fields.get(f"{r.prefix}.attention.recurrent_layers")
     if f is not None and (f.type != VT.ARRAY or [bool(v) for v in f.value] != list(recurrent)):
         r.bad(f"{r.prefix}.attention.recurrent_layers disagrees with full_attention_interval {interval}, which llama.cpp uses")
+    elif all(recurrent) or not any(recurrent):
+        # llama.cpp's hybrid memory allocates a KV cache and a recurrent state: one with no layer
+        # gets no buffer, and ggml asserts on it (GGML_ASSERT(buffer)): decide would abort.
+        kind = "full-attention" if all(recurrent) else "linear-attention"
+        r.bad(f"{n_layer} layers with {r.prefix}.full_attention_interval {interval} have no {kind} layer (llama.cpp aborts)")
     return recurrent
 
 

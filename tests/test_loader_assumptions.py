@@ -28,7 +28,7 @@ from gguf_bytes import Tensor, build, kv_array, kv_f32, kv_i32, kv_i32_array, kv
 from clef_gguf import contract as C
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.gguf_header import GGUFFile, Header
-from clef_gguf.runtime.prompt import fill
+from clef_gguf.runtime import prompt
 from clef_gguf.validate import Verdict, validate
 
 GT = gguf.GGMLQuantizationType
@@ -102,6 +102,29 @@ def _empty_token_collides(tokens: list[str], types: list[int]) -> None:
 
 def _duplicate_token(tokens: list[str], types: list[int]) -> None:
     tokens[300] = tokens[301]
+
+
+def _layers(h: Header, keep: list[int], interval: int) -> Edit:
+    """The demo cut to the layers `keep` (renumbered), with `interval` deciding their types as llama.cpp does."""
+    renamed = {f"blk.{old}.": f"blk.{new}." for new, old in enumerate(keep)}
+
+    def tensors(ts: list[Tensor]) -> list[Tensor]:
+        out = []
+        for name, dims, qtype, data in ts:
+            prefix = ".".join(name.split(".")[:2]) + "."
+            if not name.startswith("blk."):
+                out.append((name, dims, qtype, data))
+            elif prefix in renamed:
+                out.append((renamed[prefix] + name[len(prefix) :], dims, qtype, data))
+        return out
+
+    layers = [(i + 1) % interval != 0 for i in range(len(keep))]
+    kv = {
+        K("block_count"): kv_u32(K("block_count"), len(keep)),
+        K("full_attention_interval"): kv_u32(K("full_attention_interval"), interval),
+        K("attention.recurrent_layers"): kv_array(K("attention.recurrent_layers"), VT.BOOL, "b", [int(x) for x in layers]),
+    }
+    return {"kv": kv, "tensors": tensors}
 
 
 def _kv(key: str, packed: Callable[[Header], bytes]) -> Callable[[Header], Edit]:
@@ -223,6 +246,18 @@ MUTANTS = [
             lambda h: kv_array(K("attention.recurrent_layers"), VT.BOOL, "b", [1] * _u32(h, "block_count")),
         ),
         "disagrees with full_attention_interval",
+    ),
+    Mutant(
+        "no-full-attention-layer",
+        lambda h: _layers(h, [i for i, r in enumerate(h.get(K("attention.recurrent_layers"))) if r], 4),
+        "have no full-attention layer",
+        crash="SIGABRT",
+    ),
+    Mutant(
+        "no-linear-attention-layer",
+        lambda h: _layers(h, [_full_attention_layer(h)], 1),
+        "have no linear-attention layer",
+        crash="SIGABRT",
     ),
     Mutant("ssm-state-size-missing", lambda h: {"drop": frozenset({K("ssm.state_size")})}, "ssm.state_size is missing"),
     Mutant(
@@ -355,6 +390,9 @@ def test_decide_exits_with_validates_code_instead_of_a_signal(mutant, demo_heade
 
 
 def test_the_runtime_fills_the_template_as_data():
+    fill = getattr(prompt, "fill", None)
+    if fill is None:
+        pytest.skip("the runtime renders a Jinja systemone template instead (issue 10)")
     field = C.PROMPT_TEMPLATE["field_header"]
     assert fill(field, index="1", id="q", type="noul") == field.format(index="1", id="q", type="noul")
     hostile = "{index:>1000000000}{id!r}{type.__class__}{{}}"
