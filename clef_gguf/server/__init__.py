@@ -1,6 +1,8 @@
 """`clef-gguf serve`: a Jev-compatible System One server (FastAPI on uvicorn) over one loaded ClefModel.
 
-Routes: POST /v1/systemone, GET /v1/models, GET /health. The model is loaded by the caller
+Routes: POST /v1/systemone, GET /v1/models, GET /health, and Workers AI's
+POST [/client/v4]/accounts/{account_id}/ai/run/@cf/cloudflare/clef[-flash] (workers_ai.py), the same
+answers in Cloudflare's envelope. The model is loaded by the caller
 before the port is bound, so a file that loading rejects never gets a listening server.
 """
 
