@@ -298,6 +298,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
 ) -> None:
     """Device and host memory for a model at a prompt limit: weights by type, KV, recurrent state, compute buffer."""
+    from rich.markup import escape
     from rich.table import Table
 
     from .plan import memory_plan, parse_size
@@ -305,14 +306,15 @@ def plan(
     try:
         vram_bytes = parse_size(vram) if vram else None
     except ValueError as e:
-        err.print(f"[bold red]error:[/] {e}")
+        _error(e)
         raise typer.Exit(2) from None
     result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, vram_bytes))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
     mib = 1 << 20
-    table = Table(title=f"{model.name}: prompt limit {ctx} tokens, n_gpu_layers {n_gpu_layers}")
+    title = f"{_line(model.name)}: prompt limit {ctx} tokens, n_gpu_layers {n_gpu_layers}"
+    table = Table(title=escape(title))  # the file name is text, not markup
     for column in ("component", "device MiB", "host MiB", "source"):
         table.add_column(column, justify="left" if column in ("component", "source") else "right")
     for line in result.lines:
@@ -325,7 +327,8 @@ def plan(
         out.print("[yellow]this llama.cpp build has no GPU backend: the compute buffer was measured on the CPU backend.[/]")
     if vram_bytes is not None:
         fits = result.max_prompt_tokens
-        out.print(f"largest prompt that fits {vram}: {fits} tokens" if fits else f"does not fit {vram} even at 256 tokens")
+        fit = f"largest prompt that fits {vram}: {fits} tokens" if fits else f"does not fit {vram} even at 256 tokens"
+        out.print(fit, markup=False, highlight=False)
 
 
 @app.command()

@@ -206,3 +206,8 @@ def test_validate_url_gives_up_at_its_deadline(slow_server, monkeypatch):
 def test_the_deadline_is_documented():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert f"{remote.DEADLINE_S:g} s" in readme
+
+
+def test_user_text_is_never_parsed_as_markup():
+    run = cli("plan", str(DEMO_MODEL), "--vram", "[/b]8GiB")  # Rich would fail on a closing tag it never opened
+    assert run.returncode == 2 and "[/b]8GiB" in run.stderr and "Traceback" not in run.stderr, run.stderr
