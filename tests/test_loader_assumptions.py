@@ -325,6 +325,8 @@ def demo_header() -> Header:
 
 
 def _mutant(m: Mutant, header: Header, folder: Path) -> Path:
+    if m.id.startswith("template-") and "clef.prompt.field_header" not in header.fields:
+        pytest.skip("the file's prompt is a Jinja systemone template (issue 10), not clef.prompt.* strings")
     return mutate(DEMO_MODEL, folder / f"{m.id}.gguf", **m.edit(header))
 
 
