@@ -116,12 +116,15 @@ def test_a_file_name_with_terminal_escapes_is_never_printed_raw(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
+    watchdog = threading.Timer(120, server.kill)  # readline must not wait forever on a server that hangs
+    watchdog.start()
     try:
         lines = (server.stderr.readline() for _ in range(100))  # llama.cpp may log first
         line = next((x for x in lines if x.startswith("serving") or not x), "")  # "" once the server is gone
         assert line.startswith("serving evil\\x1b[2J"), line
         assert "\x1b" not in line and "\x07" not in line and "\r" not in line and line.count("\n") == 1, repr(line)
     finally:
+        watchdog.cancel()
         server.terminate()
         server.wait(timeout=60)
 
