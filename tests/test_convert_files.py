@@ -98,21 +98,28 @@ POINTS: dict[str, tuple[str, Callable[[Path], bool]]] = {
 }
 
 
-def kill_at(release: Path, out: Path, file_type: str, point: Callable[[Path], bool], signum: int) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "clef_gguf.cli", "convert", str(release), "-o", str(out), "--type", file_type],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + KILL_WAIT_S
-    while not point(out):
-        assert process.poll() is None, f"convert ended before the kill point: {process.communicate()[1][-2000:]}"
-        assert time.monotonic() < deadline, "the kill point never came"
-        time.sleep(POLL_S)
-    process.send_signal(signum)
-    process.wait(timeout=KILL_WAIT_S)
-    return process
+def kill_at(release: Path, out: Path, file_type: str, point: Callable[[Path], bool], signum: int) -> tuple[subprocess.Popen, str]:
+    """Run convert, send `signum` once `point` holds; the process and its stderr."""
+    log = out.parent.parent / "stderr.txt"  # a file, not a pipe: a full pipe would stall convert before the point
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "clef_gguf.cli", "convert", str(release), "-o", str(out), "--type", file_type],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + KILL_WAIT_S
+        while not point(out):
+            assert process.poll() is None, f"convert ended before the kill point: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the kill point never came"
+            time.sleep(POLL_S)
+        process.send_signal(signum)
+        process.wait(timeout=KILL_WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process, log.read_text()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
@@ -121,8 +128,7 @@ def test_a_caught_signal_removes_everything_it_wrote(slow_release, tmp_path, poi
     out = tmp_path / "out" / "model.gguf"
     out.parent.mkdir()
     file_type, predicate = POINTS[point]
-    process = kill_at(slow_release, out, file_type, predicate, signum)
-    stderr = process.stderr.read()
+    process, stderr = kill_at(slow_release, out, file_type, predicate, signum)
     assert process.returncode == 128 + signum, stderr[-2000:]
     assert f"stopped by {signum.name}" in stderr or "interrupted" in stderr, stderr[-2000:]
     assert "Traceback" not in stderr
@@ -134,7 +140,7 @@ def test_after_sigkill_the_next_run_removes_the_leftovers(slow_release, tmp_path
     out = tmp_path / "out" / "model.gguf"
     out.parent.mkdir()
     file_type, predicate = POINTS[point]
-    process = kill_at(slow_release, out, file_type, predicate, signal.SIGKILL)
+    process, _ = kill_at(slow_release, out, file_type, predicate, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL
     left = beside(out)
     assert left and all(f".{out.name}.{process.pid}." in name for name in left), left  # what the test is about
