@@ -167,8 +167,13 @@ def convert(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")],
     file_type: Annotated[str, typer.Option("--type", "-t", help=f"Backbone type: {', '.join(FILE_TYPES)}.")] = DEFAULT_FILE_TYPE,
     head_type: Annotated[
-        str, typer.Option("--head-type", help="Head weight type: f32 (default: the head is small), f16 or q8_0.")
-    ] = "f32",
+        str,
+        typer.Option(
+            "--head-type",
+            help="Head weight type: auto (as llama.cpp's converter: the file type for f32/f16/bf16/q8_0, else f32), "
+            "f32, f16, bf16 or q8_0.",
+        ),
+    ] = "auto",
     imatrix: Annotated[
         Path | None, typer.Option("--imatrix", help="Importance matrix (llama-imatrix GGUF) for llama.cpp's quantizer.")
     ] = None,
@@ -191,7 +196,7 @@ def graft(
         str, typer.Argument(help="The release: folder or Hugging Face repo id (only head, config and tokenizer files are read).")
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")],
-    head_type: Annotated[str, typer.Option("--head-type", help="Head weight type: f32, f16 or q8_0.")] = "f32",
+    head_type: Annotated[str, typer.Option("--head-type", help="Head weight type: auto (f32), f32, f16, bf16 or q8_0.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""

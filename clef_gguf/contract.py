@@ -1,37 +1,32 @@
-"""The GGUF contract of a Clef file: keys, tensor names and shapes.
+"""The GGUF contract of a Clef file: llama.cpp's own Clef format, as one table.
 
-Convert writes what this module describes, validate checks it and the runtime reads
-it. A Clef GGUF is a llama.cpp `qwen35` backbone (llama.cpp's tensor names and
-layouts, hyperparameters under `clef.*` with the suffixes `qwen35.*` would use) plus
-the joint schema head (`head.` + the reference state_dict name) and the prompt
-template of Cloudflare's `joint_schema_model.py`.
-
-Data layout rule: the backbone comes first in the data section, contiguous from
-offset 0, in this order: the layers (blk.*), output_norm, token_embd, output; then
-the head. The runtime relies on it to lay synthesized `qwen35` headers over the
-file's data (runtime/qwen35_view.py): one for the whole backbone, and one that ends
-with the first rows of token_embd and leaves output out, so that llama.cpp's LM head
-(logits nobody reads: n_vocab floats per token) costs nothing.
+Convert and graft write what this module describes, validate checks it, and the
+runtime and the native head (through the names Python hands it) read it; docs/format.md
+is its specification, with file:line references into llama.cpp's source. A Clef GGUF is
+a llama.cpp `qwen35` backbone (llama.cpp's tensor names and layouts, hyperparameters
+under `clef.*` with the suffixes `qwen35.*` would use) plus the joint schema head
+(`dec.blk.N.*`, `decision.*`, `token_types.weight`) and the `systemone` prompt template
+of Cloudflare's `joint_schema_model.py`. Tensor order is not part of the format.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 ARCH = "clef"
 BACKBONE_ARCH = "qwen35"
-DECISION_TYPE = "joint_schema"
+DECISION_TYPE = "clef"  # llama.cpp's DecisionType.CLEF: its server's joint decision path
 # sha256 of Cloudflare's joint_schema_model.py whose prompt template and head this
 # contract implements (the copy clef-finetune==0.1.0 vendors).
 REFERENCE_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
 
 KEY_DECISION_TYPE = "clef.decision.type"
-KEY_BACKBONE_ARCH = "clef.backbone.architecture"
-KEY_VISION = "clef.vision"
 KEY_REFERENCE_SHA256 = "clef.reference.sha256"
 KEY_NORMALIZER = "clef.tokenizer.normalizer"
-VISION_NOT_CONVERTED = "not converted: this file answers text-only requests"
 
 # Backbone hyperparameters: stored as `clef.<suffix>`, read by llama.cpp as `qwen35.<suffix>`.
 BACKBONE_KEY_SUFFIXES = (
@@ -56,43 +51,62 @@ BACKBONE_KEY_SUFFIXES = (
     "full_attention_interval",
 )
 
-# JointSchemaHead constructor arguments, stored as `clef.head.<name>` (uint32).
-HEAD_CONFIG_FIELDS = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
-HEAD_PREFIX = "head."
-
-
 def backbone_key(suffix: str) -> str:
     return f"{ARCH}.{suffix}"
 
 
-def head_key(name: str) -> str:
-    return f"{ARCH}.head.{name}"
-
-
-def prompt_key(name: str) -> str:
-    return f"{ARCH}.prompt.{name}"
-
-
-# --- The prompt template -------------------------------------------------------------
-# Pieces of encode_record() in the reference, tokenized one by one exactly as there.
-# `{...}` placeholders are filled with str.format; values are never re-parsed.
+# --- The prompt template --------------------------------------------------------------
+# The reference's encode_record() as the Jinja template llama.cpp's converter stores
+# (`tokenizer.chat_template.systemone`); runtime/template.py says how it is rendered.
+# Literal text is a JSON-quoted Jinja string, so the stored template is exactly llama.cpp's.
+KEY_TEMPLATE = "tokenizer.chat_template.systemone"
+KEY_TEMPLATE_NAMES = "tokenizer.chat_templates"
+TEMPLATE_NAME = "systemone"
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. Each answer "
     "must be exactly one of that field's allowed options."
 )
-PROMPT_TEMPLATE: dict[str, str] = {
-    "prefix": "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nSTATE:\n",
-    "system": SYSTEM_PROMPT,
-    "schema_header": "\n\nSCHEMA FIELDS:\n",
-    "field_header": "\nFIELD {index}\nID: {id}\nTYPE: {type}\nINSTRUCTION: ",
-    "options_header": "\nALLOWED OPTIONS:\n",
-    "option_header": "OPTION {index}: ",
-    "option_end": "\n",
-    "field_end": "END FIELD\n",
-    "suffix": "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:",
-    "noul_true": "The proposition is true or the answer is yes.",
-    "noul_false": "The proposition is false or the answer is no.",
+NOUL_DEFAULTS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
 }
+
+
+def _text(value: str) -> str:
+    return "{{ " + json.dumps(value) + " }}"
+
+
+def _value(name: str) -> str:  # strings as they are, anything else compact JSON
+    return "{{ " + name + " if " + name + " is string else " + name + " | tojson(separators=[',', ':']) }}"
+
+
+_OPTION = (
+    "{% set d = o.description %}"
+    "{% if q.type == 'noul' and d is none %}"
+    f"{{% set d = '{NOUL_DEFAULTS['true']}' if o.key == 'true' else '{NOUL_DEFAULTS['false']}' %}}"
+    "{% endif %}"
+    "{{ ({'option_id': o.key} if d is none else {'description': d, 'option_id': o.key}) | tojson(separators=[',', ':']) }}"
+)
+SYSTEMONE_TEMPLATE = (
+    _text(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n")
+    + "{% if images %}{{ sep }}{% for image in images %}{{ image }}{% endfor %}" + _text("\n") + "{% endif %}"
+    + "{{ sep }}" + _value("state")
+    + "{{ sep }}" + _text("\n\nSCHEMA FIELDS:\n")
+    + "{% for q in questions %}"
+    + "{{ sep }}" + _text("\nFIELD ") + "{{ loop.index }}" + _text("\nID: ") + "{{ q.id }}"
+    + _text("\nTYPE: ") + "{{ q.type }}" + _text("\nINSTRUCTION: ")
+    + "{{ sep }}{{ mark_question }}" + _value("q.instructions")
+    + "{{ sep }}" + _text("\nALLOWED OPTIONS:\n")
+    + "{% for o in q.options %}"
+    + "{{ sep }}" + _text("OPTION ") + "{{ loop.index }}" + _text(": ")
+    + "{{ sep }}{{ mark_option }}" + _OPTION
+    + "{{ sep }}" + _text("\n")
+    + "{% endfor %}"
+    + "{{ sep }}" + _text("END FIELD\n")
+    + "{% endfor %}"
+    + "{{ sep }}" + _text("\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:")
+)
+
 # Special tokens the template relies on; validate checks the vocabulary has them.
 TEMPLATE_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
@@ -224,7 +238,54 @@ def backbone_tensor_shapes(s: BackboneShape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# --- Head tensors -------------------------------------------------------------------------
+# --- The decision head, in llama.cpp's Clef layout (docs/format.md) --------------------
+KEY_ROUTING_BLOCKS = "clef.decision.routing_block_count"
+KEY_JOINT_BLOCKS = "clef.decision.block_count"
+KEY_HEAD_COUNT = "clef.decision.head_count"
+KEY_HEAD_NORM_EPS = "clef.attention.layer_norm_epsilon"
+HEAD_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, the head's LayerNorms
+SCALES = "decision.scales"  # [prior, joint, gate]: the values the reference uses at inference
+SCALE_PARAMETERS = ("prior_logit_scale", "joint_logit_scale", "residual_gate")
+ATTENTION_PARTS = ("q", "k", "v")  # nn.MultiheadAttention's packed in_proj rows, in this order
+
+# Reference module (joint_head.safetensors, `{i}` a block index) -> llama.cpp module (`{bid}`
+# the dec.blk index: routing blocks first, then the joint layers). A norm or linear module
+# holds `.weight` and `.bias`; an attention module becomes `<name>_q/_k/_v/_o`.
+HEAD_GLOBALS = {
+    "hidden_norm": "decision.hidden_norm",
+    "memory_projection": "decision.proj_memory",
+    "question_projection": "decision.proj_question",
+    "option_question_projection": "decision.proj_option_question",
+    "global_projection": "decision.proj_global",
+    "option_context_projection": "decision.proj_option_context",
+    "option_lexical_projection": "decision.proj_option_lexical",
+    "type_embedding": "token_types",
+    "option_summary_norm": "decision.option_summary_norm",
+    "field_norm": "decision.field_norm",
+    "option_norm": "decision.option_norm",
+    "residual_scorer.0": "decision.scorer",
+    "residual_scorer.3": "decision.scorer_out",
+}
+ROUTING_BLOCK = {
+    "evidence_layers.{i}.query_norm": "dec.blk.{bid}.cross_attn_norm",
+    "evidence_layers.{i}.memory_norm": "dec.blk.{bid}.cross_attn_norm_kv",
+    "evidence_layers.{i}.attention": "dec.blk.{bid}.cross_attn",
+    "evidence_layers.{i}.feedforward_norm": "dec.blk.{bid}.ffn_norm",
+    "evidence_layers.{i}.feedforward.0": "dec.blk.{bid}.ffn_up",
+    "evidence_layers.{i}.feedforward.3": "dec.blk.{bid}.ffn_down",
+}
+JOINT_BLOCK = {
+    "layers.{i}.norm1": "dec.blk.{bid}.attn_norm",
+    "layers.{i}.self_attn": "dec.blk.{bid}.attn",
+    "layers.{i}.norm2": "dec.blk.{bid}.cross_attn_norm",
+    "layers.{i}.multihead_attn": "dec.blk.{bid}.cross_attn",
+    "layers.{i}.norm3": "dec.blk.{bid}.ffn_norm",
+    "layers.{i}.linear1": "dec.blk.{bid}.ffn_up",
+    "layers.{i}.linear2": "dec.blk.{bid}.ffn_down",
+}
+_ATTENTION_MODULES = ("attention", "self_attn", "multihead_attn")
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     hidden_size: int
@@ -235,11 +296,52 @@ class HeadConfig:
     feedforward: int
 
 
-def head_tensor_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """JointSchemaHead's state_dict (reference names) with shapes: 22 + 14*R + 18*L tensors.
+@dataclass(frozen=True)
+class HeadRule:
+    """One GGUF head tensor and where it comes from in joint_head.safetensors."""
 
-    Scalars are stored with shape (1,) in GGUF; their reference shape is ().
-    """
+    gguf: str
+    reference: str
+    part: int | None = None  # of a packed in_proj: rows [part * W, (part + 1) * W)
+
+
+def head_modules(c: HeadConfig) -> dict[str, str]:
+    """Every head module, reference name -> GGUF name, blocks expanded. Attention modules
+    are listed by part (`<ref>.q` -> `<gguf>_q`, ..., `<ref>.out` -> `<gguf>_o`)."""
+    modules = dict(HEAD_GLOBALS)
+    blocks = [(ROUTING_BLOCK, i, i) for i in range(c.routing_layers)]
+    blocks += [(JOINT_BLOCK, i, c.routing_layers + i) for i in range(c.layers)]
+    for table, i, bid in blocks:
+        for reference, gguf in table.items():
+            reference, gguf = reference.format(i=i), gguf.format(bid=bid)
+            if reference.rsplit(".", 1)[-1] in _ATTENTION_MODULES:
+                modules |= {f"{reference}.{x}": f"{gguf}_{x}" for x in ATTENTION_PARTS}
+                modules[f"{reference}.out"] = f"{gguf}_o"
+            else:
+                modules[reference] = gguf
+    return modules
+
+
+def head_rules(c: HeadConfig) -> list[HeadRule]:
+    """Every GGUF head tensor but decision.scales: 20 + 18 * routing + 26 * layers - 1."""
+    reference = reference_head_shapes(c)
+    rules = []
+    for module, gguf in head_modules(c).items():
+        parent, _, part = module.rpartition(".")
+        for suffix in ("weight", "bias"):
+            if part in ATTENTION_PARTS:
+                rule = HeadRule(f"{gguf}.{suffix}", f"{parent}.in_proj_{suffix}", ATTENTION_PARTS.index(part))
+            elif part == "out":
+                rule = HeadRule(f"{gguf}.{suffix}", f"{parent}.out_proj.{suffix}")
+            else:
+                rule = HeadRule(f"{gguf}.{suffix}", f"{module}.{suffix}")
+            if rule.reference in reference:  # projections and the type embedding have no bias
+                rules.append(rule)
+    return rules
+
+
+def reference_head_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """JointSchemaHead's state_dict (joint_head.safetensors) with shapes: 22 + 14*R + 18*L tensors."""
     w, h, ff = c.width, c.hidden_size, c.feedforward
     norm = {"weight": (w,), "bias": (w,)}
     attention = {"in_proj_weight": (3 * w, w), "in_proj_bias": (3 * w,), "out_proj.weight": (w, w), "out_proj.bias": (w,)}
@@ -268,10 +370,56 @@ def head_tensor_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
     shapes |= group("field_norm", norm) | group("option_norm", norm)
     shapes |= {"residual_scorer.0.weight": (w, 4 * w), "residual_scorer.0.bias": (w,)}
     shapes |= {"residual_scorer.3.weight": (1, w), "residual_scorer.3.bias": (1,)}
-    for scalar in ("prior_logit_scale", "joint_logit_scale", "residual_gate"):
-        shapes[scalar] = (1,)
+    for scalar in SCALE_PARAMETERS:
+        shapes[scalar] = ()
+    return shapes
+
+
+def head_tensor_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Every GGUF head tensor llama.cpp's Clef loader asks for, in numpy (row-major) shape order."""
+    reference = reference_head_shapes(c)
+    shapes = {}
+    for rule in head_rules(c):
+        shape = reference[rule.reference]
+        shapes[rule.gguf] = shape if rule.part is None else (shape[0] // 3, *shape[1:])
+    shapes[SCALES] = (len(SCALE_PARAMETERS),)
     return shapes
 
 
 def head_tensor_count(routing_layers: int, layers: int) -> int:
+    return 20 + 18 * routing_layers + 26 * layers
+
+
+def reference_tensor_count(routing_layers: int, layers: int) -> int:
+    """Tensors of joint_head.safetensors."""
     return 22 + 14 * routing_layers + 18 * layers
+
+
+def inference_scales(prior_logit_scale: float, joint_logit_scale: float, residual_gate: float) -> tuple[float, float, float]:
+    """decision.scales from the three learned scalars: exp clamped at 100, and the sigmoid gate (in float64)."""
+    cap = math.log(100.0)
+    gate = 1.0 / (1.0 + math.exp(-residual_gate))
+    return math.exp(min(prior_logit_scale, cap)), math.exp(min(joint_logit_scale, cap)), gate
+
+
+def read_head_config(header: Any) -> HeadConfig:
+    """The head's config from a Clef GGUF header: counts from keys, widths from tensor shapes (as llama.cpp reads them).
+
+    Raises KeyError or TypeError on a file that lacks them; validate names what is missing first.
+    """
+    tensors = header.tensors
+    return HeadConfig(
+        hidden_size=int(header.get(backbone_key("embedding_length"))),
+        width=int(tensors["decision.proj_memory.weight"].dims[1]),
+        routing_layers=int(header.get(KEY_ROUTING_BLOCKS)),
+        layers=int(header.get(KEY_JOINT_BLOCKS)),
+        heads=int(header.get(KEY_HEAD_COUNT)),
+        feedforward=int(tensors["dec.blk.0.ffn_up.weight"].dims[1]),
+    )
+
+
+TOKEN_TYPES = "token_types.weight"  # the head's question-type embedding (llama.cpp keeps it F32)
+
+
+def is_head_tensor(name: str) -> bool:
+    return name.startswith(("dec.", "decision.")) or name == TOKEN_TYPES

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import contract as C
 from .errors import ConversionError, ReleaseError
-from .graft import HEAD_TYPES, assemble, head_tensors, release_files, write_clef
+from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
@@ -127,7 +127,7 @@ def convert(
     out: str | Path,
     file_type: str = DEFAULT_FILE_TYPE,
     *,
-    head_type: str = "f32",
+    head_type: str = "auto",
     imatrix: str | Path | None = None,
     force: bool = False,
     progress: Progress | None = None,
@@ -135,8 +135,7 @@ def convert(
     """Convert a Clef release (folder or Hub repo id) to one Clef GGUF file at `out`."""
     if file_type not in FILE_TYPES:
         raise ConversionError(f"unknown --type {file_type}; choose one of {', '.join(FILE_TYPES)}")
-    if head_type not in HEAD_TYPES:
-        raise ConversionError(f"unknown --head-type {head_type}; choose one of {', '.join(HEAD_TYPES)}")
+    head_qtype(head_type, None)  # an unknown --head-type fails before anything is read
     if imatrix is not None and file_type not in LLAMA_FILE_TYPES:
         raise ConversionError(f"--imatrix applies to llama.cpp's quantizations ({', '.join(LLAMA_FILE_TYPES)}), not {file_type}")
     out = Path(out)
@@ -151,7 +150,7 @@ def convert(
     if file_type in LLAMA_FILE_TYPES:
         return _convert_with_llama(release, out, file_type, hparams, vocab, head_type, imatrix, force, progress)
     qtype, ftype = NUMPY_FILE_TYPES[file_type]
-    tensors = backbone_tensors(release, qtype) + head_tensors(release, head_type)
+    tensors = backbone_tensors(release, qtype) + head_tensors(release, head_qtype(head_type, qtype))
     return write_clef(
         out,
         release,

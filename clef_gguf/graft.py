@@ -37,34 +37,60 @@ from .writer import (
     write_metadata,
 )
 
-HEAD_TYPES = {"f32": GT.F32, "f16": GT.F16, "q8_0": GT.Q8_0}
+# --head-type: "auto" is what llama.cpp's converter writes for the direct types (the head's 2-D weights in
+# the file type: f32, f16, bf16, q8_0), and F32 under llama.cpp's quantizations (the head is small next to
+# the backbone, and its logits are scaled by up to 100).
+HEAD_TYPES = {"auto": None, "f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, "q8_0": GT.Q8_0}
 
 
 class MismatchError(ConversionError):
     """The backbone and the release do not belong together."""
 
 
-def head_tensors(release: Release, head_type: str) -> list[OutTensor]:
-    """The head as `head.<reference name>`; 1-D tensors and scalars stay F32 whatever head_type."""
-    expected = C.head_tensor_shapes(release.head_config)
+def head_qtype(head_type: str, file_qtype: GT | None) -> GT:
+    """The type asked for the head's 2-D weights (storage_type keeps biases, norms and token_types F32)."""
+    if head_type not in HEAD_TYPES:
+        raise ConversionError(f"unknown --head-type {head_type}; choose one of {', '.join(HEAD_TYPES)}")
+    wanted = HEAD_TYPES[head_type]
+    if wanted is None:  # auto (GT.F32 is 0: test for None, not truth)
+        return GT.F32 if file_qtype is None else file_qtype
+    return wanted
+
+
+def head_tensors(release: Release, qtype: GT) -> list[OutTensor]:
+    """The head in llama.cpp's Clef layout (contract.head_rules): in_proj split into q, k, v; decision.scales."""
+    config = release.head_config
+    expected = C.reference_head_shapes(config)
     if set(expected) != set(release.head):
         differ = sorted(set(expected) ^ set(release.head))
         raise ConversionError(
             f"joint_head.safetensors does not match joint_head_config.json: {differ[0]} ({len(differ)} tensors differ)"
         )
-    tensors = []
     for name, shape in expected.items():
         source = release.head[name]
         if int(np.prod(source.shape)) != int(np.prod(shape)) or (source.shape and source.shape != shape):
             raise ConversionError(
                 f"head tensor {name} has shape {list(source.shape)}, joint_head_config.json implies {list(shape)}"
             )
-        qtype = storage_type(name, shape, HEAD_TYPES[head_type])
+    shapes = C.head_tensor_shapes(config)
+    tensors = []
+    for rule in C.head_rules(config):
+        shape = shapes[rule.gguf]
+        wanted = storage_type(rule.gguf, shape, qtype)
 
-        def produce(src=source, s=shape, q=qtype) -> np.ndarray:
-            return encode(src.load().reshape(s), q)
+        def produce(r=rule, s=shape, q=wanted) -> np.ndarray:
+            x = release.head[r.reference].load().reshape(expected[r.reference])
+            if r.part is not None:  # whole rows of the packed in_proj
+                x = x[r.part * s[0] : (r.part + 1) * s[0]]
+            return encode(x.reshape(s), q)
 
-        tensors.append(OutTensor(C.HEAD_PREFIX + name, shape, qtype, produce))
+        tensors.append(OutTensor(rule.gguf, shape, wanted, produce))
+
+    def scales() -> np.ndarray:
+        values = (float(release.head[n].load().reshape(())) for n in C.SCALE_PARAMETERS)
+        return np.array(C.inference_scales(*values), dtype=np.float32)  # float64 math, one rounding, as llama.cpp
+
+    tensors.append(OutTensor(C.SCALES, shapes[C.SCALES], GT.F32, scales))
     return tensors
 
 
@@ -155,12 +181,12 @@ def assemble(
     release: Release,
     out: Path,
     *,
-    head_type: str = "f32",
+    head_type: str = "auto",
     force: bool = False,
     progress: Progress | None = None,
     reference_sha256: str = "",
 ) -> Path:
-    """Write the Clef file: the backbone's tensors as they are, then the release's head."""
+    """Write the Clef file: the backbone's tensors as they are, then the release's head (F32 unless head_type)."""
     f = GGUFFile.open(backbone_path)
     try:
         arch = f.header.get("general.architecture")
@@ -179,7 +205,7 @@ def assemble(
         _compare_vocab(vocab, release_vocab)
         if release.head_config.hidden_size != shape.n_embd:
             raise MismatchError(f"the head reads hidden size {release.head_config.hidden_size}, the backbone has {shape.n_embd}")
-        tensors = _backbone_tensors(f, shape) + head_tensors(release, head_type)
+        tensors = _backbone_tensors(f, shape) + head_tensors(release, head_qtype(head_type, None))
         file_type = int(f.header.get("general.file_type", 0))
         write_clef(
             out, release, hparams, vocab, file_type, tensors, reference_sha256=reference_sha256, force=force, progress=progress
@@ -202,7 +228,7 @@ def write_clef(
     progress: Progress | None,
     stage: str = "writing",
 ) -> Path:
-    """Write a Clef file: its metadata, then `tensors` (the backbone in contract order, then the head)."""
+    """Write a Clef file: its metadata, then `tensors`."""
     refuse_inputs(out, release_files(release))
     check_free_space(out.parent, header_bytes(vocab, tensors) + data_bytes(tensors))
 
@@ -227,14 +253,13 @@ def graft(
     source: str | Path,
     out: str | Path,
     *,
-    head_type: str = "f32",
+    head_type: str = "auto",
     force: bool = False,
     progress: Progress | None = None,
 ) -> Path:
     """A backbone-only qwen35 GGUF (any quantization) + a release (folder or Hub repo id) -> a Clef GGUF."""
     out, backbone = Path(out), Path(backbone)
-    if head_type not in HEAD_TYPES:
-        raise ConversionError(f"unknown --head-type {head_type}; choose one of {', '.join(HEAD_TYPES)}")
+    head_qtype(head_type, None)  # an unknown --head-type fails before anything is read
     check_output(out, force)  # before the release is downloaded
     refuse_inputs(out, [backbone])
     release = open_release(source, weights=False)

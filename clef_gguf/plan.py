@@ -74,23 +74,15 @@ class _NoAllocModel:
         params.no_alloc = True
         params.load_mode = L.LLAMA_LOAD_MODE_NONE
         llama_log.clear_errors()
-        # The lean view, as the runtime loads it (no n_vocab logits): for a Clef file, or a
-        # backbone in the same tensor order; any other qwen35 file as llama.cpp loads it by path.
-        # Weights are placed as the runtime places them (cpu_buffers): the figures describe what runs.
+        # The lean view, as the runtime loads it (no n_vocab logits), of a Clef or a plain qwen35 file,
+        # its weights placed as the runtime places them (cpu_buffers): the figures describe what runs.
+        names = view_tensor_names(f, lean=True)
+        cpu_buffers.placement({n: f.header.tensors[n] for n in names}, n_gpu_layers=n_gpu_layers).apply(params)
+        view = open_qwen35_view(f, lean=True)
         try:
-            view = open_qwen35_view(f, lean=True)
-        except ModelFileError:
-            self.lean = False
-            cpu_buffers.placement(f.header.tensors, n_gpu_layers=n_gpu_layers).apply(params)
-            self.model = L.llama_model_load_from_file(str(f.path).encode(), params)
-        else:
-            self.lean = True
-            names = view_tensor_names(f, lean=True)
-            cpu_buffers.placement({n: f.header.tensors[n] for n in names}, n_gpu_layers=n_gpu_layers).apply(params)
-            try:
-                self.model = L.llama_model_load_from_file_ptr(view.fp, params)
-            finally:
-                view.close()
+            self.model = L.llama_model_load_from_file_ptr(view.fp, params)
+        finally:
+            view.close()
         if not self.model:
             raise ModelFileError(f"llama.cpp could not plan {f.path.name}: {llama_log.last_error('no reason given')}")
 
@@ -119,7 +111,7 @@ class _NoAllocModel:
         L.llama_model_free(self.model)
 
 
-def _on_device(name: str, n_layer: int, offloaded: int, lean: bool) -> bool:
+def _on_device(name: str, n_layer: int, offloaded: int) -> bool:
     """llama.cpp offloads the last `offloaded` repeating layers, then the output layer.
 
     In the lean view llama.cpp holds neither output.weight nor token_embd (258 rows of it):
@@ -128,8 +120,7 @@ def _on_device(name: str, n_layer: int, offloaded: int, lean: bool) -> bool:
     m = _BLOCK.match(name)
     if m:
         return int(m[1]) >= n_layer - offloaded
-    output_layer = ("output_norm.weight",) if lean else ("output.weight", "output_norm.weight")
-    return name in output_layer and offloaded > n_layer
+    return name == "output_norm.weight" and offloaded > n_layer
 
 
 def _hparam(f: GGUFFile, suffix: str) -> object:
@@ -141,7 +132,7 @@ def _hparam(f: GGUFFile, suffix: str) -> object:
 
 
 def _lines(
-    f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int, lean: bool
+    f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int
 ) -> tuple[list[Line], dict[str, int], bool]:
     n_layer = int(_hparam(f, "block_count"))
     recurrent = list(_hparam(f, "attention.recurrent_layers"))
@@ -149,16 +140,14 @@ def _lines(
     weights_device = weights_host = 0
     by_type: dict[str, int] = {}
     for name, t in tensors.items():
-        if name.startswith(C.HEAD_PREFIX):
+        if C.is_head_tensor(name):
             continue
         by_type[t.type.name] = by_type.get(t.type.name, 0) + t.n_bytes
-        if _on_device(name, n_layer, offloaded, lean):
+        if _on_device(name, n_layer, offloaded):
             weights_device += t.n_bytes
         else:
             weights_host += t.n_bytes
-    if not lean and "output.weight" not in tensors and offloaded > n_layer:  # tied: llama.cpp copies token_embd for the output
-        weights_device += tensors["token_embd.weight"].n_bytes
-    head = sum(t.n_elements * 4 for n, t in tensors.items() if n.startswith(C.HEAD_PREFIX))  # dequantized to f32
+    head = sum(t.n_bytes for n, t in tensors.items() if C.is_head_tensor(n))  # the native head keeps the stored types
 
     def split(total_mib: float, layers: list[int]) -> tuple[int, int]:
         on = sum(1 for il in layers if il >= n_layer - offloaded)
@@ -183,7 +172,7 @@ def _lines(
         Line("recurrent state (linear-attention layers)", *rs, "llama.cpp"),
         Line(f"compute buffer (physical batch {n_ctx})", compute_device, int(compute_total) - compute_device, "llama.cpp"),
         Line("hidden-state output buffer", 0, n_ctx * n_embd * 4, "computed"),
-        Line("joint schema head (numpy, f32)", 0, head, "computed"),
+        Line("joint schema head", 0, head, "file"),
     ]
     return lines, by_type, gpu_backend
 
@@ -196,12 +185,12 @@ def memory_plan(path: str | Path, n_ctx: int = 4096, n_gpu_layers: int = -1, vra
         offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
         model = _NoAllocModel(f, n_gpu_layers)
         try:
-            lines, by_type, gpu = _lines(f, model.measure(n_ctx), n_ctx, offloaded, model.lean)
+            lines, by_type, gpu = _lines(f, model.measure(n_ctx), n_ctx, offloaded)
             fits = None
             if vram is not None:
                 limit = min(int(_hparam(f, "context_length")), MAX_UBATCH)  # the largest single physical batch
                 fits = _largest_fitting(
-                    lambda n: sum(x.device_bytes for x in _lines(f, model.measure(n), n, offloaded, model.lean)[0]), vram, limit
+                    lambda n: sum(x.device_bytes for x in _lines(f, model.measure(n), n, offloaded)[0]), vram, limit
                 )
         finally:
             model.close()

@@ -39,6 +39,7 @@ from gguf import GGUFValueType as VT
 from . import contract as C
 from .errors import CorruptModelError, IncompleteModelError, ModelFileError, NotADecisionModelError
 from .gguf_header import GGUF_MAGIC, Field, GGUFFile, Header, TensorInfo, TruncatedHeader, parse_header
+from .runtime.template import PromptTemplate
 
 # Limits no real model comes near. A Clef header is ~16 MB (a 248k-token vocabulary and its
 # merges); parsing the largest header allowed stays within seconds.
@@ -51,16 +52,24 @@ MAX_HEAD_LAYERS = 64
 GGML_MAX_NAME = 64  # ggml's tensor name buffer, terminating NUL included
 FIRST_FETCH = 2 << 20  # remote: the first range request; grown until the header parses
 MAX_FETCHES = 16
-# The released head design (joint_head_config.json of Clef-flash): 22 + 14*6 + 18*3 = 160 tensors.
+# The released head design (joint_head_config.json of Clef-flash): 20 + 18*6 + 26*3 = 206 GGUF tensors,
+# holding the 22 + 14*6 + 18*3 = 160 of joint_head.safetensors.
 RELEASED_HEAD = ("Clef-flash", 6, 3)
+# clef-gguf 0.1.0 wrote its own layout under the same architecture name: recognized, and refused with the remedy.
+OLD_DECISION_TYPE = "joint_schema"
+OLD_HEAD_PREFIX = "head."
+OLD_LAYOUT_MESSAGE = (
+    "this file is in clef-gguf 0.1.0's own layout (clef.decision.type 'joint_schema', head.* tensors), which "
+    "llama.cpp does not read: convert the release again with `clef-gguf convert`"
+)
 
-# What llama.cpp's CPU backend runs as weights; the head is dequantized by gguf-py.
+# What llama.cpp's CPU backend runs as weights; the native head is a ggml graph too, and reads the same types.
 BACKBONE_TYPES = frozenset(
     {GT.F32, GT.F16, GT.BF16, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K}
     | {GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.IQ1_M, GT.IQ4_NL, GT.IQ4_XS}
     | {GT.TQ1_0, GT.TQ2_0, GT.MXFP4}
 )
-HEAD_TYPES = frozenset({GT.F32, GT.F16, GT.Q8_0})
+HEAD_TYPES = BACKBONE_TYPES
 _INT_TYPES = frozenset({VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64})
 # Template special tokens must be parsed as one token each: llama.cpp does so for these types.
 _SPECIAL_TOKEN_TYPES = frozenset({gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED})
@@ -399,7 +408,7 @@ def check_backbone(h: Header, shape: C.BackboneShape) -> tuple[list[Problem], in
     extra = [
         n
         for n, t in tensors.items()
-        if not n.startswith(C.HEAD_PREFIX) and n not in expected and not _optional(n, t, shape, tensors)
+        if not C.is_head_tensor(n) and n not in expected and not _optional(n, t, shape, tensors)
     ]
     problems = []
     if missing:
@@ -423,67 +432,79 @@ def check_backbone(h: Header, shape: C.BackboneShape) -> tuple[list[Problem], in
     return problems, len(expected)
 
 
-def head_config(h: Header) -> tuple[C.HeadConfig | None, list[Problem]]:
-    """JointSchemaHead's constructor arguments from clef.head.*, bounded before any shape is derived."""
-    limits = {"routing_layers": (0, MAX_HEAD_LAYERS), "layers": (0, MAX_HEAD_LAYERS), "heads": (1, 4096)}
-    values: dict[str, int] = {}
+def head_config(h: Header, n_embd: int | None) -> tuple[C.HeadConfig | None, list[Problem]]:
+    """The head's config as llama.cpp's Clef loader reads it: counts from clef.decision.* (UINT32), widths
+    from tensor shapes (decision.proj_memory: width, dec.blk.0.ffn_up: feedforward), bounded before any
+    shape is derived."""
     problems = []
-    for name in C.HEAD_CONFIG_FIELDS:
-        key = C.head_key(name)
+    counts: dict[str, int] = {}
+    keys = {"routing_layers": C.KEY_ROUTING_BLOCKS, "layers": C.KEY_JOINT_BLOCKS, "heads": C.KEY_HEAD_COUNT}
+    for name, key in keys.items():
         f = h.fields.get(key)
-        low, high = limits.get(name, (1, MAX_WIDTH))
+        low, high = (1, 4096) if name == "heads" else (0, MAX_HEAD_LAYERS)
         if f is None:
             problems.append(Problem("head", f"{key} is missing"))
-        elif f.type not in _INT_TYPES:
-            problems.append(Problem("head", f"{key} is stored as {f.type.name}, not an integer"))
+        elif f.type != VT.UINT32:  # llama.cpp reads it as a uint32 and refuses another type
+            problems.append(Problem("head", f"{key} is stored as {f.type.name}, not UINT32"))
         elif not low <= f.value <= high:
             problems.append(Problem("head", f"{key} = {f.value} is outside [{low}, {high}]"))
         else:
-            values[name] = f.value
-    if problems:
+            counts[name] = f.value
+    eps = h.fields.get(C.KEY_HEAD_NORM_EPS)
+    if eps is None or eps.type != VT.FLOAT32 or not 0 < eps.value < 1:
+        message = f"{C.KEY_HEAD_NORM_EPS} (the head's LayerNorm epsilon) is missing or not a FLOAT32 in (0, 1)"
+        problems.append(Problem("head", message))
+    widths = {}
+    for name, tensor in (("width", "decision.proj_memory.weight"), ("feedforward", "dec.blk.0.ffn_up.weight")):
+        t = h.tensors.get(tensor)
+        if t is None or len(t.dims) != 2 or not 1 <= t.dims[1] <= MAX_WIDTH:
+            problems.append(Problem("head", f"{tensor}, whose rows give the head's {name}, is missing or not 2-D"))
+        else:
+            widths[name] = t.dims[1]
+    if problems or n_embd is None:
         return None, problems
-    config = C.HeadConfig(**values)
+    config = C.HeadConfig(hidden_size=n_embd, **widths, **counts)
     if config.width % config.heads:
-        return None, [Problem("head", f"clef.head.width {config.width} is not a multiple of clef.head.heads {config.heads}")]
+        message = f"the head's width {config.width} is not a multiple of {C.KEY_HEAD_COUNT} = {config.heads}"
+        return None, [Problem("head", message)]
     return config, []
 
 
-def check_head(h: Header, config: C.HeadConfig, n_embd: int | None) -> tuple[list[Problem], int]:
-    """Every head tensor the config implies, with the shape it implies; the head reads the backbone's width."""
+def _same_head_dims(name: str, t: TensorInfo, shape: tuple[int, ...]) -> bool:
+    # llama-quantize writes decision.scorer_out.weight, (W, 1), back as 1-D (W); llama.cpp reads both.
+    return _same_dims(t, shape) or (name == "decision.scorer_out.weight" and t.dims == (shape[1],))
+
+
+def check_head(h: Header, config: C.HeadConfig) -> tuple[list[Problem], int]:
+    """Every head tensor llama.cpp's Clef loader asks for, with the shape the config implies."""
     expected = C.head_tensor_shapes(config)
-    present = {n[len(C.HEAD_PREFIX) :]: t for n, t in h.tensors.items() if n.startswith(C.HEAD_PREFIX)}
+    present = {n: t for n, t in h.tensors.items() if C.is_head_tensor(n)}
     problems = []
-    if n_embd is not None and config.hidden_size != n_embd:
-        problems.append(
-            Problem(
-                "head",
-                f"the head reads hidden states of width {config.hidden_size} but the backbone's are {n_embd} wide: "
-                "this head belongs to another backbone",
-            )
-        )
     missing = [n for n in expected if n not in present]
     if missing:
-        formula = f"22 + 14*{config.routing_layers} + 18*{config.layers}"
+        formula = f"20 + 18*{config.routing_layers} + 26*{config.layers}"
+        reference = C.reference_tensor_count(config.routing_layers, config.layers)
         problems.append(
             Problem(
                 "head",
-                f"{len(expected) - len(missing)} of the {len(expected)} scoring-head tensors ({formula}) the head config "
-                f"implies are present; missing: {_first(['head.' + n for n in missing])}",
+                f"{len(expected) - len(missing)} of the {len(expected)} head tensors ({formula}, holding the {reference} "
+                f"of joint_head.safetensors) are present; missing: {_first(missing)}",
             )
         )
-    wrong = [n for n, want in expected.items() if n in present and not _same_dims(present[n], want)]
+    wrong = [n for n, want in expected.items() if n in present and not _same_head_dims(n, present[n], want)]
     if wrong:
         n = wrong[0]
         problems.append(
             Problem(
                 "head",
-                f"head tensor head.{n} has shape {list(present[n].shape)}, the head config implies {list(expected[n])}"
+                f"head tensor {n} has shape {list(present[n].shape)}, the head implies {list(expected[n])}: "
+                "a head of another width, or of another backbone"
                 + (f" ({len(wrong) - 1} more tensors differ)" if len(wrong) > 1 else ""),
             )
         )
-    extra = [f"head.{n}" for n in present if n not in expected]
+    extra = [n for n in present if n not in expected]
     if extra:
-        problems.append(Problem("head", f"head tensors the head config does not describe: {_first(extra)}"))
+        problems.append(Problem("head", f"head tensors llama.cpp's Clef loader does not create: {_first(extra)}"))
     return problems, len(expected)
 
 
@@ -499,17 +520,16 @@ def _dequantizable(qtype: GT) -> bool:
 
 
 def check_types(h: Header) -> list[Problem]:
-    """Tensor types stock llama.cpp (backbone) and the numpy head (head.*) run."""
+    """Tensor types stock llama.cpp runs (the backbone, and the native head's ggml graph alike)."""
     problems = []
     for name, t in h.tensors.items():
-        if name.startswith(C.HEAD_PREFIX):
-            if t.type not in HEAD_TYPES:
-                problems.append(Problem("types", f"head tensor {name} is {t.type.name}; the head runs F32, F16 or Q8_0"))
+        if C.is_head_tensor(name) and t.type not in HEAD_TYPES:
+            problems.append(Problem("types", f"head tensor {name} is {t.type.name}, which the head does not run"))
         elif t.type not in BACKBONE_TYPES:
             problems.append(Problem("types", f"tensor {name} is {t.type.name}, which llama.cpp does not run as a weight"))
         elif name.endswith(C.F32_ONLY_SUFFIXES) and t.type != GT.F32:
             problems.append(Problem("types", f"tensor {name} is {t.type.name}; llama.cpp needs it in F32"))
-        elif t.n_elements == t.dims[0] and t.type != GT.F32:  # norms and biases: ggml_add / ggml_mul operands
+        elif (len(t.dims) == 1 or name.endswith((".bias", "norm.weight"))) and t.type != GT.F32:  # ggml_add / ggml_mul operands
             message = f"tensor {name} is {t.type.name}; llama.cpp adds and multiplies 1-D tensors in F32 only (ggml aborts)"
             problems.append(Problem("types", message))
     if len(problems) > 1:  # one type problem usually repeats over many tensors: name the first, count the rest
@@ -570,72 +590,28 @@ def _template_tokens(tokens: list[str], types: list[int] | None) -> list[str]:
     return []
 
 
-_BRACES = re.compile(r"\{[^{}]*\}|[{}]")  # a placeholder, or a brace that is not part of one
-
-
-def _placeholders(text: str) -> set[str]:
-    return {m[0][1:-1] for m in _BRACES.finditer(text) if len(m[0]) > 2}
-
-
-def _template_problem(key: str, text: str, allowed: set[str]) -> str | None:
-    """The runtime fills `{name}` for the names it knows, once each; anything else with a brace is refused.
-
-    The template is data, never a format string: no format specs (`{index:>1000000000}` would
-    allocate a GB under str.format), conversions, attribute or index lookups, escapes or repeats.
-    """
-    seen: set[str] = set()
-    for m in _BRACES.finditer(text):
-        name = m[0][1:-1]
-        if m[0] != "{" + name + "}" or name not in allowed or name in seen:
-            fills = ", ".join("{" + n + "}" for n in sorted(allowed))
-            return f"{key} holds {m[0][:60]!r}: the runtime fills only {fills}, each at most once, and nothing else"
-        seen.add(name)
-    return None
-
-
 def check_decision_metadata(h: Header) -> list[Problem]:
-    """The decision contract: architecture, decision type, backbone, normalizer and the prompt template."""
+    """The decision contract: architecture, decision type, and a systemone template the runtime renders."""
     bad = []
-    expect = {"general.architecture": C.ARCH, C.KEY_DECISION_TYPE: C.DECISION_TYPE, C.KEY_BACKBONE_ARCH: C.BACKBONE_ARCH}
-    for key, want in expect.items():
+    for key, want in {"general.architecture": C.ARCH, C.KEY_DECISION_TYPE: C.DECISION_TYPE}.items():
         if h.get(key) != want:
             bad.append(f"{key} is {h.get(key)!r}; a Clef decision model has {want!r}")
-    if h.get(C.KEY_NORMALIZER) not in ("NFC", "none"):
+    if h.get(C.KEY_NORMALIZER, "NFC") not in ("NFC", "none"):
         bad.append(f"{C.KEY_NORMALIZER} is {h.get(C.KEY_NORMALIZER)!r}, not 'NFC' or 'none'")
-    for name, reference in C.PROMPT_TEMPLATE.items():
-        key = C.prompt_key(name)
-        text = h.get(key)
-        if not isinstance(text, str):
-            bad.append(f"{key} is missing: the prompt template is incomplete")
-            continue
-        allowed = _placeholders(reference)
-        if not allowed:
-            continue  # used as is, never filled: its braces are text
-        problem = _template_problem(key, text, allowed)
-        if problem:
-            bad.append(problem)
+    text = h.get(C.KEY_TEMPLATE)
+    if not isinstance(text, str):
+        bad.append(f"{C.KEY_TEMPLATE} (the prompt) is missing")
+    else:
+        try:
+            PromptTemplate(text)
+        except ModelFileError as e:
+            bad.append(str(e))
     return [Problem("decision", m) for m in bad]
 
 
-def check_clef_layout(h: Header, shape: C.BackboneShape | None) -> list[Problem]:
-    """The runtime lays qwen35 headers over the data: the backbone first, in the contract's order."""
-    names = list(h.tensors)
-    first_head = next((i for i, n in enumerate(names) if n.startswith(C.HEAD_PREFIX)), len(names))
-    late = [n for n in names[first_head:] if not n.startswith(C.HEAD_PREFIX)]
-    if late:
-        return [Problem("layout", f"backbone tensor {late[0]} follows head tensor {names[first_head]}: convert the file again")]
-    if shape is None:
-        return []
-    expected = [n for n in C.backbone_tensor_shapes(shape) if n in h.tensors]
-    known = set(expected)
-    actual = [n for n in names[:first_head] if n in known]  # optional tensors may lie anywhere
-    for want, got in zip(expected, actual, strict=True):
-        if want != got:
-            message = (
-                f"backbone tensor {got} lies where contract.py puts {want}: the runtime needs its order; convert the file again"
-            )
-            return [Problem("layout", message)]
-    return []
+def old_layout(h: Header) -> bool:
+    """A file in clef-gguf 0.1.0's own layout (decision type joint_schema, head.* tensors)."""
+    return h.get(C.KEY_DECISION_TYPE) == OLD_DECISION_TYPE or any(n.startswith(OLD_HEAD_PREFIX) for n in h.tensors)
 
 
 # --- Judging a parsed header --------------------------------------------------------------------------
@@ -649,7 +625,7 @@ class _Findings:
 
 def _judge_header(h: Header, file_size: int) -> _Findings:
     tensors = h.tensors
-    n_head = sum(n.startswith(C.HEAD_PREFIX) for n in tensors)
+    n_head = sum(C.is_head_tensor(n) for n in tensors)
     arch = h.get("general.architecture")
     found = _Findings(decision=arch == C.ARCH or C.KEY_DECISION_TYPE in h.fields or n_head > 0)
     found.problems += check_layout(h, file_size)
@@ -657,6 +633,10 @@ def _judge_header(h: Header, file_size: int) -> _Findings:
     counts = {"tensors": len(tensors), "backbone": len(tensors) - n_head, "head": n_head}
     counts["vocab"] = len(tokens) if isinstance(tokens, list) else 0
     if arch not in (C.ARCH, C.BACKBONE_ARCH) and not found.decision:
+        found.counts = Counts(**counts)
+        return found
+    if found.decision and old_layout(h):
+        found.problems.append(Problem("layout", OLD_LAYOUT_MESSAGE))
         found.counts = Counts(**counts)
         return found
     prefix = C.ARCH if arch == C.ARCH else C.BACKBONE_ARCH
@@ -669,12 +649,11 @@ def _judge_header(h: Header, file_size: int) -> _Findings:
     found.problems += check_types(h)
     if found.decision:
         found.problems += check_decision_metadata(h)
-        config, problems = head_config(h)
+        config, problems = head_config(h, shape.n_embd if shape else None)
         found.problems += problems
         if config is not None:
-            problems, counts["head_expected"] = check_head(h, config, shape.n_embd if shape else None)
+            problems, counts["head_expected"] = check_head(h, config)
             found.problems += problems
-        found.problems += check_clef_layout(h, shape)
         found.notes += _notes(h)
     found.counts = Counts(**counts)
     return found
@@ -682,13 +661,9 @@ def _judge_header(h: Header, file_size: int) -> _Findings:
 
 def _notes(h: Header) -> list[str]:
     notes = []
-    if h.get(C.KEY_VISION):
-        notes.append(f"vision tower: {h.get(C.KEY_VISION)}")
     digest = h.get(C.KEY_REFERENCE_SHA256)
-    if digest != C.REFERENCE_SHA256:
-        notes.append(
-            f"prompt template and head from a joint_schema_model.py with sha256 {digest!r}, not the one this version implements"
-        )
+    if digest is not None and digest != C.REFERENCE_SHA256:
+        notes.append(f"converted from a joint_schema_model.py with sha256 {digest!r}, not the one this version implements")
     return notes
 
 
@@ -716,10 +691,10 @@ def _summary(verdict: Verdict, found: _Findings, h: Header | None, source: str) 
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         return f"incomplete or inconsistent Clef file: {problems[0].message}{more}"
     if verdict is Verdict.COMPLETE:
-        backbone_types = sorted({t.type.name for n, t in h.tensors.items() if not n.startswith(C.HEAD_PREFIX)}) if h else []
+        backbone_types = sorted({t.type.name for n, t in h.tensors.items() if not C.is_head_tensor(n)}) if h else []
         return (
             f"complete Clef decision model: {c.backbone} backbone tensors ({'/'.join(backbone_types)}) + "
-            f"{c.head} scoring-head tensors, {c.vocab} tokens"
+            f"{c.head} head tensors, {c.vocab} tokens"
         )
     return _not_a_decision_model(found, h, source)
 
@@ -729,7 +704,7 @@ def _not_a_decision_model(found: _Findings, h: Header | None, source: str) -> st
     if arch != C.BACKBONE_ARCH:
         return (
             f"a GGUF of architecture {arch!r} with {found.counts.tensors} tensors, not a Clef decision model "
-            f"(no {C.KEY_DECISION_TYPE}, no head.* tensors)"
+            f"(no {C.KEY_DECISION_TYPE}, no head tensors)"
         )
     name, routing, layers = RELEASED_HEAD
     c = found.counts
@@ -742,8 +717,11 @@ def _not_a_decision_model(found: _Findings, h: Header | None, source: str) -> st
         f"Add the head with `clef-gguf graft {Path(source).name} RELEASE -o OUT.gguf` (RELEASE: the Clef release, "
         "e.g. cloudflare/Clef-flash), or convert the release again with `clef-gguf convert`"
     )
-    n_head = C.head_tensor_count(routing, layers)
-    return f"{c.backbone} backbone tensors, 0 of the {n_head} scoring-head tensors of {name}: {what}. {remedy}"
+    n_head, n_reference = C.head_tensor_count(routing, layers), C.reference_tensor_count(routing, layers)
+    return (
+        f"{c.backbone} backbone tensors, 0 of the {n_head} head tensors of {name} (the {n_reference} of "
+        f"joint_head.safetensors): {what}. {remedy}"
+    )
 
 
 def printable(text: str, limit: int = 600) -> str:

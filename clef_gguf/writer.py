@@ -42,7 +42,7 @@ class OutTensor:
 
 def storage_type(name: str, shape: tuple[int, ...], wanted: GT) -> GT:
     """The type a tensor is stored in when `wanted` is asked for (llama.cpp's converter rules)."""
-    if len(shape) <= 1 or name.endswith(C.F32_ONLY_SUFFIXES):
+    if len(shape) <= 1 or name.endswith(C.F32_ONLY_SUFFIXES) or name == C.TOKEN_TYPES:
         return GT.F32
     if shape[-1] % gguf.GGML_QUANT_SIZES[wanted][0]:
         return GT.F16  # rows not whole blocks: llama.cpp's converter falls back to F16 too
@@ -206,16 +206,14 @@ def write_metadata(
             w.add_float32(key, value)
         else:
             w.add_uint32(key, int(value))
-    if head is not None:
+    if head is not None:  # llama.cpp's Clef keys, then clef-gguf's optional ones (nothing requires them)
         w.add_string(C.KEY_DECISION_TYPE, C.DECISION_TYPE)
-        w.add_string(C.KEY_BACKBONE_ARCH, C.BACKBONE_ARCH)
-        w.add_string(C.KEY_VISION, C.VISION_NOT_CONVERTED)
+        w.add_uint32(C.KEY_ROUTING_BLOCKS, head.routing_layers)
+        w.add_uint32(C.KEY_JOINT_BLOCKS, head.layers)
+        w.add_uint32(C.KEY_HEAD_COUNT, head.heads)
+        w.add_float32(C.KEY_HEAD_NORM_EPS, C.HEAD_NORM_EPS)
         w.add_string(C.KEY_REFERENCE_SHA256, reference_sha256)
         w.add_string(C.KEY_NORMALIZER, vocab.normalizer)
-        for field in C.HEAD_CONFIG_FIELDS:
-            w.add_uint32(C.head_key(field), getattr(head, field))
-        for key, text in C.PROMPT_TEMPLATE.items():
-            w.add_string(C.prompt_key(key), text)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
     w.add_token_list(vocab.tokens)
@@ -225,6 +223,8 @@ def write_metadata(
     if vocab.pad_id is not None:
         w.add_pad_token_id(vocab.pad_id)
     w.add_add_bos_token(False)
+    if head is not None:
+        w.add_chat_template([{"name": C.TEMPLATE_NAME, "template": C.SYSTEMONE_TEMPLATE}])
 
 
 def write_gguf(

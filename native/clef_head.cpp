@@ -38,7 +38,23 @@ void set_threads(ggml_backend_t cpu, int n_threads) {
     if (set != nullptr && n_threads > 0) set(cpu, n_threads);
 }
 
-void init_backends(clef_head & head, const char * path, bool use_gpu, int n_threads) {
+clef::Names parse_names(const char * text) {
+    clef::Names names;
+    std::string line;
+    for (const char * c = text; ; c++) {
+        if (*c == '\n' || *c == '\0') {
+            size_t tab = line.find('\t');
+            if (tab != std::string::npos) names[line.substr(0, tab)] = line.substr(tab + 1);
+            line.clear();
+            if (*c == '\0') break;
+        } else {
+            line += *c;
+        }
+    }
+    return names;
+}
+
+void init_backends(clef_head & head, const char * path, const clef::Names & names, bool use_gpu, int n_threads) {
     head.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     if (head.cpu == nullptr) throw clef::Error("ggml has no CPU backend");
     set_threads(head.cpu, n_threads);
@@ -51,7 +67,7 @@ void init_backends(clef_head & head, const char * path, bool use_gpu, int n_thre
     ggml_backend_t backends[2] = {primary, head.cpu};
     int n_backends = head.device ? 2 : 1;  // the scheduler wants the CPU last
     head.sched = ggml_backend_sched_new(backends, nullptr, n_backends, SCHED_GRAPH_SIZE, false, false);
-    clef::load_model(head.model, path, ggml_backend_get_default_buffer_type(primary));
+    clef::load_model(head.model, path, names, ggml_backend_get_default_buffer_type(primary));
 }
 
 void free_head(clef_head * head) {
@@ -126,10 +142,12 @@ void run(clef_head & head, const clef::Decision & d, float * logits) {
 
 extern "C" {
 
-int clef_head_load(const char * path, int use_gpu, int n_threads, clef_head ** out, char * err, size_t err_size) {
+int clef_head_load(const char * path, const char * names, const int64_t * config, float norm_eps, int use_gpu, int n_threads,
+                   clef_head ** out, char * err, size_t err_size) {
     auto * head = new clef_head();
     try {
-        init_backends(*head, path, use_gpu != 0, n_threads);
+        head->model.config = {config[0], config[1], config[2], config[3], config[4], config[5], norm_eps};
+        init_backends(*head, path, parse_names(names), use_gpu != 0, n_threads);
     } catch (const std::exception & e) {
         free_head(head);
         report(err, err_size, e.what());

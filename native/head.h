@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -16,9 +17,11 @@ struct Error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// JointSchemaHead's constructor arguments (clef.head.* in the GGUF).
+// JointSchemaHead's constructor arguments, and its LayerNorms' epsilon: from the file, through Python's
+// reading of it (clef_gguf/runtime/native_head.py: the widths come from tensor shapes, the counts from keys).
 struct Config {
     int64_t hidden_size, width, routing_layers, layers, heads, feedforward;
+    float norm_eps;
 };
 
 struct Norm {  // torch.nn.LayerNorm
@@ -27,11 +30,10 @@ struct Norm {  // torch.nn.LayerNorm
 struct Linear {  // torch.nn.Linear; bias may be null
     ggml_tensor *weight, *bias;
 };
-struct Attention {  // torch.nn.MultiheadAttention (packed in_proj)
-    ggml_tensor *in_weight, *in_bias;
-    Linear out;
-    // Attentions over the prompt's memory only: the key block of in_weight, transposed per
-    // head ([head_dim, width, heads], F32), derived at load for the folded form (head_graph.cpp).
+struct Attention {  // torch.nn.MultiheadAttention, its packed in_proj stored as q, k and v (llama.cpp's layout)
+    Linear q, k, v, out;
+    // Attentions over the prompt's memory only: the key weight, transposed per head
+    // ([head_dim, width, heads], F32), derived at load for the folded form (head_graph.cpp).
     ggml_tensor * key_t = nullptr;
 };
 struct EvidenceLayer {
@@ -52,7 +54,7 @@ struct Weights {
     std::vector<EvidenceLayer> evidence;
     std::vector<DecoderLayer> layers;
     Linear scorer_up, scorer_down;
-    // Scalars, read once: exp(min(s, log 100)) and sigmoid(gate), as the reference computes them.
+    // decision.scales, read once: the values the reference uses at inference (exp(min(s, log 100)), sigmoid(gate)).
     float prior_scale, joint_scale, gate;
 };
 
@@ -74,8 +76,12 @@ struct Model {
     ggml_backend_buffer_t buffer = nullptr;
 };
 
+// Reference module name (joint_head.safetensors, "evidence_layers.0.attention.q") -> GGUF name
+// ("dec.blk.0.cross_attn_q"): the format's table, handed over by Python (clef_gguf/contract.py).
+using Names = std::map<std::string, std::string>;
+
 // Load the head's tensors into a buffer of `buft`; throws Error.
-void load_model(Model & model, const char * path, ggml_backend_buffer_type_t buft);
+void load_model(Model & model, const char * path, const Names & names, ggml_backend_buffer_type_t buft);
 void free_model(Model & model);
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids);
 

@@ -12,7 +12,6 @@
 namespace clef {
 namespace {
 
-constexpr float LN_EPS = 1e-5f;       // torch LayerNorm default
 constexpr float L2_EPS = 1e-12f;      // torch functional.normalize default
 constexpr float COSINE_EPS = 1e-8f;   // torch cosine_similarity default
 // Span means multiply gathered rows by an averaging matrix of tokens x spans. Split
@@ -60,9 +59,9 @@ class Builder {
 
     ggml_tensor * ids(const std::vector<int32_t> & values) { return input(GGML_TYPE_I32, (int64_t) values.size(), 1, values); }
 
-    ggml_tensor * layer_norm(ggml_tensor * x, const Norm & n) {
-        return ggml_add(ctx_, ggml_mul(ctx_, ggml_norm(ctx_, x, LN_EPS), n.weight), n.bias);
-    }
+    ggml_tensor * standardize(ggml_tensor * x) { return ggml_norm(ctx_, x, c_.norm_eps); }  // LayerNorm without its affine
+
+    ggml_tensor * layer_norm(ggml_tensor * x, const Norm & n) { return ggml_add(ctx_, ggml_mul(ctx_, standardize(x), n.weight), n.bias); }
 
     ggml_tensor * linear(ggml_tensor * x, const Linear & l) {
         ggml_tensor * y = ggml_mul_mat(ctx_, l.weight, x);
@@ -71,13 +70,6 @@ class Builder {
 
     ggml_tensor * gelu(ggml_tensor * x) { return ggml_gelu_erf(ctx_, x); }  // nn.GELU(): the exact, erf form
 
-    // One of the in_proj blocks (0: query, 1: key, 2: value) applied to x [w, L], with its bias.
-    ggml_tensor * project(ggml_tensor * x, const Attention & a, int part) {
-        const int64_t w = c_.width;
-        ggml_tensor * weight = ggml_view_2d(ctx_, a.in_weight, w, w, a.in_weight->nb[1], part * w * a.in_weight->nb[1]);
-        ggml_tensor * bias = ggml_view_1d(ctx_, a.in_bias, w, part * w * a.in_bias->nb[0]);
-        return ggml_add(ctx_, ggml_mul_mat(ctx_, weight, x), bias);
-    }
 
     // [w, L] -> [d, L, H]: one matrix per head.
     ggml_tensor * split_heads(ggml_tensor * x) {
@@ -94,9 +86,9 @@ class Builder {
     // nn.MultiheadAttention(queries, memory, memory), no mask: queries [w, Lq], memory [w, Lk].
     ggml_tensor * attention(ggml_tensor * queries, ggml_tensor * memory, const Attention & a) {
         const int64_t d = c_.width / c_.heads, lk = memory->ne[1];
-        ggml_tensor * q = split_heads(project(queries, a, 0));  // [d, Lq, H]
-        ggml_tensor * k = split_heads(project(memory, a, 1));   // [d, Lk, H]
-        ggml_tensor * v = ggml_cont(ctx_, ggml_permute(ctx_, ggml_reshape_3d(ctx_, project(memory, a, 2), d, c_.heads, lk), 1, 2, 0, 3));  // [Lk, d, H]
+        ggml_tensor * q = split_heads(linear(queries, a.q));  // [d, Lq, H]
+        ggml_tensor * k = split_heads(linear(memory, a.k));  // [d, Lk, H]
+        ggml_tensor * v = ggml_cont(ctx_, ggml_permute(ctx_, ggml_reshape_3d(ctx_, linear(memory, a.v), d, c_.heads, lk), 1, 2, 0, 3));  // [Lk, d, H]
         ggml_tensor * scores = ggml_soft_max_ext(ctx_, ggml_mul_mat(ctx_, k, q), nullptr, 1.0f / std::sqrt((float) d), 0.0f);  // [Lk, Lq, H]
         return merge_heads(ggml_mul_mat(ctx_, v, scores), a);
     }
@@ -113,15 +105,15 @@ class Builder {
             ggml_tensor * memory = norm ? ggml_add(ctx_, ggml_mul(ctx_, m.x, norm->weight), norm->bias) : m.x;
             return attention(queries, memory, a);
         }
-        ggml_tensor * folded = ggml_mul_mat(ctx_, a.key_t, split_heads(project(queries, a, 0)));  // [w, Lq, H]
+        ggml_tensor * folded = ggml_mul_mat(ctx_, a.key_t, split_heads(linear(queries, a.q)));  // [w, Lq, H]
         if (norm) folded = ggml_mul(ctx_, folded, norm->weight);
         ggml_tensor * scores = ggml_mul_mat(ctx_, m.x, ggml_reshape_2d(ctx_, folded, w, lq * heads));  // [n, Lq * H]
         scores = ggml_soft_max_ext(ctx_, scores, nullptr, 1.0f / std::sqrt((float) d), 0.0f);
         ggml_tensor * mixed = ggml_mul_mat(ctx_, m.xt, scores);  // [w, Lq * H]: x p
         if (norm) mixed = ggml_add(ctx_, ggml_mul(ctx_, mixed, norm->weight), norm->bias);
-        const size_t row = a.in_weight->nb[1];
-        ggml_tensor * values = ggml_view_3d(ctx_, a.in_weight, w, d, heads, row, d * row, 2 * w * row);  // W_v per head
-        ggml_tensor * bias = ggml_view_3d(ctx_, a.in_bias, d, 1, heads, d * sizeof(float), d * sizeof(float), 2 * w * sizeof(float));
+        const size_t row = a.v.weight->nb[1];
+        ggml_tensor * values = ggml_view_3d(ctx_, a.v.weight, w, d, heads, row, d * row, 0);  // W_v per head
+        ggml_tensor * bias = ggml_view_3d(ctx_, a.v.bias, d, 1, heads, d * sizeof(float), d * sizeof(float), 0);
         ggml_tensor * out = ggml_add(ctx_, ggml_mul_mat(ctx_, values, ggml_reshape_3d(ctx_, mixed, w, lq, heads)), bias);  // [d, Lq, H]
         return merge_heads(out, a);
     }
@@ -251,7 +243,7 @@ ggml_tensor * route_options(Builder & b, ggml_context * ctx, const Weights & w, 
     ggml_tensor * routed = ggml_add(ctx, b.linear(p.contexts, w.option_context), b.linear(p.lexical, w.option_lexical));
     routed = ggml_add(ctx, routed, ggml_get_rows(ctx, b.linear(p.questions, w.option_question), question_of));
     // Each evidence layer normalizes the memory with its own weights: standardize it once.
-    Memory standardized = b.memory(ggml_norm(ctx, p.memory, LN_EPS), routed->ne[1]);
+    Memory standardized = b.memory(b.standardize(p.memory), routed->ne[1]);
     for (const EvidenceLayer & layer : w.evidence) routed = b.evidence_layer(routed, standardized, layer);
     return routed;
 }

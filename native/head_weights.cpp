@@ -1,6 +1,7 @@
-// Reading the head from a Clef GGUF with gguf.h: the `head.*` tensors go into one
-// backend buffer in their stored types; the output-embedding table stays in the file
-// (only the rows a decision needs are read, see read_lexicon_rows).
+// Reading the head from a Clef GGUF with gguf.h: its tensors (llama.cpp's names, looked up
+// through the table Python hands over) go into one backend buffer in their stored types; the
+// output-embedding table stays in the file (only the rows a decision needs are read, see
+// read_lexicon_rows).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -17,8 +18,6 @@
 namespace clef {
 namespace {
 
-const char * HEAD_PREFIX = "head.";
-
 void read_at(int fd, void * dst, size_t size, uint64_t offset) {
     auto * out = static_cast<uint8_t *>(dst);
     while (size > 0) {
@@ -32,23 +31,22 @@ void read_at(int fd, void * dst, size_t size, uint64_t offset) {
     }
 }
 
-int64_t config_value(const gguf_context * gguf, const char * name) {
-    std::string key = std::string("clef.head.") + name;
-    int64_t id = gguf_find_key(gguf, key.c_str());
-    if (id < 0 || gguf_get_kv_type(gguf, id) != GGUF_TYPE_UINT32) {
-        throw Error("missing or non-uint32 " + key + ": not a Clef decision model");
-    }
-    return gguf_get_val_u32(gguf, id);
-}
-
 // The head's tensors by reference name, checked against the shapes the graph assumes.
 class TensorTable {
   public:
-    TensorTable(ggml_context * meta, ggml_context * ctx) : meta_(meta), ctx_(ctx) {}
+    TensorTable(ggml_context * meta, ggml_context * ctx, const Names & names) : meta_(meta), ctx_(ctx), names_(names) {}
 
-    // f32_only: biases, norms and scalars, which convert always stores in F32.
-    ggml_tensor * get(const std::string & name, int64_t ne0, int64_t ne1 = 1, bool f32_only = false) {
-        std::string full = HEAD_PREFIX + name;
+    // The GGUF name of a reference module, and of one of its tensors ("weight", "bias").
+    const std::string & module(const std::string & reference) const {
+        auto it = names_.find(reference);
+        if (it == names_.end()) throw Error("the format table has no head module " + reference);
+        return it->second;
+    }
+    std::string gguf_name(const std::string & reference, const char * suffix) const { return module(reference) + "." + suffix; }
+
+    // f32_only: biases and norms, which llama.cpp's converter and quantizer keep in F32.
+    ggml_tensor * get(const std::string & module, const char * suffix, int64_t ne0, int64_t ne1 = 1, bool f32_only = false) {
+        std::string full = gguf_name(module, suffix);
         ggml_tensor * source = ggml_get_tensor(meta_, full.c_str());
         if (source == nullptr) {
             throw Error("the head tensor " + full + " is missing");
@@ -67,25 +65,25 @@ class TensorTable {
         return t;
     }
 
-    Norm norm(const std::string & name, int64_t width) {
-        return {get(name + ".weight", width, 1, true), get(name + ".bias", width, 1, true)};
+    Norm norm(const std::string & module, int64_t width) {
+        return {get(module, "weight", width, 1, true), get(module, "bias", width, 1, true)};
     }
 
-    Linear linear(const std::string & name, int64_t in, int64_t out, bool bias = true) {
-        return {get(name + ".weight", in, out), bias ? get(name + ".bias", out, 1, true) : nullptr};
+    Linear linear(const std::string & module, int64_t in, int64_t out, bool bias = true) {
+        return {get(module, "weight", in, out), bias ? get(module, "bias", out, 1, true) : nullptr};
     }
 
-    Attention attention(const std::string & name, int64_t width) {
-        return {get(name + ".in_proj_weight", width, 3 * width), get(name + ".in_proj_bias", 3 * width, 1, true),
-                linear(name + ".out_proj", width, width)};
+    Attention attention(const std::string & module, int64_t width) {
+        return {linear(module + ".q", width, width), linear(module + ".k", width, width), linear(module + ".v", width, width),
+                linear(module + ".out", width, width)};
     }
 
-    // An attention over the memory also gets its key block transposed per head (see Attention::key_t).
-    Attention memory_attention(const std::string & name, int64_t width, int64_t heads) {
-        Attention a = attention(name, width);
+    // An attention over the memory also gets its key weight transposed per head (see Attention::key_t).
+    Attention memory_attention(const std::string & module, int64_t width, int64_t heads) {
+        Attention a = attention(module, width);
         a.key_t = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, width / heads, width, heads);
-        ggml_set_name(a.key_t, (HEAD_PREFIX + name + ".key_t").c_str());
-        derived_[a.key_t] = sources_.at(a.in_weight);
+        ggml_set_name(a.key_t, (gguf_name(module + ".k", "key_t")).c_str());
+        derived_[a.key_t] = sources_.at(a.k.weight);
         return a;
     }
 
@@ -95,8 +93,9 @@ class TensorTable {
   private:
     ggml_context * meta_;
     ggml_context * ctx_;
+    const Names & names_;
     std::map<ggml_tensor *, ggml_tensor *> sources_;  // our tensor -> its metadata in the file
-    std::map<ggml_tensor *, ggml_tensor *> derived_;  // key_t -> the in_proj_weight it comes from
+    std::map<ggml_tensor *, ggml_tensor *> derived_;  // key_t -> the key weight it comes from
 };
 
 Weights head_weights(TensorTable & t, const Config & c) {
@@ -109,7 +108,7 @@ Weights head_weights(TensorTable & t, const Config & c) {
     out.global = t.linear("global_projection", h, w, false);
     out.option_context = t.linear("option_context_projection", h, w, false);
     out.option_lexical = t.linear("option_lexical_projection", h, w, false);
-    out.type_embedding = t.get("type_embedding.weight", w, 3);
+    out.type_embedding = t.get("type_embedding", "weight", w, 3);
     for (int64_t i = 0; i < c.routing_layers; i++) {
         std::string p = "evidence_layers." + std::to_string(i);
         out.evidence.push_back({t.norm(p + ".query_norm", w), t.norm(p + ".memory_norm", w), t.norm(p + ".feedforward_norm", w),
@@ -130,15 +129,17 @@ Weights head_weights(TensorTable & t, const Config & c) {
     return out;
 }
 
-float scalar(int fd, const gguf_context * gguf, ggml_context * meta, const char * name) {
-    std::string full = std::string(HEAD_PREFIX) + name;
-    ggml_tensor * t = ggml_get_tensor(meta, full.c_str());
-    if (t == nullptr || t->type != GGML_TYPE_F32 || ggml_nelements(t) != 1) {
-        throw Error("the head scalar " + full + " is missing or not a single F32");
+// decision.scales: [prior, joint, gate], F32.
+void read_scales(int fd, const gguf_context * gguf, ggml_context * meta, const std::string & name, Weights & w) {
+    ggml_tensor * t = ggml_get_tensor(meta, name.c_str());
+    if (t == nullptr || t->type != GGML_TYPE_F32 || ggml_nelements(t) != 3) {
+        throw Error("the head tensor " + name + " is missing or not 3 F32 values");
     }
-    float value;
-    read_at(fd, &value, sizeof value, gguf_get_data_offset(gguf) + gguf_get_tensor_offset(gguf, gguf_find_tensor(gguf, full.c_str())));
-    return value;
+    float values[3];
+    read_at(fd, values, sizeof values, gguf_get_data_offset(gguf) + gguf_get_tensor_offset(gguf, gguf_find_tensor(gguf, name.c_str())));
+    w.prior_scale = values[0];
+    w.joint_scale = values[1];
+    w.gate = values[2];
 }
 
 Lexicon lexicon(const gguf_context * gguf, ggml_context * meta, int64_t hidden_size) {
@@ -157,15 +158,15 @@ std::vector<uint8_t> tensor_bytes(int fd, const gguf_context * gguf, const ggml_
     return bytes;
 }
 
-// key_t[h][c][e] = W_k[h * d + e][c]: rows [width, 2 width) of in_proj_weight, dequantized and
-// transposed per head, so that the graph can fold the key projection into the queries.
-std::vector<float> transposed_keys(const std::vector<uint8_t> & in_proj, const ggml_tensor * source, int64_t heads) {
+// key_t[h][c][e] = W_k[h * d + e][c]: the key weight, dequantized and transposed per head, so
+// that the graph can fold the key projection into the queries.
+std::vector<float> transposed_keys(const std::vector<uint8_t> & key, const ggml_tensor * source, int64_t heads) {
     const int64_t w = source->ne[0], d = w / heads;
     const size_t row_size = ggml_row_size(source->type, w);
     const ggml_type_traits * traits = ggml_get_type_traits(source->type);
     std::vector<float> row(w), out((size_t) (w * w));
     for (int64_t r = 0; r < w; r++) {
-        const uint8_t * bytes = in_proj.data() + (size_t) (w + r) * row_size;
+        const uint8_t * bytes = key.data() + (size_t) r * row_size;
         if (source->type == GGML_TYPE_F32) {
             std::memcpy(row.data(), bytes, row_size);
         } else if (traits->to_float != nullptr) {
@@ -193,7 +194,7 @@ void upload(int fd, const gguf_context * gguf, const TensorTable & table, int64_
 
 }  // namespace
 
-void load_model(Model & model, const char * path, ggml_backend_buffer_type_t buft) {
+void load_model(Model & model, const char * path, const Names & names, ggml_backend_buffer_type_t buft) {
     ggml_context * meta = nullptr;
     gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/&meta};
     gguf_context * gguf = gguf_init_from_file(path, params);
@@ -201,25 +202,20 @@ void load_model(Model & model, const char * path, ggml_backend_buffer_type_t buf
         throw Error(std::string("gguf could not read ") + path);
     }
     try {
-        Config & c = model.config;
-        c = {config_value(gguf, "hidden_size"), config_value(gguf, "width"),  config_value(gguf, "routing_layers"),
-             config_value(gguf, "layers"),      config_value(gguf, "heads"),  config_value(gguf, "feedforward")};
+        const Config & c = model.config;
         if (c.heads <= 0 || c.width % c.heads != 0) {
-            throw Error("clef.head.width is not a multiple of clef.head.heads");
+            throw Error("the head's width is not a multiple of its head count");
         }
         model.fd = open(path, O_RDONLY | O_CLOEXEC);
         if (model.fd < 0) {
             throw Error(std::string("cannot open ") + path + ": " + std::strerror(errno));
         }
-        size_t n_tensors = 22 + 15 * c.routing_layers + 19 * c.layers;  // the file's, and one key_t per memory attention
+        size_t n_tensors = 20 + 19 * c.routing_layers + 27 * c.layers;  // the file's, and one key_t per memory attention
         ggml_init_params init = {ggml_tensor_overhead() * n_tensors, nullptr, /*no_alloc =*/true};
         model.ctx = ggml_init(init);
-        TensorTable table(meta, model.ctx);
+        TensorTable table(meta, model.ctx, names);
         model.weights = head_weights(table, c);
-        const float cap = std::log(100.0f);
-        model.weights.prior_scale = std::exp(std::fmin(scalar(model.fd, gguf, meta, "prior_logit_scale"), cap));
-        model.weights.joint_scale = std::exp(std::fmin(scalar(model.fd, gguf, meta, "joint_logit_scale"), cap));
-        model.weights.gate = 1.0f / (1.0f + std::exp(-scalar(model.fd, gguf, meta, "residual_gate")));
+        read_scales(model.fd, gguf, meta, table.module("scales"), model.weights);
         model.lexicon = lexicon(gguf, meta, c.hidden_size);
         model.buffer = ggml_backend_alloc_ctx_tensors_from_buft(model.ctx, buft);
         if (model.buffer == nullptr) {

@@ -33,24 +33,31 @@ class Workspace:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.release = cache(self._release)
-        self.gguf = cache(self._gguf)
+        self._gguf_cached = cache(self._gguf)
         self.oracle = cache(self._oracle)
-        self.model = cache(self._model)
+        self._model_cached = cache(self._model)
         self._models: list[clef_gguf.ClefModel] = []
 
     def _release(self, name: str) -> Path:
         return build_release(self.root / name, RELEASES[name])
 
-    def _gguf(self, name: str, file_type: str, head_type: str = "f32") -> Path:
+    # Cached by all their arguments, the defaults spelled out: gguf(n, t) and gguf(n, t, "auto") are one file.
+    def gguf(self, name: str, file_type: str, head_type: str = "auto") -> Path:
+        return self._gguf_cached(name, file_type, head_type)
+
+    def model(self, name: str, file_type: str, head_type: str = "auto") -> clef_gguf.ClefModel:
+        return self._model_cached(name, file_type, head_type)
+
+    def _gguf(self, name: str, file_type: str, head_type: str) -> Path:
         out = self.root / f"{name}-{file_type}-{head_type}.gguf"
         return clef_gguf.convert(self.release(name), out, file_type, head_type=head_type)
 
     def _oracle(self, name: str) -> Oracle:
         return Oracle(self.release(name))
 
-    def _model(self, name: str, file_type: str) -> clef_gguf.ClefModel:
+    def _model(self, name: str, file_type: str, head_type: str) -> clef_gguf.ClefModel:
         # One physical batch (ubatch = n_ctx): the reference the ubatch tests compare the default prefill with.
-        model = clef_gguf.load(self.gguf(name, file_type), n_ctx=MAX_PROMPT_TOKENS, ubatch=MAX_PROMPT_TOKENS)
+        model = clef_gguf.load(self.gguf(name, file_type, head_type), n_ctx=MAX_PROMPT_TOKENS, ubatch=MAX_PROMPT_TOKENS)
         self._models.append(model)
         return model
 

@@ -20,16 +20,18 @@ GT = gguf.GGMLQuantizationType
 
 def _split(path) -> tuple[list[str], list[str]]:
     names = [t.name for t in gguf.GGUFReader(path).tensors]
-    head = [n for n in names if n.startswith(C.HEAD_PREFIX)]
+    head = [n for n in names if C.is_head_tensor(n)]
     return [n for n in names if n not in head], head
 
 
-def test_clef_flash_layout_converts_to_427_backbone_and_160_head_tensors(tmp_path):
+def test_clef_flash_layout_converts_to_427_backbone_and_206_head_tensors(tmp_path):
+    """llama.cpp's layout: the 160 tensors of joint_head.safetensors become 206 (q/k/v split, one decision.scales)."""
     release = build_release(tmp_path / "flash", CLEF_FLASH_LAYOUT)
     out = clef_gguf.convert(release, tmp_path / "flash.gguf", "f16")
     backbone, head = _split(out)
-    assert (len(backbone), len(head)) == (427, 160)
+    assert (len(backbone), len(head)) == (427, 206)
     assert len(head) == C.head_tensor_count(routing_layers=6, layers=3)
+    assert C.reference_tensor_count(routing_layers=6, layers=3) == 160
     reader = gguf.GGUFReader(out)
     recurrent = [bool(v) for v in reader.fields["clef.attention.recurrent_layers"].contents()]
     assert recurrent == [(i + 1) % 4 != 0 for i in range(32)]
@@ -39,18 +41,21 @@ def test_metadata_holds_the_decision_contract(ws):
     f = GGUFFile.open(ws.gguf("untied_f32", "q8_0"))
     h = f.header
     assert h.get("general.architecture") == "clef"
-    assert h.get(C.KEY_DECISION_TYPE) == C.DECISION_TYPE
-    assert h.get(C.KEY_BACKBONE_ARCH) == "qwen35"
+    assert h.get(C.KEY_DECISION_TYPE) == "clef"
+    assert (h.get(C.KEY_ROUTING_BLOCKS), h.get(C.KEY_JOINT_BLOCKS), h.get(C.KEY_HEAD_COUNT)) == (1, 1, 2)
+    assert h.fields[C.KEY_HEAD_NORM_EPS].type == gguf.GGUFValueType.FLOAT32
     assert h.get(C.KEY_REFERENCE_SHA256) == C.REFERENCE_SHA256
     assert h.get(C.KEY_NORMALIZER) == "NFC"
-    assert "not converted" in h.get(C.KEY_VISION)
     assert all(C.backbone_key(s) in h.fields for s in C.BACKBONE_KEY_SUFFIXES)
-    assert {k: h.get(C.prompt_key(k)) for k in C.PROMPT_TEMPLATE} == C.PROMPT_TEMPLATE
+    assert h.get(C.KEY_TEMPLATE) == C.SYSTEMONE_TEMPLATE and h.get(C.KEY_TEMPLATE_NAMES) == ["systemone"]
     assert h.get("tokenizer.ggml.pre") == "qwen35" and h.get("tokenizer.ggml.model") == "gpt2"
     assert h.get("tokenizer.ggml.merges")
-    types = {t.type for n, t in h.tensors.items() if not n.startswith(C.HEAD_PREFIX)}
+    types = {t.type for n, t in h.tensors.items() if not C.is_head_tensor(n)}
     assert GT.Q8_0 in types and GT.F32 in types
-    assert {t.type for n, t in h.tensors.items() if n.startswith(C.HEAD_PREFIX)} == {GT.F32}
+    # As llama.cpp's converter: the head's 2-D weights in the file type, biases, norms and token_types in F32.
+    head = {n: t.type for n, t in h.tensors.items() if C.is_head_tensor(n)}
+    assert head["decision.proj_memory.weight"] == GT.Q8_0 and head["dec.blk.0.cross_attn_q.weight"] == GT.Q8_0
+    assert head["token_types.weight"] == head["decision.scales"] == head["dec.blk.0.ffn_up.bias"] == GT.F32
     f.close()
 
 
@@ -60,14 +65,22 @@ def test_tied_release_has_no_output_tensor(ws):
 
 
 def test_head_tensors_round_trip_to_the_release(ws, tmp_path):
+    """Every value of joint_head.safetensors is in the file: in_proj rows as q, k, v; the scalars as decision.scales."""
     from safetensors.numpy import load_file
 
     release = ws.release("untied_f32")
     stored = load_file(release / "joint_head.safetensors")
     f = GGUFFile.open(ws.gguf("untied_f32", "f32"))
-    for name, value in stored.items():
-        data = np.array(f.tensor_bytes(C.HEAD_PREFIX + name).view(np.float32))  # a copy: the map closes
-        np.testing.assert_array_equal(data, value.reshape(-1))
+    config = C.read_head_config(f.header)
+    parts: dict[str, list[np.ndarray]] = {}
+    for rule in C.head_rules(config):
+        parts.setdefault(rule.reference, []).append(np.array(f.tensor_bytes(rule.gguf).view(np.float32)))  # copies
+    assert set(parts) | set(C.SCALE_PARAMETERS) == set(stored)
+    for name, chunks in parts.items():
+        np.testing.assert_array_equal(np.concatenate(chunks), stored[name].reshape(-1))
+    scales = np.array(f.tensor_bytes(C.SCALES).view(np.float32))
+    expected = C.inference_scales(*(float(stored[n]) for n in C.SCALE_PARAMETERS))
+    np.testing.assert_array_equal(scales, np.array(expected, dtype=np.float32))
     f.close()
 
 

@@ -263,7 +263,7 @@ def test_free_space_counts_the_header(ws, tmp_path):
     release = ws.release("untied_f32")
     r = open_release(release)
     vocab = read_vocab(r.tokenizer, r.tokenizer_config, r.backbone_shape().n_vocab, r.text_config.get("eos_token_id"))
-    tensors = backbone_tensors(r, GT.F32) + head_tensors(r, "f32")
+    tensors = backbone_tensors(r, GT.F32) + head_tensors(r, GT.F32)
     assert header <= header_bytes(vocab, tensors) < header + (1 << 20)  # the estimate bounds the real header, closely
     room = (size - header) + header // 2  # the data fits, the header does not
     with mounted_tmpfs(tmp_path / "small", f"size={-(-room // 4096) * 4096}") as small:

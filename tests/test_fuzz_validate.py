@@ -53,7 +53,7 @@ def _q8_0(f: GGUFFile) -> bytes:
     tensors = []
     for name, dims, qtype, data in tensors_of(f):
         t = f.header.tensors[name]
-        if len(dims) == 2 and dims[0] % 32 == 0 and not name.endswith(C.F32_ONLY_SUFFIXES) and not name.startswith("head."):
+        if len(dims) == 2 and dims[0] % 32 == 0 and not name.endswith(C.F32_ONLY_SUFFIXES) and not C.is_head_tensor(name):
             values = np.frombuffer(data, dtype=np.float32).reshape(t.shape)
             tensors.append((name, dims, int(GT.Q8_0), gguf.quants.quantize(values, GT.Q8_0).tobytes()))
         else:

@@ -28,7 +28,7 @@ from gguf_bytes import Tensor, build, kv_array, kv_f32, kv_i32, kv_i32_array, kv
 from clef_gguf import contract as C
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.gguf_header import GGUFFile, Header
-from clef_gguf.runtime import prompt
+from clef_gguf.runtime.template import PromptTemplate
 from clef_gguf.validate import Verdict, validate
 
 GT = gguf.GGMLQuantizationType
@@ -132,8 +132,7 @@ def _kv(key: str, packed: Callable[[Header], bytes]) -> Callable[[Header], Edit]
 
 
 def _template(text: str) -> Callable[[Header], Edit]:
-    key = "clef.prompt.field_header"
-    return _kv(key, lambda h: kv_str(key, text))
+    return _kv(C.KEY_TEMPLATE, lambda h: kv_str(C.KEY_TEMPLATE, text))
 
 
 @dataclass(frozen=True)
@@ -308,12 +307,13 @@ MUTANTS = [
         ),
         "is not a UINT32 token id below",
     ),
-    # The prompt template: data, never a format string
-    Mutant("template-width", _template("\nFIELD {index:>1000000000}\nID: {id}\nTYPE: {type}\n"), "the runtime fills only"),
-    Mutant("template-format-spec", _template("\nFIELD {index}\nID: {id:d}\nTYPE: {type}\n"), "'{id:d}'"),
-    Mutant("template-attribute", _template("{index}{id}{type.__class__}"), "'{type.__class__}'"),
-    Mutant("template-repeat", _template("{index}{id}{type}{id}"), "each at most once"),
-    Mutant("template-stray-brace", _template("{index}{id}{type} {"), "'{'"),
+    # The systemone prompt template: rendered in Jinja's sandbox, only the constructs the real one uses
+    Mutant("template-call", _template("{{ range(1000000000) | join }}"), "uses Call"),
+    Mutant("template-loop", _template("{% for q in questions %}{% for x in q.id %}x{% endfor %}{% endfor %}"), "loops over"),
+    Mutant("template-nested-loops", _template("{% for q in state %}{% for r in state %}x{% endfor %}{% endfor %}"), "loops over"),
+    Mutant("template-filter", _template("{{ state | upper }}"), "the filter 'upper'"),
+    Mutant("template-macro", _template("{% macro m() %}x{% endmacro %}{{ m }}"), "uses Macro"),
+    Mutant("template-syntax", _template("{{ state "), "does not parse"),
 ]
 
 
@@ -325,8 +325,6 @@ def demo_header() -> Header:
 
 
 def _mutant(m: Mutant, header: Header, folder: Path) -> Path:
-    if m.id.startswith("template-") and "clef.prompt.field_header" not in header.fields:
-        pytest.skip("the file's prompt is a Jinja systemone template (issue 10), not clef.prompt.* strings")
     return mutate(DEMO_MODEL, folder / f"{m.id}.gguf", **m.edit(header))
 
 
@@ -391,12 +389,11 @@ def test_decide_exits_with_validates_code_instead_of_a_signal(mutant, demo_heade
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
-def test_the_runtime_fills_the_template_as_data():
-    fill = getattr(prompt, "fill", None)
-    if fill is None:
-        pytest.skip("the runtime renders a Jinja systemone template instead (issue 10)")
-    field = C.PROMPT_TEMPLATE["field_header"]
-    assert fill(field, index="1", id="q", type="noul") == field.format(index="1", id="q", type="noul")
-    hostile = "{index:>1000000000}{id!r}{type.__class__}{{}}"
-    assert fill(hostile, index="1", id="q", type="t") == hostile  # text, not format code
-    assert fill("{id}", id="{index}", index="1") == "{index}"  # values are never parsed again
+def test_the_runtime_renders_the_template_as_data():
+    """Request text is never template code, and the file's template renders the reference's prompt."""
+    template = PromptTemplate(C.SYSTEMONE_TEMPLATE)
+    hostile = "{{ range(10**9) }}{% for x in y %}{index:>1000000000}"
+    questions = [{"id": hostile, "type": "noul", "instructions": hostile, "options": [{"key": "true", "description": None}]}]
+    pieces = list(template.pieces(hostile, questions))
+    assert [p.text for p in pieces if p.kind == "question"] == [hostile]
+    assert sum(hostile in p.text for p in pieces) == 3  # state, id and instructions, verbatim

@@ -7,11 +7,16 @@ import pytest
 from request_suite import all_requests
 
 REQUESTS = all_requests()
+# (release, file type, head type, tolerance). A q8_0 backbone under an F32 head: the runtime's own error
+# budget. Under the Q8_0 head llama.cpp's converter writes (the default), the head's weight rounding adds
+# its own: 0.024 on the untied fixture's long state with an exact numpy head on the dequantized weights.
 CASES = [
-    ("untied_f32", "f32", 0.005),
-    ("untied_f32", "q8_0", 0.02),
-    ("tied_bf16", "f32", 0.005),
-    ("tied_bf16", "q8_0", 0.02),
+    ("untied_f32", "f32", "auto", 0.005),
+    ("untied_f32", "q8_0", "f32", 0.02),
+    ("untied_f32", "q8_0", "auto", 0.035),
+    ("tied_bf16", "f32", "auto", 0.005),
+    ("tied_bf16", "q8_0", "f32", 0.02),
+    ("tied_bf16", "q8_0", "auto", 0.035),
 ]
 
 
@@ -22,10 +27,10 @@ def answered_probabilities(answer: dict) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("request_name", list(REQUESTS))
-@pytest.mark.parametrize(("release", "file_type", "tolerance"), CASES)
-def test_probabilities_match_the_reference(ws, oracle_probabilities, release, file_type, tolerance, request_name):
+@pytest.mark.parametrize(("release", "file_type", "head_type", "tolerance"), CASES)
+def test_probabilities_match_the_reference(ws, oracle_probabilities, release, file_type, head_type, tolerance, request_name):
     request = REQUESTS[request_name]
-    response = ws.model(release, file_type).decide(request)
+    response = ws.model(release, file_type, head_type).decide(request)
     expected = oracle_probabilities(release, request_name)
     assert list(response["answers"]) == list(request["questions"])
     worst = 0.0

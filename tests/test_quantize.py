@@ -47,12 +47,12 @@ def test_q4_k_m_is_the_mixture_llama_quantize_makes(ws, tmp_path):
     quantize(plain_bf16, tmp_path / "q4_k_m.gguf", "q4_k_m")
     theirs = GGUFFile.open(tmp_path / "q4_k_m.gguf")
     mine = GGUFFile.open(ours)
-    backbone = {n: t.type for n, t in mine.header.tensors.items() if not n.startswith(C.HEAD_PREFIX)}
+    backbone = {n: t.type for n, t in mine.header.tensors.items() if not C.is_head_tensor(n)}
     assert backbone == {n: t.type for n, t in theirs.header.tensors.items()}
     assert {GT.Q4_K, GT.Q6_K} <= set(backbone.values())
     for name in backbone:
         assert np.array_equal(mine.tensor_bytes(name), theirs.tensor_bytes(name)), name
-    heads = [n for n in mine.header.tensors if n.startswith(C.HEAD_PREFIX)]
+    heads = [n for n in mine.header.tensors if C.is_head_tensor(n)]
     assert len(heads) == C.head_tensor_count(1, 1)
     assert mine.header.get(C.KEY_DECISION_TYPE) == C.DECISION_TYPE
     theirs.close()
@@ -80,7 +80,7 @@ def test_quantized_files_agree_with_f32_on_the_top_option(ws, file_type):
 @pytest.mark.parametrize("head_type", ["f16", "q8_0"])
 def test_head_precision_is_a_choice(ws, head_type):
     path = ws.gguf("k256", "f32", head_type)
-    types = Counter(t for n, t in _types(path).items() if n.startswith(C.HEAD_PREFIX))
+    types = Counter(t for n, t in _types(path).items() if C.is_head_tensor(n))
     assert types[GT[head_type.upper()]] > 0 and set(types) <= {GT.F32, GT[head_type.upper()]}
     request = all_requests()["mixed"]
     with clef_gguf.load(path) as model:
@@ -93,7 +93,7 @@ def test_head_precision_is_a_choice(ws, head_type):
 def test_graft_equals_converting_the_release_directly(ws, tmp_path):
     direct = ws.gguf("k256", "q4_k_m")
     backbone = _backbone_only(direct, tmp_path / "community-q4_k_m.gguf")
-    assert not any(n.startswith(C.HEAD_PREFIX) for n in _types(backbone))
+    assert not any(C.is_head_tensor(n) for n in _types(backbone))
     grafted = graft(backbone, ws.release("k256"), tmp_path / "grafted.gguf")
     assert grafted.read_bytes() == direct.read_bytes()
     request = all_requests()["mixed"]

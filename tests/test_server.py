@@ -465,7 +465,7 @@ class BlockingModel:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.name, self.path, self.template = model.name, model.path, model.template
+        self.name, self.path = model.name, model.path
         self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
         self.release = threading.Event()
 

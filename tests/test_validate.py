@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_bytes import f32_tensor, kv_i32_array, kv_str_array, kv_u32, poke, rebuild
+from gguf_bytes import f32_tensor, kv_i32_array, kv_str, kv_str_array, kv_u32, poke, rebuild
 from release_builder import CLEF_FLASH_LAYOUT, build_release
 
 import clef_gguf
@@ -29,7 +29,8 @@ from clef_gguf.runtime.qwen35_view import write_backbone_gguf
 from clef_gguf.validate import Verdict, validate
 
 FLASH_MESSAGE = (
-    "427 backbone tensors, 0 of the 160 scoring-head tensors of Clef-flash: this file can generate text but cannot make decisions"
+    "427 backbone tensors, 0 of the 206 head tensors of Clef-flash (the 160 of joint_head.safetensors): "
+    "this file can generate text but cannot make decisions"
 )
 
 
@@ -70,8 +71,7 @@ def assert_one_line(report: V.Report) -> None:
 def test_a_complete_file_of_each_type_is_complete(ws, release, file_type, head_type):
     if file_type not in FILE_TYPES:
         pytest.skip(f"convert has no {file_type}")
-    # ws.gguf caches by its arguments: pass head_type only where it is not the default.
-    path = ws.gguf(release, file_type, head_type) if head_type else ws.gguf(release, file_type)
+    path = ws.gguf(release, file_type, head_type or "auto")
     report = validate(path)
     assert report.verdict is Verdict.COMPLETE and report.exit_code == 0, report.problems
     assert report.problems == ()
@@ -82,11 +82,11 @@ def test_a_complete_file_of_each_type_is_complete(ws, release, file_type, head_t
     assert_one_line(report)
 
 
-def test_the_clef_flash_layout_is_complete_with_427_and_160_tensors(flash_files):
+def test_the_clef_flash_layout_is_complete_with_427_and_206_tensors(flash_files):
     report = validate(flash_files["clef"])
     assert report.ok, report.summary
-    assert (report.counts.backbone, report.counts.head) == (427, 160)
-    assert (report.counts.backbone_expected, report.counts.head_expected) == (427, 160)
+    assert (report.counts.backbone, report.counts.head) == (427, 206)
+    assert (report.counts.backbone_expected, report.counts.head_expected) == (427, 206)
 
 
 def test_deep_reads_every_tensor_and_checks_the_sha256(ws):
@@ -149,37 +149,36 @@ def test_another_architecture_is_not_a_decision_model(tmp_path):
 # --- Incomplete or inconsistent ------------------------------------------------------------------------
 def _head_for(config: C.HeadConfig) -> list:
     rng = np.random.default_rng(0)
-    return [f32_tensor(C.HEAD_PREFIX + n, s, rng) for n, s in C.head_tensor_shapes(config).items()]
+    return [f32_tensor(n, s, rng) for n, s in C.head_tensor_shapes(config).items()]
 
 
 def test_a_head_from_another_backbone_is_refused(ws, tmp_path):
     src = ws.gguf("untied_f32", "f32")  # hidden size 64
     other = C.HeadConfig(hidden_size=96, width=32, routing_layers=1, layers=1, heads=2, feedforward=64)
-    config_keys = {C.head_key(k): kv_u32(C.head_key(k), getattr(other, k)) for k in C.HEAD_CONFIG_FIELDS}
-    mixed = rebuild(
-        src, tmp_path / "mixed.gguf", replace=config_keys, keep=lambda n: not n.startswith("head."), extra=_head_for(other)
-    )
+    mixed = rebuild(src, tmp_path / "mixed.gguf", keep=lambda n: not C.is_head_tensor(n), extra=_head_for(other))
     report = validate(mixed)
     assert report.verdict is Verdict.INCOMPLETE and report.exit_code == 7
-    assert "width 96" in report.summary and "are 64 wide" in report.summary and "another backbone" in report.summary
-    # The same head under the backbone's config: its tensors have the wrong shapes.
-    shapes = rebuild(src, tmp_path / "shapes.gguf", keep=lambda n: not n.startswith("head."), extra=_head_for(other))
-    report = validate(shapes)
-    assert report.verdict is Verdict.INCOMPLETE
-    assert re.search(r"head tensor head\.\S+ has shape \[.*96.*\], the head config implies", report.summary), report.summary
+    assert re.search(r"head tensor \S+ has shape \[.*96.*\], the head implies .*another backbone", report.summary), report.summary
     with pytest.raises(IncompleteModelError, match="head"):
-        clef_gguf.load(shapes)
+        clef_gguf.load(mixed)
 
 
 def test_missing_head_and_backbone_tensors_are_counted(ws, tmp_path):
     src = ws.gguf("untied_f32", "f32")
-    dropped = {"head.memory_projection.weight", "head.field_norm.bias", "head.residual_gate"}
+    dropped = {"decision.proj_question.weight", "decision.field_norm.bias", "decision.scales"}
     report = validate(rebuild(src, tmp_path / "head.gguf", keep=lambda n: n not in dropped))
     assert report.verdict is Verdict.INCOMPLETE
-    assert "51 of the 54 scoring-head tensors (22 + 14*1 + 18*1)" in report.summary
+    assert "61 of the 64 head tensors (20 + 18*1 + 26*1, holding the 54 of joint_head.safetensors)" in report.summary
     report = validate(rebuild(src, tmp_path / "backbone.gguf", keep=lambda n: n != "blk.2.ffn_up.weight"))
     assert report.verdict is Verdict.INCOMPLETE and "1 of the 56 backbone tensors" in report.summary
     assert "blk.2.ffn_up.weight" in report.summary
+
+
+def test_a_clef_gguf_0_1_0_file_is_recognized_with_the_remedy(ws, tmp_path):
+    src = ws.gguf("untied_f32", "f32")
+    old = rebuild(src, tmp_path / "old.gguf", replace={"clef.decision.type": kv_str("clef.decision.type", "joint_schema")})
+    report = validate(old)
+    assert report.verdict is Verdict.INCOMPLETE and "clef-gguf 0.1.0" in report.summary and "clef-gguf convert" in report.summary
 
 
 @pytest.mark.parametrize(
@@ -190,13 +189,17 @@ def test_missing_head_and_backbone_tensors_are_counted(ws, tmp_path):
         ({"drop_keys": {"clef.decision.type"}}, "clef.decision.type is None"),
         ({"drop_keys": {"tokenizer.ggml.merges"}}, "merges is missing"),
         ({"replace": {"tokenizer.ggml.merges": kv_str_array("tokenizer.ggml.merges", ["nospace"])}}, "separated by a space"),
-        ({"drop_keys": {"clef.prompt.suffix"}}, "clef.prompt.suffix is missing"),
+        ({"drop_keys": {C.KEY_TEMPLATE}}, "tokenizer.chat_template.systemone (the prompt) is missing"),
+        ({"replace": {C.KEY_TEMPLATE: kv_str(C.KEY_TEMPLATE, "{{ lipsum() }}")}}, "uses Call"),
+        ({"replace": {C.KEY_TEMPLATE: kv_str(C.KEY_TEMPLATE, "{% for x in state %}x{% endfor %}")}}, "loops over"),
+        ({"drop_keys": {C.KEY_HEAD_NORM_EPS}}, "LayerNorm epsilon"),
         (
             {"replace": {"clef.rope.dimension_sections": kv_i32_array("clef.rope.dimension_sections", [9, 9, 9, 0])}},
             "rotary pairs",
         ),
-        ({"replace": {"clef.head.width": kv_u32("clef.head.width", 33)}}, "not a multiple of clef.head.heads"),
-        ({"replace": {"clef.head.layers": kv_u32("clef.head.layers", 1 << 30)}}, "clef.head.layers = 1073741824 is outside"),
+        ({"replace": {C.KEY_HEAD_COUNT: kv_u32(C.KEY_HEAD_COUNT, 3)}}, "is not a multiple of clef.decision.head_count = 3"),
+        ({"replace": {C.KEY_JOINT_BLOCKS: kv_u32(C.KEY_JOINT_BLOCKS, 1 << 30)}}, "block_count = 1073741824 is outside"),
+        ({"replace": {C.KEY_JOINT_BLOCKS: kv_u32(C.KEY_JOINT_BLOCKS, 2)}}, "64 of the 90 head tensors"),
     ],
 )
 def test_inconsistent_metadata_is_named(ws, tmp_path, edit, reason):

@@ -159,7 +159,7 @@ def chunked_device_bytes(path: Path, model: _NoAllocModel, n_ctx: int, n_ubatch:
     f = GGUFFile.open(path)
     try:
         offloaded = QWEN35_9B.n_layer + 1
-        lines = _lines(f, chunked_sizes(model, n_ctx, n_ubatch), n_ctx, offloaded, model.lean)[0]
+        lines = _lines(f, chunked_sizes(model, n_ctx, n_ubatch), n_ctx, offloaded)[0]
     finally:
         f.close()
     compute = next(line.device_bytes for line in lines if line.component.startswith("compute buffer"))

@@ -93,10 +93,6 @@ class JointSchemaHead:
         hidden = gelu(self.linear(self.layer_norm(x, f"{p}.norm3"), f"{p}.linear1"))
         return x + self.linear(hidden, f"{p}.linear2")
 
-    def scalar(self, name: str, clamp: float | None = None) -> float:
-        value = float(self.w[name].reshape(()))
-        return value if clamp is None else min(value, clamp)
-
     # --- the head ---
     def __call__(self, hidden: np.ndarray, prompt: EncodedPrompt, lexical: list[np.ndarray]) -> list[np.ndarray]:
         """hidden: (tokens, hidden_size); lexical[i]: (options, hidden_size) mean output-embedding rows."""
@@ -139,9 +135,7 @@ class JointSchemaHead:
             fields = self.decoder_layer(fields, memory, i)
         fields = self.layer_norm(fields, "field_norm")
 
-        prior_scale = math.exp(self.scalar("prior_logit_scale", math.log(100.0)))
-        joint_scale = math.exp(self.scalar("joint_logit_scale", math.log(100.0)))
-        gate = 1.0 / (1.0 + math.exp(-self.scalar("residual_gate")))
+        prior_scale, joint_scale, gate = (float(v) for v in self.w["scales"])  # decision.scales: inference values
         logits = []
         for i, (field, routed_options) in enumerate(zip(fields, options_per_question, strict=True)):
             anchor = l2_normalize(question_vectors[i] + global_vector)
@@ -162,8 +156,14 @@ def _dequantize(f: GGUFFile, name: str) -> np.ndarray:
 
 
 def reference_head(f: GGUFFile, config: HeadConfig) -> JointSchemaHead:
-    names = C.head_tensor_shapes(config)
-    return JointSchemaHead(config, {n: _dequantize(f, C.HEAD_PREFIX + n).reshape(shape) for n, shape in names.items()})
+    """The head's weights under their reference names, the packed in_proj put back together from q, k, v."""
+    shapes = C.reference_head_shapes(config)
+    parts: dict[str, list[np.ndarray]] = {}
+    for rule in C.head_rules(config):
+        parts.setdefault(rule.reference, []).append(_dequantize(f, rule.gguf))  # q, k, v come in that order
+    weights = {n: np.concatenate(p).reshape(shapes[n]) for n, p in parts.items()}
+    weights["scales"] = _dequantize(f, C.SCALES)
+    return JointSchemaHead(config, weights)
 
 
 def lexical_rows(f: GGUFFile, prompt: EncodedPrompt) -> list[np.ndarray]:

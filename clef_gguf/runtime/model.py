@@ -15,18 +15,19 @@ from .backbone import Backbone
 from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from .native_head import NativeHead
 from .prompt import EncodedPrompt, encode, parse_request
+from .template import PromptTemplate
 
 
-def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, dict[str, str]]:
+def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, PromptTemplate]:
     h = f.header
     if h.get("general.architecture") != C.ARCH or h.get(C.KEY_DECISION_TYPE) != C.DECISION_TYPE:
         raise ModelFileError(
             f"{f.path.name} is not a Clef decision model (architecture {h.get('general.architecture')!r}, "
-            f"no {C.KEY_DECISION_TYPE}); run `clef-gguf validate` on it"
+            f"{C.KEY_DECISION_TYPE} {h.get(C.KEY_DECISION_TYPE)!r}); run `clef-gguf validate` on it"
         )
     try:
-        config = C.HeadConfig(**{k: int(h.get(C.head_key(k))) for k in C.HEAD_CONFIG_FIELDS})
-        template = {k: str(h.fields[C.prompt_key(k)].value) for k in C.PROMPT_TEMPLATE}
+        config = C.read_head_config(h)
+        template = PromptTemplate(str(h.fields[C.KEY_TEMPLATE].value))
     except (KeyError, TypeError) as e:
         raise ModelFileError(f"{f.path.name}: incomplete Clef metadata ({e}); run `clef-gguf validate` on it") from e
     return config, template
@@ -48,20 +49,17 @@ class ClefModel:
         self.path = Path(path)
         self.file = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
         config, self.template = _decision_metadata(self.file)
-        names = C.head_tensor_shapes(config)
-        missing = [n for n in names if C.HEAD_PREFIX + n not in self.file.header.tensors]
-        if missing:
-            raise ModelFileError(
-                f"{self.path.name}: {len(missing)} of the {len(names)} head tensors are missing (first: {missing[0]})"
-            )
         self.name = str(self.file.header.get("general.name") or self.path.stem)
-        nfc = self.file.header.get(C.KEY_NORMALIZER) == "NFC"
+        # Qwen's tokenizer.json normalizes to NFC, which llama.cpp's tokenizer does not apply: the runtime does,
+        # unless the file says its tokenizer has no normalizer (llama.cpp's converter writes no such key).
+        nfc = self.file.header.get(C.KEY_NORMALIZER, "NFC") == "NFC"
         self.backbone = Backbone(
             self.file, n_gpu_layers=n_gpu_layers, max_prompt_tokens=max_prompt_tokens, n_threads=n_threads, nfc=nfc, ubatch=ubatch
         )
         try:
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
-            self.head = NativeHead(self.path, gpu=n_gpu_layers != 0, n_threads=n_threads)
+            norm_eps = float(self.file.header.get(C.KEY_HEAD_NORM_EPS, C.HEAD_NORM_EPS))
+            self.head = NativeHead(self.path, config, norm_eps=norm_eps, gpu=n_gpu_layers != 0, n_threads=n_threads)
         except Exception:
             self.backbone.close()
             raise
@@ -73,7 +71,7 @@ class ClefModel:
 
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
         """Validate and tokenize a request (no compute). Raises RequestError."""
-        return encode(parse_request(request, self.template), self.template, self.backbone.tokenize)
+        return encode(parse_request(request), self.template, self.backbone.tokenize)
 
     def decide(self, request: dict[str, Any]) -> dict[str, Any]:
         """Answer a SystemOne request body with the SystemOne response body."""

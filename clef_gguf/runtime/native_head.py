@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import contract as C
 from ..errors import ModelFileError
 from .native import library
 from .prompt import QUESTION_TYPES, EncodedPrompt
@@ -32,12 +33,28 @@ def _ptr(array: np.ndarray) -> ctypes._Pointer:
 class NativeHead:
     """The head of one Clef GGUF, on the GPU when `gpu` and ggml has one, else on the CPU."""
 
-    def __init__(self, path: str | os.PathLike[str], *, gpu: bool = False, n_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: C.HeadConfig,
+        *,
+        norm_eps: float = C.HEAD_NORM_EPS,
+        gpu: bool = False,
+        n_threads: int | None = None,
+    ) -> None:
         self._lib = library()
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_SIZE)
         threads = n_threads or os.cpu_count() or 1
-        if self._lib.clef_head_load(os.fsencode(path), int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE) != 0:
+        # The format's table of head modules: the C++ side looks its tensors up through it.
+        names = C.head_modules(config) | {"scales": C.SCALES}
+        table = "\n".join(f"{reference}\t{gguf}" for reference, gguf in names.items()).encode()
+        fields = (config.hidden_size, config.width, config.routing_layers, config.layers, config.heads, config.feedforward)
+        values = (ctypes.c_int64 * len(fields))(*fields)
+        status = self._lib.clef_head_load(
+            os.fsencode(path), table, values, norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE
+        )
+        if status != 0:
             raise ModelFileError(f"{Path(path).name}: {err.value.decode('utf-8', 'replace')}")
         self._handle = handle
         self.device = self._lib.clef_head_device(handle).decode()

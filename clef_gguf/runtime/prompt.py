@@ -1,19 +1,18 @@
 """SystemOne requests: validation, and the Clef prompt with its token spans.
 
-The prompt is tokenized piece by piece exactly as the reference's encode_record does
-(the head averages hidden states over the spans of those pieces), from the template
-stored in the GGUF file.
+The prompt is the file's systemone template rendered into pieces (runtime/template.py),
+tokenized piece by piece exactly as the reference's encode_record does: the head
+averages hidden states over the spans of those pieces.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import ModelFileError, RequestError
+from .template import OMITTED, PromptTemplate
 
 QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
 MAX_QUESTIONS = 64
@@ -60,13 +59,6 @@ class EncodedPrompt:
     questions: tuple[EncodedQuestion, ...]
 
 
-def render(value: Any) -> str:
-    """Text of a value in the prompt, as the reference renders it."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-
-
 # --- Validation -------------------------------------------------------------------------------------------
 def _is_description(value: Any) -> bool:
     return value is None or isinstance(value, (str, dict, list))
@@ -78,18 +70,16 @@ def _check_description(value: Any, where: str) -> Description:
     return value
 
 
-def _options(
-    qid: str, qtype: str, criteria: Any, template: Mapping[str, str]
-) -> tuple[tuple[tuple[str, Description], ...], tuple[Description, ...]]:
+def _options(qid: str, qtype: str, criteria: Any) -> tuple[tuple[tuple[str, Description], ...], tuple[Description, ...]]:
     where = f"questions.{qid}.criteria"
     if qtype == "noul":
         if criteria is None:
             criteria = {}
         if not isinstance(criteria, dict) or not set(criteria) <= set(NOUL_OPTIONS):
             raise RequestError('must be null or an object with the keys "true" and/or "false"', where)
-        described = {"true": template["noul_true"], "false": template["noul_false"]}
-        described |= {k: _check_description(v, f"{where}.{k}") for k, v in criteria.items()}
-        return tuple((k, described[k]) for k in NOUL_OPTIONS), ()
+        # As the reference: an absent option gets the template's default description, one given as null none.
+        described = {k: OMITTED if v is None else _check_description(v, f"{where}.{k}") for k, v in criteria.items()}
+        return tuple((k, described.get(k)) for k in NOUL_OPTIONS), ()
     if qtype == "choice":
         low, high = CHOICE_OPTIONS
         if not isinstance(criteria, dict) or not low <= len(criteria) <= high:
@@ -114,7 +104,7 @@ def _check_level(value: Any, where: str) -> Description:
     return _check_description(value, where)
 
 
-def parse_request(body: Any, template: Mapping[str, str]) -> Request:
+def parse_request(body: Any) -> Request:
     """Check a SystemOne request body; raise RequestError naming the field."""
     if not isinstance(body, dict):
         raise RequestError("the request must be a JSON object")
@@ -139,57 +129,37 @@ def parse_request(body: Any, template: Mapping[str, str]) -> Request:
         if qtype not in QUESTION_TYPES:
             raise RequestError("must be noul, choice or score", f"questions.{qid}.type")
         instructions = _check_description(q.get("instructions"), f"questions.{qid}.instructions")
-        options, levels = _options(qid, qtype, q.get("criteria"), template)
+        options, levels = _options(qid, qtype, q.get("criteria"))
         order = tuple(q["criteria"]) if qtype == "choice" else ()
         parsed.append(Question(qid, qtype, instructions, options, levels, order))
     return Request(model, state, tuple(parsed))
 
 
 # --- Encoding ---------------------------------------------------------------------------------------------------
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
-
-
-def fill(template: str, **values: str) -> str:
-    """`template` with each `{name}` of `values` replaced by its value, in one pass.
-
-    The template comes from the file: it is data, never a format string, so a format spec
-    (`{index:>1000000000}`) or a conversion in it is text, not code that runs or allocates.
-    Values are inserted as they are, never re-parsed. validate refuses templates with any
-    other braces, so for the files it passes this equals str.format.
-    """
-    return _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), template)
-
-
-def encode(request: Request, template: Mapping[str, str], tokenize: Tokenize) -> EncodedPrompt:
-    """Token ids and spans, piece by piece as the reference's encode_record."""
-    schema = tokenize(template["schema_header"])
-    encoded = []
-    for index, q in enumerate(request.questions, start=1):
-        schema += tokenize(fill(template["field_header"], index=str(index), id=q.id, type=q.type))
-        start = len(schema)
-        instructions = q.instructions if q.instructions not in (None, "") else q.id
-        schema += tokenize(render(instructions))
-        span = (start, len(schema))
-        schema += tokenize(template["options_header"])
-        option_spans = []
-        for option_index, (option_id, description) in enumerate(q.options, start=1):
-            schema += tokenize(fill(template["option_header"], index=str(option_index)))
-            start = len(schema)
-            semantics: dict[str, Any] = {"option_id": option_id}
-            if description is not None:
-                semantics["description"] = description
-            schema += tokenize(render(semantics))
-            option_spans.append((start, len(schema)))
-            schema += tokenize(template["option_end"])
-        schema += tokenize(template["field_end"])
-        encoded.append((q, span, option_spans))
-    prefix = tokenize(fill(template["prefix"], system=template["system"]))
-    state = tokenize(render(request.state))
-    suffix = tokenize(template["suffix"])
-    offset = len(prefix) + len(state)
-
-    def shift(span: tuple[int, int]) -> tuple[int, int]:
-        return (span[0] + offset, span[1] + offset)
-
-    questions = tuple(EncodedQuestion(q, shift(span), tuple(map(shift, spans))) for q, span, spans in encoded)
-    return EncodedPrompt(request, prefix + state + schema + suffix, questions)
+def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> EncodedPrompt:
+    """Token ids and spans: the template's pieces, each tokenized on its own as in the reference's encode_record."""
+    questions = [
+        {
+            "id": q.id,
+            "type": q.type,
+            # The reference's rule: no instructions means the id is the instructions.
+            "instructions": q.id if q.instructions is None or q.instructions == "" else q.instructions,
+            "options": [{"key": key, "description": description} for key, description in q.options],
+        }
+        for q in request.questions
+    ]
+    tokens: list[int] = []
+    spans: list[tuple[int, int]] = []
+    option_spans: list[list[tuple[int, int]]] = []
+    for piece in template.pieces(request.state, questions):
+        start = len(tokens)
+        tokens += tokenize(piece.text)
+        if piece.kind == "question":
+            spans.append((start, len(tokens)))
+            option_spans.append([])
+        elif piece.kind == "option" and option_spans:
+            option_spans[-1].append((start, len(tokens)))
+    if [len(o) for o in option_spans] != [len(q.options) for q in request.questions]:
+        raise ModelFileError("the systemone prompt template does not mark every question and option once")
+    encoded = zip(request.questions, spans, option_spans, strict=True)
+    return EncodedPrompt(request, tokens, tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in encoded))

@@ -1,12 +1,13 @@
-"""A plain `qwen35` GGUF, seen through a FILE*, over the backbone part of a Clef file.
+"""A plain `qwen35` GGUF, seen through a FILE*, over the backbone of a Clef file.
 
 Stock llama.cpp refuses the `clef` architecture and any tensor it does not create.
 It does accept a `FILE*` (llama_model_load_from_file_ptr). So the runtime hands it
-a virtual file: a synthesized qwen35 header (the Clef file's tokenizer keys and
-backbone tensor infos copied byte for byte, `clef.*` hyperparameters renamed to
-`qwen35.*`) followed by the Clef file's data section. The backbone tensors come
-first in that section (contract.py), so their offsets stay valid unchanged; the
-head's bytes follow them and are simply never referenced.
+a virtual file: a synthesized qwen35 header (the Clef file's tokenizer keys copied
+byte for byte, `clef.*` hyperparameters renamed `qwen35.*`, the backbone's tensor
+infos with offsets of a virtual data section) followed by that data section, whose
+reads are mapped to the extents of the file where each tensor's bytes really are.
+Tensor order is not part of the format (llama.cpp's converter and its quantizer
+order differently): any order works, and the head's bytes are never read.
 
 The FILE* is glibc's fopencookie with read/seek callbacks: no second copy of the
 weights on disk, no patched llama.cpp. Its price: llama.cpp cannot mmap it, so it
@@ -15,9 +16,11 @@ reads the weights into its own buffers (measured in the README).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import struct
+from dataclasses import dataclass
 
 from gguf import GGUFValueType
 
@@ -48,23 +51,32 @@ def _pack_tensor_info(name: str, dims: tuple[int, ...], qtype: int, offset: int)
     return _pack_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, qtype, offset)
 
 
+@dataclass(frozen=True)
+class Extent:
+    """`size` bytes at `offset` of the file's data section, shown at `start` of the view's."""
+
+    name: str
+    start: int
+    offset: int
+    size: int
+
+
 def view_tensor_names(f: GGUFFile, lean: bool) -> list[str]:
-    """The backbone tensors a view shows, checked to lie first and contiguous in the data section."""
-    names = [n for n in f.header.tensors if not n.startswith(C.HEAD_PREFIX)]
-    if lean:
-        names = [n for n in names if n != "output.weight"]
-        if names[-1:] != ["token_embd.weight"]:
-            raise ModelFileError(f"{f.path.name}: token_embd.weight is not where a Clef file puts it; convert the file again")
-    expected_offset = 0
+    """The backbone tensors a view shows: everything but the head (and, lean, output.weight)."""
+    names = [n for n in f.header.tensors if not C.is_head_tensor(n)]
+    return [n for n in names if not (lean and n == "output.weight")]
+
+
+def _extents(f: GGUFFile, names: list[str], lean: bool) -> list[Extent]:
+    extents, start = [], 0
     for name in names:
         t = f.header.tensors[name]
-        if t.offset != expected_offset:
-            raise ModelFileError(
-                f"{f.path.name}: backbone tensor {name} is not where a Clef file puts it (offset {t.offset}); "
-                "convert the file again"
-            )
-        expected_offset += -(-t.n_bytes // f.header.alignment) * f.header.alignment
-    return names
+        size = t.n_bytes
+        if lean and name == "token_embd.weight":
+            size = t.n_bytes // t.dims[1] * LEAN_VOCAB  # its first rows
+        extents.append(Extent(name, start, t.offset, size))
+        start += -(-size // f.header.alignment) * f.header.alignment
+    return extents
 
 
 def _lean_tokenizer() -> list[bytes]:
@@ -92,8 +104,8 @@ def _lean_tokenizer() -> list[bytes]:
     ]
 
 
-def qwen35_header(f: GGUFFile, lean: bool = False) -> bytes:
-    """A synthesized qwen35 header over the file's data section, padded to its alignment.
+def qwen35_header(f: GGUFFile, extents: list[Extent], lean: bool = False) -> bytes:
+    """A synthesized qwen35 header over `extents`, padded to the file's alignment.
 
     Full: the whole backbone with the file's tokenizer (a plain qwen35 GGUF: export,
     tokenization). Lean: the same layers, but a vocabulary of LEAN_VOCAB tokens,
@@ -103,18 +115,18 @@ def qwen35_header(f: GGUFFile, lean: bool = False) -> bytes:
     h, buf = f.header, f.map
     kvs = [_pack_kv("general.architecture", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH))]
     for key, field in h.fields.items():
-        if key in _GLOBAL_KEYS or (key.startswith("tokenizer.") and not lean):
+        if key in _GLOBAL_KEYS or (key.startswith("tokenizer.ggml.") and not lean):
             kvs.append(bytes(buf[field.start : field.end]))
         elif key.partition(".")[0] in (C.ARCH, C.BACKBONE_ARCH) and key.partition(".")[2] in C.BACKBONE_KEY_SUFFIXES:
             renamed = f"{C.BACKBONE_ARCH}.{key.partition('.')[2]}"  # clef.* in a Clef file, qwen35.* in a backbone
             kvs.append(_pack_string(renamed) + bytes(buf[field.value_start : field.end]))
     if lean:
         kvs += _lean_tokenizer()
-    names = view_tensor_names(f, lean)
-    infos = [bytes(buf[h.tensors[n].start : h.tensors[n].end]) for n in names]
-    if lean:
-        embd = h.tensors["token_embd.weight"]
-        infos[-1] = _pack_tensor_info(embd.name, (embd.dims[0], LEAN_VOCAB), embd.type, embd.offset)
+    infos = []
+    for e in extents:
+        t = h.tensors[e.name]
+        dims = (t.dims[0], LEAN_VOCAB) if lean and e.name == "token_embd.weight" else t.dims
+        infos.append(_pack_tensor_info(e.name, dims, t.type, e.start))
     header = GGUF_MAGIC + struct.pack("<IQQ", 3, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
     return header + bytes(-len(header) % h.alignment)
 
@@ -140,13 +152,20 @@ _BUFFER = 1 << 20  # fewer, larger callbacks while llama.cpp parses the header
 
 
 class VirtualFile:
-    """`header` followed by bytes [data_offset, EOF) of the file at `path`, as a read-only FILE*."""
+    """`header`, then a data section laid out by `extents`, as a read-only FILE*.
 
-    def __init__(self, header: bytes, path: os.PathLike[str] | str, data_offset: int) -> None:
+    Each extent's bytes come from [data_offset + extent.offset, + extent.size) of the file
+    at `path`; the padding between extents reads as zeros.
+    """
+
+    def __init__(self, header: bytes, path: os.PathLike[str] | str, data_offset: int, extents: list[Extent]) -> None:
         self._header = header
+        self._extents = extents
+        self._starts = [e.start for e in extents]
         self._fd = os.open(path, os.O_RDONLY)
         self._data_offset = data_offset
-        self.size = len(header) + os.fstat(self._fd).st_size - data_offset
+        last = extents[-1] if extents else None
+        self.size = len(header) + (last.start + last.size if last else 0)
         self._pos = 0
         # Keep the callbacks referenced for as long as the FILE* lives.
         self._io = _CookieIO(_READ(self._read), _WRITE(lambda *_: -1), _SEEK(self._seek), _CLOSE(lambda _: 0))
@@ -156,20 +175,36 @@ class VirtualFile:
             raise ModelFileError(f"fopencookie failed (errno {ctypes.get_errno()})")
         _libc.setvbuf(self.fp, None, _IOFBF, _BUFFER)
 
+    def _fill(self, out: memoryview, pos: int) -> int:
+        """Bytes of the view at `pos` into `out`, up to the end of the current extent or gap."""
+        if pos < len(self._header):
+            n = min(len(out), len(self._header) - pos)
+            out[:n] = self._header[pos : pos + n]
+            return n
+        data_pos = pos - len(self._header)
+        i = bisect.bisect_right(self._starts, data_pos) - 1
+        e = self._extents[i] if i >= 0 else None
+        if e is not None and data_pos < e.start + e.size:
+            n = min(len(out), e.start + e.size - data_pos)
+            return os.preadv(self._fd, [out[:n]], self._data_offset + e.offset + data_pos - e.start)
+        following = self._starts[i + 1] if i + 1 < len(self._starts) else self.size - len(self._header)
+        n = min(len(out), following - data_pos)
+        out[:n] = bytes(n)
+        return n
+
+    def readinto(self, out: memoryview, pos: int) -> int:
+        """Up to len(out) bytes of the view from `pos`; fewer only at its end."""
+        done, end = 0, min(len(out), self.size - pos)
+        while done < end:
+            n = self._fill(out[done:end], pos + done)
+            if n <= 0:
+                break
+            done += n
+        return done
+
     def _read(self, _cookie: int, buf: int, size: int) -> int:
         try:
-            out = memoryview((ctypes.c_char * size).from_address(buf)).cast("B")
-            done = 0
-            n_header = max(0, min(size, len(self._header) - self._pos))
-            if n_header:
-                out[:n_header] = self._header[self._pos : self._pos + n_header]
-                done = n_header
-            while done < size:
-                offset = self._data_offset + self._pos + done - len(self._header)
-                n = os.preadv(self._fd, [out[done:]], offset)
-                if n <= 0:
-                    break
-                done += n
+            done = self.readinto(memoryview((ctypes.c_char * size).from_address(buf)).cast("B"), self._pos)
             self._pos += done
             return done
         except Exception:  # an exception must not cross into C: report an I/O error instead
@@ -191,17 +226,17 @@ class VirtualFile:
 
 
 def open_qwen35_view(f: GGUFFile, lean: bool = False) -> VirtualFile:
-    return VirtualFile(qwen35_header(f, lean), f.path, f.header.data_offset)
+    extents = _extents(f, view_tensor_names(f, lean), lean)
+    return VirtualFile(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents)
 
 
 def write_backbone_gguf(f: GGUFFile, out: os.PathLike[str] | str) -> None:
-    """Write the backbone alone as a plain qwen35 GGUF (what the view shows llama.cpp)."""
-    header = qwen35_header(f)
-    names = view_tensor_names(f, lean=False)
-    last = f.header.tensors[names[-1]]
-    end = f.header.data_offset + last.offset + last.n_bytes
-    chunk = 64 << 20
-    with open(out, "wb") as dst:
-        dst.write(header)
-        for start in range(f.header.data_offset, end, chunk):
-            dst.write(f.map[start : min(end, start + chunk)])
+    """Write the backbone alone as a plain qwen35 GGUF (what the full view shows llama.cpp)."""
+    view = open_qwen35_view(f)
+    buffer = bytearray(64 << 20)
+    try:
+        with open(out, "wb") as dst:
+            for pos in range(0, view.size, len(buffer)):
+                dst.write(buffer[: view.readinto(memoryview(buffer), pos)])
+    finally:
+        view.close()

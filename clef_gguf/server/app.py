@@ -49,14 +49,14 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def check_request(body: Any, template: dict[str, str]) -> None:
+def check_request(body: Any) -> None:
     """Reject a malformed request before it waits for the model: 422 even when the server is busy."""
     if isinstance(body, dict):
         for key in MEDIA_FIELDS:
             if body.get(key):
                 raise Invalid(["body", key], "images and videos are not supported: this Clef GGUF has no vision tower")
     try:
-        parse_request(body, template)
+        parse_request(body)
     except RequestError as e:
         raise from_request_error(e, body) from e
 
@@ -110,7 +110,6 @@ def create_app(
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown."""
     worker = DecideWorker(model, max_pending)
-    template = dict(model.template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -129,7 +128,7 @@ def create_app(
         """Read, validate and decide one System One request: its response JSON and timing header."""
         arrived = time.perf_counter()
         body = await read_json(request, max_body_bytes)
-        check_request(body, template)
+        check_request(body)
         parsed = time.perf_counter()
         try:
             decision = await worker.decide(body)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ class Model(Protocol):
 
     name: str
     path: Path
-    template: Mapping[str, str]
     ubatch: int  # tokens per physical batch of the prefill
 
     @property

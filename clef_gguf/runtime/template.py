@@ -1,0 +1,110 @@
+"""The `systemone` prompt template of a Clef file, rendered into the pieces the model reads.
+
+A Clef GGUF carries its prompt as the Jinja chat template `tokenizer.chat_template.systemone`
+(llama.cpp's converter writes it; docs/format.md). It is rendered with the input llama.cpp's
+server gives it: `state`, `questions` ([{id, type, instructions, options: [{key,
+description}]}]), `images`, and three markers: `sep` between the pieces of the prompt (each
+piece is tokenized on its own, as the reference tokenizes them), `mark_question` and
+`mark_option` at the start of the pieces whose tokens a question's and an option's spans are.
+
+Where llama-server departs from Cloudflare's reference, this follows the reference:
+  * JSON as the reference's json.dumps writes it (keys sorted, floats in full), not 6 digits;
+  * missing or empty instructions are the question's id, not an error;
+  * a noul option whose description is given as null has none (the template would put the
+    default one in): it is passed as OMITTED, which `tojson` leaves out;
+  * the text is never altered (llama-server rewrites "<<clef:" in it): the markers here carry
+    a random nonce instead.
+
+The template is data from a file: it is rendered in Jinja's immutable sandbox, and only the
+constructs of the systemone template are accepted (loops over questions, their options and
+the images; the filter tojson; no calls, macros or includes), so that rendering stays linear
+in the request, whatever the file says.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateSyntaxError, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import ModelFileError
+
+_NONCE = secrets.token_hex(8)
+SEP = f"\ue000sep:{_NONCE}\ue000"
+MARK_QUESTION = f"\ue000question:{_NONCE}\ue000"
+MARK_OPTION = f"\ue000option:{_NONCE}\ue000"
+OMITTED = object()  # a description given as null where the template would supply a default
+
+_LOOPS = ("questions", "images")  # top-level names a loop may run over; and `<loop variable>.options`
+_FILTERS = {"tojson"}
+_TESTS = {"string", "none"}
+_FORBIDDEN = (nodes.Call, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.Import, nodes.FromImport, nodes.Include,
+              nodes.Extends, nodes.Block, nodes.Scope, nodes.ScopedEvalContextModifier)
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    kind: str | None = None  # "question" (its instructions) or "option" (its description); None otherwise
+
+
+def _tojson(value: Any, separators: list[str] | tuple[str, str] | None = None, **_: Any) -> str:
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if v is not OMITTED}
+    return json.dumps(value, ensure_ascii=False, separators=tuple(separators) if separators else (",", ":"), sort_keys=True)
+
+
+def _check(tree: nodes.Template) -> None:
+    """Refuse anything but what the systemone template uses: its rendering is then bounded by the request."""
+    for node in tree.find_all(_FORBIDDEN):
+        raise ModelFileError(f"the systemone prompt template uses {type(node).__name__}, which clef-gguf does not render")
+    for node in tree.find_all(nodes.Filter):
+        if node.name not in _FILTERS:
+            raise ModelFileError(f"the systemone prompt template uses the filter {node.name!r}, which clef-gguf does not render")
+    for node in tree.find_all(nodes.Test):
+        if node.name not in _TESTS:
+            raise ModelFileError(f"the systemone prompt template uses the test {node.name!r}, which clef-gguf does not render")
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        over_list = isinstance(it, nodes.Name) and it.name in _LOOPS
+        over_options = isinstance(it, nodes.Getattr) and it.attr == "options" and isinstance(it.node, nodes.Name)
+        if not (over_list or over_options) or loop.recursive:
+            raise ModelFileError("the systemone prompt template loops over something other than questions, options or images")
+
+
+class PromptTemplate:
+    """A compiled systemone template: request -> pieces."""
+
+    def __init__(self, source: str) -> None:
+        env = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=True)
+        env.filters = {"tojson": _tojson}
+        env.tests = {"string": lambda v: isinstance(v, str), "none": lambda v: v is None}
+        try:
+            _check(env.parse(source))
+            self._template = env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise ModelFileError(f"the systemone prompt template does not parse: {e.message} (line {e.lineno})") from e
+        self.source = source
+
+    def pieces(self, state: Any, questions: list[dict[str, Any]]) -> Iterator[Piece]:
+        """The prompt's pieces, in order. questions: [{id, type, instructions, options: [{key, description}]}]."""
+        text = self._template.render(
+            state=state,
+            questions=questions,
+            images=[],  # no vision tower yet
+            sep=SEP,
+            mark_question=MARK_QUESTION,
+            mark_option=MARK_OPTION,
+        )
+        for piece in text.split(SEP):
+            if piece.startswith(MARK_QUESTION):
+                yield Piece(piece[len(MARK_QUESTION) :], "question")
+            elif piece.startswith(MARK_OPTION):
+                yield Piece(piece[len(MARK_OPTION) :], "option")
+            else:
+                yield Piece(piece)

@@ -1,0 +1,137 @@
+"""llama.cpp's own llama-server loads clef-gguf's files and answers as clef-gguf does.
+
+Builds two fixture releases (tests/release_builder.py), converts them with clef-gguf
+(f32, and Q4_K_M on the fixture whose rows are multiples of 256), starts the pinned
+llama-server on each file (loopback, one ubatch for the whole prompt: its Clef graph has
+no memory) and sends it the request suite through /v1/systemone, then compares every
+probability and `input_tokens` with clef-gguf's own decision on the same file.
+
+Requests are made NFC and given their ids as instructions where they have none: those
+are the two places where llama-server departs from the reference (docs/format.md), and
+clef-gguf follows the reference.
+
+    bash tools/build_llama_server.sh          # once, about 25 minutes on 2 cores
+    python tools/interop_llama_server.py [--bin ~/.cache/clef-gguf/llama-build/bin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import unicodedata
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+PORT = 18791
+
+
+def nfc(value: Any) -> Any:
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value)
+    if isinstance(value, list):
+        return [nfc(v) for v in value]
+    if isinstance(value, dict):
+        return {nfc(k): nfc(v) for k, v in value.items()}
+    return value
+
+
+def as_llama_server_accepts(request: dict[str, Any]) -> dict[str, Any]:
+    request = nfc(request)
+    for qid, q in request["questions"].items():
+        if q.get("instructions") in (None, ""):
+            q["instructions"] = qid  # the reference's rule, which llama-server answers with HTTP 400 instead
+    return request
+
+
+def probabilities(answer: dict[str, Any]) -> dict[str, float]:
+    return answer.get("probabilities") or {"true": answer["noul"], "false": 1 - answer["noul"]}
+
+
+def serve(binary: Path, model: Path, n_ctx: int, log: Path) -> subprocess.Popen:
+    # --no-repack: llama.cpp's own server aborts loading K-quants on AMX CPUs otherwise (FACTS).
+    args = [str(binary / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(PORT)]
+    args += ["-c", str(n_ctx), "-b", str(n_ctx), "-ub", str(n_ctx), "-t", "2", "--no-repack"]
+    server = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    for _ in range(180):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2)
+            return server
+        except (urllib.error.URLError, ConnectionError):
+            if server.poll() is not None:
+                raise SystemExit(f"llama-server exited ({server.returncode}); see {log}") from None
+            time.sleep(1)
+    server.terminate()
+    raise SystemExit(f"llama-server did not come up; see {log}")
+
+
+def post(request: dict[str, Any]) -> dict[str, Any]:
+    body = json.dumps(request).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/systemone", body, {"Content-Type": "application/json"})
+    try:
+        return json.loads(urllib.request.urlopen(req, timeout=600).read())
+    except urllib.error.HTTPError as e:
+        return {"http_error": e.code, "body": e.read().decode()[:300]}
+
+
+def compare(binary: Path, path: Path, requests: dict[str, dict[str, Any]], log: Path) -> list[tuple[str, Any, Any, float]]:
+    import clef_gguf
+
+    rows = []
+    with clef_gguf.load(path, n_ctx=8192, n_threads=2) as model:
+        server = serve(binary, path, 8192, log)
+        try:
+            for name, request in requests.items():
+                ours, theirs = model.decide(request), post(request)
+                if "answers" not in theirs:
+                    rows.append((name, ours["usage"]["input_tokens"], theirs, float("nan")))
+                    continue
+                worst = max(
+                    abs(p - probabilities(theirs["answers"][q])[k])
+                    for q, a in ours["answers"].items()
+                    for k, p in probabilities(a).items()
+                )
+                rows.append((name, ours["usage"]["input_tokens"], theirs["usage"]["input_tokens"], worst))
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
+    args = parser.parse_args()
+    if not (args.bin / "llama-server").is_file():
+        raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
+
+    from conftest import RELEASES
+    from release_builder import build_release
+    from request_suite import all_requests
+
+    import clef_gguf
+
+    requests = {name: as_llama_server_accepts(r) for name, r in all_requests().items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        files = [
+            clef_gguf.convert(build_release(root / "untied_f32", RELEASES["untied_f32"]), root / "untied-f32.gguf", "f32"),
+            clef_gguf.convert(build_release(root / "k256", RELEASES["k256"]), root / "k256-q4_k_m.gguf", "q4_k_m"),
+        ]
+        print("| file | request | tokens (clef-gguf) | tokens (llama-server) | max abs dp |")
+        print("|---|---|---:|---:|---:|")
+        for path in files:
+            for name, ours, theirs, worst in compare(args.bin, path, requests, root / f"{path.stem}.log"):
+                print(f"| {path.name} | {name} | {ours} | {theirs} | {worst:.5f} |")
+
+
+if __name__ == "__main__":
+    main()
