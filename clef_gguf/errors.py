@@ -49,6 +49,10 @@ class IncompleteModelError(ModelFileError):
     exit_code = 7
 
 
+class ModelOutputError(CorruptModelError):
+    """The model's scores are not finite (NaN or Inf): weights that overflow, or are NaN, in a file that parses."""
+
+
 class SettingsError(ClefError, ValueError):
     """Load settings that cannot work (a prompt limit or ubatch out of range)."""
 

@@ -755,44 +755,59 @@ def _report(source: str, found: _Findings, h: Header | None, file_size: int | No
 _CHUNK_BYTES = 8 << 20
 
 
-def _nonfinite(raw: np.ndarray, qtype: GT) -> bool | None:
-    """Whether `raw` (whole blocks of `qtype`) holds NaN or Inf; None when gguf-py cannot decode it."""
+# No trained weight comes near this: products of such values overflow float32 (3e38 gave Inf scores).
+MAX_WEIGHT = 1e20
+
+
+def _values(raw: np.ndarray, qtype: GT) -> np.ndarray | None:
+    """`raw` (whole blocks of `qtype`) as float32; None when gguf-py cannot decode it."""
     if qtype == GT.F32:
-        return bool(((raw.view(np.uint32) & 0x7F800000) == 0x7F800000).any())
-    if qtype in (GT.F16,):
-        return bool(((raw.view(np.uint16) & 0x7C00) == 0x7C00).any())
+        return raw.view(np.float32)
+    if qtype == GT.F16:
+        return raw.view(np.float16).astype(np.float32)
     if qtype == GT.BF16:
-        return bool(((raw.view(np.uint16) & 0x7F80) == 0x7F80).any())
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     if not _dequantizable(qtype):
         return None
     with np.errstate(all="ignore"):  # a NaN scale is a finding, not a warning on stderr
-        return not bool(np.isfinite(gguf.quants.dequantize(raw, qtype)).all())
+        return gguf.quants.dequantize(raw, qtype)
 
 
 def check_data(f: GGUFFile) -> tuple[list[Problem], list[str]]:
-    """Reads every tensor: NaN, Inf, or all zeros (a sparse or interrupted download)."""
+    """Reads every tensor: NaN, Inf or overflowing values, and matrices of zeros (a sparse or interrupted download).
+
+    Vectors may be all zeros (biases often are), matrices may not.
+    """
     problems, skipped = [], []
     for name, t in f.header.tensors.items():
         _, type_size = gguf.GGML_QUANT_SIZES[t.type]
         step = max(type_size, _CHUNK_BYTES // type_size * type_size)
         data = f.tensor_bytes(name)
-        nonfinite, zeros, unknown = False, True, False
+        bad, zeros, unknown = None, True, False
         for start in range(0, t.n_bytes, step):
             chunk = data[start : start + step]
             zeros = zeros and not chunk.any()
-            result = _nonfinite(chunk, t.type)
-            unknown = unknown or result is None
-            nonfinite = nonfinite or bool(result)
-            if nonfinite:
+            values = _values(chunk, t.type)
+            if values is None:
+                unknown = True
+                continue
+            with np.errstate(all="ignore"):
+                if not np.isfinite(values).all():
+                    bad = "holds NaN or Inf values"
+                elif np.abs(values).max(initial=0) > MAX_WEIGHT:
+                    bad = f"holds values of magnitude {float(np.abs(values).max()):.3g}, which overflow float32 arithmetic"
+            if bad:
                 break
-        if nonfinite:
-            problems.append(_corrupt("data", f"tensor {name} holds NaN or Inf values"))
-        elif zeros and t.n_elements > 1:
+        if bad:
+            problems.append(_corrupt("data", f"tensor {name} {bad}"))
+        elif zeros and len(t.dims) > 1 and t.dims[1] > 1:
             problems.append(_corrupt("data", f"tensor {name} is all zeros: a sparse or interrupted download?"))
         if unknown:
             skipped.append(name)
     notes = (
-        [f"--deep could not decode {len(skipped)} tensors of types gguf-py does not read (NaN/Inf unchecked)"] if skipped else []
+        [f"--deep could not decode {len(skipped)} tensors of types gguf-py does not read (their values unchecked)"]
+        if skipped
+        else []
     )
     return problems, notes
 

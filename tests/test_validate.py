@@ -431,3 +431,49 @@ def test_remote_cli(server):
     run = clef_gguf_cli("validate", "someone/clef-flash-early:backbone.gguf", env={**os.environ, "HF_ENDPOINT": server.url})
     assert run.returncode == 6, run.stderr
     assert FLASH_MESSAGE in run.stdout and "bytes over HTTP" in run.stdout
+
+
+# --- Values (--deep) and the load-time probe --------------------------------------------------------
+def _filled(f: GGUFFile, name: str, value: float) -> tuple:
+    t = f.header.tensors[name]
+    return name, t.dims, int(gguf.GGMLQuantizationType.F32), np.full(t.n_elements, value, dtype=np.float32).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "verdict"),
+    [
+        ("dec.blk.0.ffn_up.bias", 0.0, Verdict.COMPLETE),  # zero biases are a trained model's, not a download's
+        ("decision.hidden_norm.bias", 0.0, Verdict.COMPLETE),
+        ("decision.proj_memory.weight", 0.0, "all zeros"),
+        ("decision.proj_memory.weight", 3e38, "overflow float32"),
+        ("blk.0.ffn_up.weight", float("nan"), "NaN or Inf"),
+    ],
+)
+def test_deep_flags_broken_values_and_passes_zero_biases(ws, tmp_path, name, value, verdict):
+    src = ws.gguf("untied_f32", "f32")
+    f = GGUFFile.open(src)
+    edited = rebuild(src, tmp_path / "edited.gguf", keep=lambda n: n != name, extra=[_filled(f, name, value)])
+    f.close()
+    assert validate(edited).ok  # the header is fine: only --deep reads values
+    report = validate(edited, deep=True)
+    if verdict is Verdict.COMPLETE:
+        assert report.ok, report.summary
+    else:
+        assert report.verdict is Verdict.CORRUPT and verdict in report.summary and name in report.summary, report.summary
+
+
+def test_a_model_whose_scores_overflow_is_refused_at_load(ws, tmp_path):
+    """Weights that parse but make NaN: the load's probe decision refuses them, so no request ever gets a NaN."""
+    from clef_gguf.errors import ModelOutputError
+
+    src = ws.gguf("untied_f32", "f32")
+    f = GGUFFile.open(src)
+    name = "decision.proj_memory.weight"
+    edited = rebuild(src, tmp_path / "overflow.gguf", keep=lambda n: n != name, extra=[_filled(f, name, 3e38)])
+    f.close()
+    with pytest.raises(ModelOutputError, match="not finite"):
+        clef_gguf.load(edited, n_ctx=1024)
+    request = json.dumps({"state": "s", "questions": {"q": {"type": "noul"}}})
+    command = [sys.executable, "-m", "clef_gguf.cli", "decide", str(edited), "-"]
+    run = subprocess.run(command, input=request, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 5 and "not finite" in run.stderr and run.stdout == "" and "Traceback" not in run.stderr

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ModelOutputError
 from .prompt import EncodedPrompt, EncodedQuestion
 
 DECIMALS = 4
@@ -66,6 +67,11 @@ def answer(question: EncodedQuestion, p: np.ndarray) -> dict[str, Any]:
 
 
 def response(prompt: EncodedPrompt, model_name: str, logits: list[np.ndarray]) -> dict[str, Any]:
+    if not all(np.isfinite(z).all() for z in logits):  # JSON has no NaN: never answer with one
+        raise ModelOutputError(
+            f"{model_name}: the model's scores are not finite (NaN or Inf); its weights are broken "
+            "(`clef-gguf validate --deep` names the tensor)"
+        )
     model = prompt.request.model
     return {
         "model": model if model is not None else model_name,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import contract as C
-from ..errors import ModelFileError
+from ..errors import ModelFileError, PromptTooLongError
 from ..gguf_header import GGUFFile
 from ..validate import open_validated
 from .answers import response
@@ -16,6 +16,9 @@ from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from .native_head import NativeHead
 from .prompt import EncodedPrompt, encode, parse_request
 from .template import PromptTemplate
+
+# One small decision run at load, on the real weights.
+PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
 
 
 def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, PromptTemplate]:
@@ -64,6 +67,13 @@ class ClefModel:
             self.backbone.close()
             raise
         self._lock = threading.Lock()
+        try:
+            self.decide(PROBE)  # weights that parse but overflow or hold NaN: refused now, not on every request
+        except PromptTooLongError:
+            pass  # a context too small for the probe: the first request checks instead
+        except Exception:
+            self.close()
+            raise
 
     @property
     def max_prompt_tokens(self) -> int:
