@@ -63,12 +63,13 @@ class Placement:
     use_extra_bufts: bool
     repacked: tuple[str, ...] = ()  # tensors routed to CPU_REPACK by override
     _overrides: ctypes.Array | None = field(default=None, repr=False)
+    _patterns: tuple[bytes, ...] = field(default=(), repr=False)  # the strings the array points to
 
     def apply(self, params: L.llama_model_params) -> None:
         params.use_extra_bufts = self.use_extra_bufts
         if self._overrides is not None:
             params.tensor_buft_overrides = ctypes.addressof(self._overrides)  # a NULL-terminated array
-            params._clef_overrides = self._overrides  # llama.cpp reads it during the load: it lives as long as params
+            params._clef_overrides = self  # llama.cpp reads the array and its strings during the load
 
 
 def _patterns(names: list[str]) -> list[str]:
@@ -106,13 +107,13 @@ def placement(tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repac
             if len(t.dims) == 2 and name != "token_embd.weight"
             and lib.clef_cpu_buft_supports_weight(buft, int(t.type), t.dims[0], t.dims[1])
         ]
+        patterns = tuple(p.encode() for p in _patterns(names))
         overrides = None
-        if names:
-            patterns = _patterns(names)
+        if patterns:
             overrides = (_BuftOverride * (len(patterns) + 1))()  # the last entry stays {NULL, NULL}: the end
-            for slot, pattern in zip(overrides, patterns, strict=False):
-                slot.pattern, slot.buft = pattern.encode(), buft  # ctypes keeps the bytes alive with the array
-        chosen = Placement(use_extra_bufts=False, repacked=tuple(names), _overrides=overrides)
+            for i, pattern in enumerate(patterns):
+                overrides[i].pattern, overrides[i].buft = pattern, buft
+        chosen = Placement(use_extra_bufts=False, repacked=tuple(names), _overrides=overrides, _patterns=patterns)
     log.debug(
         "CPU extra buffer types %s: use_extra_bufts=%s, %d weights routed to %s%s",
         ",".join(available) or "none",
