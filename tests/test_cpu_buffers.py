@@ -49,17 +49,36 @@ def test_amx_is_seen_where_the_cpu_and_the_build_have_it():
 
 
 @pytest.mark.parametrize("file_type", QUANTIZED)
-def test_no_weight_lands_in_amx_and_cpu_repack_is_kept(ws, file_type):
+def test_no_weight_lands_in_amx(ws, file_type):
     path = ws.gguf("k256", file_type)
     buffers = _model_buffers(lambda: clef_gguf.load(path, n_ctx=512, n_threads=1))
     assert cpu_buffers.AMX not in buffers
     assert "CPU" in buffers
-    # Q4_K rows of a multiple of 8 are what CPU_REPACK repacks on x86 (AVX2) and ARM: it must survive the AMX exclusion.
-    f = GGUFFile.open(path)
-    placed = cpu_buffers.placement({n: t for n, t in f.header.tensors.items() if n.startswith("blk.")})
-    f.close()
-    if file_type == "q4_k_m" and cpu_buffers.REPACK in cpu_buffers.extra_buffer_types() and placed.repacked:
-        assert cpu_buffers.REPACK in buffers
+    if cpu_buffers.AMX in cpu_buffers.extra_buffer_types():  # the measured default there: no repacking
+        assert cpu_buffers.REPACK not in buffers
+
+
+def test_cpu_repack_can_be_kept_without_amx(ws, tmp_path):
+    """repack=True: the Q4_K weights ggml repacks go to CPU_REPACK, and still none to AMX."""
+    if cpu_buffers.REPACK not in cpu_buffers.extra_buffer_types():
+        pytest.skip("this CPU has no CPU_REPACK buffer type")
+    clef = GGUFFile.open(ws.gguf("k256", "q4_k_m"))
+    plain = tmp_path / "backbone-q4_k_m.gguf"
+    write_backbone_gguf(clef, plain)
+    clef.close()
+    placed = cpu_buffers.for_gguf(plain, repack=True)
+
+    def load() -> None:
+        params = L.llama_model_default_params()
+        placed.apply(params)
+        L.llama_model_free(L.llama_model_load_from_file(str(plain).encode(), params))
+
+    buffers = _model_buffers(load)
+    assert cpu_buffers.AMX not in buffers and cpu_buffers.REPACK in buffers
+    if cpu_buffers.AMX in cpu_buffers.extra_buffer_types():
+        assert placed.repacked and not placed.use_extra_bufts  # routed by overrides, AMX left out
+    else:
+        assert placed.use_extra_bufts and not placed.repacked  # llama.cpp's own placement
 
 
 def test_plan_places_weights_as_the_runtime_does(ws):

@@ -7,13 +7,13 @@ ggml_backend_amx_mul_mat on the first decode of a Q8_0 or K-quant model
 (ggml-org/llama.cpp#20824, open), even for a plain qwen35 file loaded by path. So:
 
   * no AMX among the extra types (AMD, older Intel, ARM): llama.cpp's default;
-  * AMX present: extra types off (llama_model_params.use_extra_bufts), and every
-    weight that CPU_REPACK runs is put there by a tensor buffer override - the same
-    placement llama.cpp would choose with AMX left out. ggml itself answers which
-    weights those are (native/cpu_bufts.cpp asks the question llama.cpp's loader
-    asks), so no kernel rule is copied here.
+  * AMX present: extra types off (llama_model_params.use_extra_bufts). CPU_REPACK could
+    be kept without AMX (repack=True: every weight it runs is put there by a tensor
+    buffer override; ggml itself answers which, through native/cpu_bufts.cpp, as
+    llama.cpp's loader asks it), but on the AMX Xeon measured it made Q4_K_M prefill
+    11-26% slower (tools/bench_cpu_repack.py, README), so it is not the default there.
   * AMX present and layers offloaded to a GPU: extra types off and no overrides (an
-    override would pin a layer to the CPU); layers left on the CPU run unrepacked.
+    override would pin a layer to the CPU).
 
 The native head keeps its weights in the CPU's default buffer type: never AMX.
 """
@@ -86,13 +86,15 @@ def _patterns(names: list[str]) -> list[str]:
     return patterns + [f"^{re.escape(name)}$" for name in singles]
 
 
-def placement(tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repack: bool = True) -> Placement:
+def placement(tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repack: bool | None = None) -> Placement:
     """How llama.cpp may place the CPU weights among `tensors` (the model it loads, as llama_model_params.n_gpu_layers).
 
-    repack=False also leaves CPU_REPACK out (benchmarks).
+    repack: whether CPU_REPACK may hold weights; None is the measured default (yes without AMX, no with it).
     """
     offload = n_gpu_layers != 0 and bool(L.llama_supports_gpu_offload())
     available = extra_buffer_types()
+    if repack is None:
+        repack = AMX not in available
     if AMX not in available:
         chosen = Placement(use_extra_bufts=repack)
     elif offload or not repack or REPACK not in available:
@@ -125,7 +127,7 @@ def placement(tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repac
     return chosen
 
 
-def for_gguf(path: str | os.PathLike[str], *, n_gpu_layers: int = 0, repack: bool = True) -> Placement:
+def for_gguf(path: str | os.PathLike[str], *, n_gpu_layers: int = 0, repack: bool | None = None) -> Placement:
     """The placement for llama.cpp loading a plain GGUF by path (tools, tests)."""
     f = GGUFFile.open(path)
     try:
