@@ -131,6 +131,17 @@ def _hparam(f: GGUFFile, suffix: str) -> object:
     raise ModelFileError(f"{f.path.name}: no {suffix} (not a Clef or qwen35 file)")
 
 
+def _head_bytes(f: GGUFFile) -> int:
+    """The native head's weights in their stored types, plus the F32 transposed key weight of each
+    attention over the prompt (one per routing block and joint layer, width x width)."""
+    tensors = f.header.tensors
+    weights = sum(t.n_bytes for n, t in tensors.items() if C.is_head_tensor(n))
+    if not weights:
+        return 0
+    config = C.read_head_config(f.header)
+    return weights + (config.routing_layers + config.layers) * config.width * config.width * 4
+
+
 def _lines(
     f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int
 ) -> tuple[list[Line], dict[str, int], bool]:
@@ -147,7 +158,7 @@ def _lines(
             weights_device += t.n_bytes
         else:
             weights_host += t.n_bytes
-    head = sum(t.n_bytes for n, t in tensors.items() if C.is_head_tensor(n))  # the native head keeps the stored types
+    head = _head_bytes(f)
 
     def split(total_mib: float, layers: list[int]) -> tuple[int, int]:
         on = sum(1 for il in layers if il >= n_layer - offloaded)
@@ -172,7 +183,8 @@ def _lines(
         Line("recurrent state (linear-attention layers)", *rs, "llama.cpp"),
         Line(f"compute buffer (physical batch {n_ctx})", compute_device, int(compute_total) - compute_device, "llama.cpp"),
         Line("hidden-state output buffer", 0, n_ctx * n_embd * 4, "computed"),
-        Line("joint schema head", 0, head, "file"),
+        # The native head runs where the backbone runs: on the GPU as soon as layers are offloaded.
+        Line("joint schema head", *((head, 0) if offloaded > 0 else (0, head)), "file"),
     ]
     return lines, by_type, gpu_backend
 

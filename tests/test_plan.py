@@ -30,6 +30,21 @@ def test_weights_come_from_the_file_and_llama_cpp_holds_only_the_layers(ws):
     assert sum(t for t in plan.weights_by_type.values()) == layers + mapped
 
 
+def test_the_head_is_counted_where_it_runs(ws):
+    """Its weights in their stored types plus the F32 transposed key weight of each memory attention, on the
+    device as soon as layers are offloaded (the native head runs where the backbone runs)."""
+    path = ws.gguf("k256", "q4_k_m")
+    f = GGUFFile.open(path)
+    config = C.read_head_config(f.header)
+    expected = sum(t.n_bytes for n, t in f.header.tensors.items() if C.is_head_tensor(n))
+    expected += (config.routing_layers + config.layers) * config.width**2 * 4
+    f.close()
+    offloaded = _line(memory_plan(path, 512), "joint schema head")
+    on_host = _line(memory_plan(path, 512, n_gpu_layers=0), "joint schema head")
+    assert (offloaded.device_bytes, offloaded.host_bytes) == (expected, 0)
+    assert (on_host.device_bytes, on_host.host_bytes) == (0, expected)
+
+
 def test_buffers_grow_with_the_prompt_limit_and_stay_on_the_host_without_offload(ws):
     path = ws.gguf("k256", "q4_k_m")
     small, large = memory_plan(path, 512), memory_plan(path, 4096)
