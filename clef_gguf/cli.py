@@ -431,10 +431,16 @@ def serve(
     max_queue: Annotated[int, typer.Option(min=1, help="Requests admitted at once (running + waiting); more get 503.")] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
     threads: Annotated[int | None, typer.Option(help="llama.cpp CPU threads (default: all cores).", show_default=False)] = None,
+    header_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
+    ] = 10.0,
+    body_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request has to send its whole body; then 408.")] = 30.0,
+    keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
     from .runtime.model import load
+    from .server import HttpLimits
     from .server import serve as run_server
 
     _check_ubatch(ubatch, max_prompt_tokens)
@@ -443,7 +449,10 @@ def serve(
     url = f"http://{host}:{port}/v1/systemone"
     name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
-    run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout)
+    limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
+    run_server(
+        loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits
+    )
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from request_suite import all_requests, long_state_request, mixed_request
 
 import clef_gguf
 from clef_gguf.errors import ModelFileError
-from clef_gguf.server import create_app
+from clef_gguf.server import HttpLimits, create_app, uvicorn_config
 from clef_gguf.server.body import DECODERS
 
 TIMEOUT = httpx.Timeout(120.0)
@@ -53,7 +53,7 @@ class Live:
 def start(app: Any) -> Live:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; no race with other tests
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, HttpLimits(), log_level="warning"))  # serve's protocol and limits
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -468,6 +468,9 @@ class BlockingModel:
         self.name, self.path = model.name, model.path
         self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
         self.release = threading.Event()
+
+    def encode(self, request: Request) -> Any:
+        return self.model.encode(request)
 
     def decide(self, request: Request) -> dict[str, Any]:
         assert self.release.wait(60)

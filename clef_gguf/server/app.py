@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hmac
 import time
@@ -13,17 +14,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import RequestError
-from ..runtime.prompt import parse_request
 from . import workers_ai
-from .body import DEFAULT_MAX_BODY_BYTES, read_json
-from .problems import ApiError, Invalid, from_request_error
+from .body import DEFAULT_BODY_TIMEOUT_S, body_limit
+from .intake import Intake
+from .problems import ApiError, Invalid, from_request_error, json_bytes
 from .worker import DecideWorker, Model
 
 DEFAULT_MAX_PENDING = 64
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
-MEDIA_FIELDS = ("assets", "images", "videos")  # the vision tower is not converted
 REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
 
@@ -32,8 +33,12 @@ def _headers(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {REQUEST_ID_HEADER: uuid.uuid4().hex, **(extra or {})}
 
 
-def _error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(body, status_code=status, headers=_headers(headers))
+def render_problem(path: str, problem: ApiError | Invalid) -> tuple[int, dict[str, str], bytes]:
+    """The one rendering of an error: its status, headers and JSON, in TypeSafe's shape or, on its routes,
+    the Workers AI envelope. The HTTP protocol (protocol.py) writes the same for what it refuses itself."""
+    status, headers = (422, {}) if isinstance(problem, Invalid) else (problem.status, dict(problem.headers))
+    body = workers_ai.failure(problem) if workers_ai.is_workers_ai_path(path) else problem.body()
+    return status, _headers(headers), json_bytes(body)
 
 
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -49,18 +54,6 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def check_request(body: Any) -> None:
-    """Reject a malformed request before it waits for the model: 422 even when the server is busy."""
-    if isinstance(body, dict):
-        for key in MEDIA_FIELDS:
-            if body.get(key):
-                raise Invalid(["body", key], "images and videos are not supported: this Clef GGUF has no vision tower")
-    try:
-        parse_request(body)
-    except RequestError as e:
-        raise from_request_error(e, body) from e
-
-
 def _models_listing(model: Model) -> dict[str, Any]:
     # A local file has no release date: the date its GGUF was written is the honest stand-in.
     written = dt.datetime.fromtimestamp(model.path.stat().st_mtime, dt.timezone.utc).date().isoformat()
@@ -74,29 +67,60 @@ def _models_listing(model: Model) -> dict[str, Any]:
     }
 
 
-def _problem(request: Request, problem: ApiError | Invalid) -> JSONResponse:
-    """The one rendering of an error: TypeSafe's shape, or the Workers AI envelope on its routes."""
-    status, headers = (422, {}) if isinstance(problem, Invalid) else (problem.status, dict(problem.headers))
-    on_workers_ai = workers_ai.is_workers_ai_path(request.scope["path"])
-    return _error(status, workers_ai.failure(problem) if on_workers_ai else problem.body(), headers)
+def _problem(request: Request, problem: ApiError | Invalid) -> Response:
+    status, headers, body = render_problem(request.scope["path"], problem)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+class AnswerCutOff:
+    """At SIGTERM, uvicorn cancels the requests still running after --drain-timeout: each gets a JSON 503
+    (which clients retry elsewhere) instead of uvicorn's plain-text 500."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            message = "the server shut down before this request was decided; retry"
+            problem = ApiError(503, "overloaded_error", message, {"Retry-After": "1", "Connection": "close"})
+            status, headers, body = render_problem(scope["path"], problem)
+            raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+            raw_headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+            await send({"type": "http.response.body", "body": body})
+            # Not re-raised: the request is answered, and this is the top of its task (uvicorn would log a traceback).
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+    async def api_error(request: Request, e: ApiError) -> Response:
         return _problem(request, e)
 
     @app.exception_handler(Invalid)
-    async def invalid(request: Request, e: Invalid) -> JSONResponse:
+    async def invalid(request: Request, e: Invalid) -> Response:
         return _problem(request, e)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
+    async def http_error(request: Request, e: HTTPException) -> Response:  # unknown path, wrong method
         error_type = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
         return _problem(request, ApiError(e.status_code, error_type, str(e.detail), dict(e.headers or {})))
 
     @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception) -> JSONResponse:  # a bug, not the client's fault
+    async def internal(request: Request, e: Exception) -> Response:  # a bug, not the client's fault
         return _problem(request, ApiError(500, "api_error", f"internal error: {type(e).__name__}: {e}"))
 
 
@@ -105,37 +129,42 @@ def create_app(
     *,
     api_key: str | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     owns_model: bool = True,
 ) -> FastAPI:
-    """A System One app over a loaded model; with owns_model it closes the model at shutdown."""
+    """A System One app over a loaded model; with owns_model it closes the model at shutdown.
+
+    max_pending bounds the requests being read and the requests admitted to decide, each; max_body_bytes
+    (default: from the model's token limit, body.body_limit) bounds a body, raw and decoded."""
     worker = DecideWorker(model, max_pending)
+    limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else max_body_bytes
+    intake = Intake(model, max_pending, limit, body_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         # uvicorn has drained the connections (or timed out): finish the running decide, then free.
         await worker.close()
+        await asyncio.to_thread(intake.close)
         if owns_model:
             model.close()
 
     app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    app.add_middleware(AnswerCutOff)
     auth = [Depends(_require_key(api_key))] if api_key else []
     router = APIRouter(prefix="/v1", dependencies=auth)
 
     async def answer(request: Request) -> tuple[bytes, dict[str, str]]:
         """Read, validate and decide one System One request: its response JSON and timing header."""
         arrived = time.perf_counter()
-        body = await read_json(request, max_body_bytes)
-        check_request(body)
+        body = await intake.request(request)  # read, validated and tokenized: known to fit the model
         parsed = time.perf_counter()
         try:
             decision = await worker.decide(body)
-        except RequestError as e:  # PromptTooLongError: raised before any compute
+        except RequestError as e:  # not expected after intake: the same mapping all the same
             raise from_request_error(e, body) from e
-        except RecursionError as e:  # a state nested deeper than the prompt renderer recurses
-            raise Invalid(["body", "state"], "nested too deeply", "json_invalid") from e
         # Server-Timing tells a client where its latency went: reading, waiting, deciding, handing back.
         back = time.perf_counter() - decision.finished
         timing = (
@@ -171,6 +200,7 @@ def create_app(
             "max_prompt_tokens": model.max_prompt_tokens,
             "ubatch": model.ubatch,
             "pending": worker.pending,
+            "reading": intake.reading,
         }
         return JSONResponse(status, headers=_headers())
 

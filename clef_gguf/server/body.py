@@ -9,17 +9,31 @@ deep in tokenization or in writing the response).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import zlib
 from collections.abc import Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from .problems import ApiError, Invalid, Location
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any prompt a context can hold
+# The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
+# could fit is refused while it is decoded (in milliseconds), never tokenized. Measured on Qwen3.5's vocabulary
+# (the Clef backbone's): a state of English text is 4.1 body bytes per prompt token, code 3.7, CJK, Japanese or
+# emoji 4.0 to 5.8 as UTF-8 and 11.1 to 12.0 as the \uXXXX escapes json.dumps writes by default. Only runs of
+# one character (a token covers up to 128 spaces) go past 16: such a body is refused as too large.
+BYTES_PER_TOKEN = 16
+DEFAULT_BODY_TIMEOUT_S = 30.0  # to send a whole body: 35 KB/s for the 1 MiB cap of a 65,536-token context
+
+
+def body_limit(max_prompt_tokens: int) -> int:
+    """The largest decoded (and raw) body worth reading for a model with this token limit."""
+    return max_prompt_tokens * BYTES_PER_TOKEN
+
+
 # A \uD800-\uDFFF escape in the raw bytes is the only way a JSON text yields a surrogate
 # (strict UTF-8 decoding rejects encoded ones): only then is the parsed value walked.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -60,11 +74,7 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, "request_too_large", f"the request body is larger than this server's limit of {limit} bytes")
 
 
-async def read(request: Request, limit: int) -> bytes:
-    """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
+async def _collect(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -72,6 +82,21 @@ async def read(request: Request, limit: int) -> bytes:
             raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first), and
+    within `timeout_s` seconds: a client trickling its body (slowloris) gets 408 and a closed connection."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    try:
+        return await asyncio.wait_for(_collect(request, limit), timeout_s)
+    except asyncio.TimeoutError:
+        message = f"the request body did not arrive within {timeout_s:g} s"
+        raise ApiError(408, "request_timeout", message, {"Connection": "close"}) from None
+    except ClientDisconnect:  # nobody reads the answer; typed so that it is not logged as a server fault
+        raise ApiError(400, "invalid_request_error", "the client closed the connection before its body ended") from None
 
 
 def check_media_type(content_type: str | None) -> None:
@@ -148,9 +173,3 @@ def parse(raw: bytes) -> Any:
         if where:
             raise Invalid(where, "a string holds a lone UTF-16 surrogate (not Unicode text)", "string_unicode")
     return value
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    check_media_type(request.headers.get("content-type"))
-    raw = decode(await read(request, limit), request.headers.get("content-encoding"), limit)
-    return parse(raw)

@@ -7,6 +7,7 @@ Two shapes, as TypeSafe's API answers: a malformed request gets 422 with `detail
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,16 @@ from typing import Any
 from ..errors import PromptTooLongError, RequestError
 
 Location = list[str | int]
+
+
+def json_bytes(value: Any) -> bytes:
+    """Compact UTF-8 JSON of an error body. A 422 names the field the client sent, and a client can send a
+    lone surrogate ("\\ud800") as a key: UTF-8 cannot encode it, so such a body is written with ASCII escapes,
+    which is still valid JSON and still decodes to the client's own key."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 @dataclass(eq=False)  # exceptions stay hashable

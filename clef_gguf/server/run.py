@@ -1,13 +1,15 @@
-"""Running the app on uvicorn: loopback by default, graceful drain on SIGTERM."""
+"""Running the app on uvicorn: loopback by default, HTTP limits (protocol.py), graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 import uvicorn
 
 from .app import DEFAULT_MAX_PENDING, create_app
+from .protocol import HttpLimits, protocol_class
 from .worker import Model
 
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
@@ -15,6 +17,11 @@ DEFAULT_DRAIN_TIMEOUT_S = 60.0
 
 def _drained(_signum: int, _frame: object) -> None:
     """uvicorn re-raises SIGTERM/SIGINT to the previous handler once it has drained: the stop was clean."""
+
+
+def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for this server: its protocol with `limits`; `options` go to uvicorn.Config."""
+    return uvicorn.Config(app, http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_s, **options)  # type: ignore[arg-type]
 
 
 def serve(
@@ -25,12 +32,15 @@ def serve(
     api_key: str | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    limits: HttpLimits | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT. uvicorn then stops accepting connections, lets in-flight and
     queued requests finish (up to drain_timeout_s), and the app closes the model; then this returns."""
-    app = create_app(model, api_key=api_key, max_pending=max_pending)
-    config = uvicorn.Config(
+    limits = limits or HttpLimits()
+    app = create_app(model, api_key=api_key, max_pending=max_pending, body_timeout_s=limits.body_timeout_s)
+    config = uvicorn_config(
         app,
+        limits,
         host=host,
         port=port,
         log_level="info",

@@ -21,6 +21,11 @@ from typing import Any, Protocol
 from .problems import ApiError
 
 
+class Prompt(Protocol):
+    @property
+    def tokens(self) -> list[int]: ...
+
+
 class Model(Protocol):
     """What the server uses of a ClefModel."""
 
@@ -30,6 +35,8 @@ class Model(Protocol):
 
     @property
     def max_prompt_tokens(self) -> int: ...
+
+    def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
 
     def decide(self, request: dict[str, Any]) -> dict[str, Any]: ...
 

@@ -1,0 +1,115 @@
+"""Reading, validating and tokenizing request bodies, off the decision worker and bounded.
+
+A request holds an intake slot from the moment its headers are in until its body is known to be a
+request that fits the model: read (bounded in bytes and in time, body.py), decoded, parsed,
+validated and tokenized. At most `max_reading` requests hold one, so uploads in progress are
+bounded like decisions are (worker.py): past it, a request gets 503 before its body is read, and
+memory is bounded by max_reading bodies of at most `limit` bytes.
+
+Tokenizing happens here, on intake threads, never on the decision worker: a prompt over the
+token limit gets its 413 without waiting for (or delaying) any decision. Bodies over LARGE_BODY
+bytes go to a lane of their own, one thread, so that however many large bodies arrive, a small
+request is prepared at once on the other lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.requests import Request
+
+from ..errors import PromptTooLongError, RequestError
+from ..runtime.prompt import parse_request
+from . import body
+from .problems import ApiError, Invalid, from_request_error
+from .worker import Model
+
+MEDIA_FIELDS = ("assets", "images", "videos")  # the vision tower is not converted
+LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
+
+
+def check_request(value: Any) -> None:
+    """Reject a malformed request before it waits for the model: 422 even when the server is busy."""
+    if isinstance(value, dict):
+        for key in MEDIA_FIELDS:
+            if value.get(key):
+                raise Invalid(["body", key], "images and videos are not supported: this Clef GGUF has no vision tower")
+    try:
+        parse_request(value)
+    except RequestError as e:
+        raise from_request_error(e, value) from e
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc keeps the heap pages of freed large bodies (tokens, lists, JSON) unless asked: malloc_trim hands
+    them back, so memory returns to its baseline after a large body. A no-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+_trim = _malloc_trim()
+
+
+class Intake:
+    def __init__(self, model: Model, max_reading: int, limit: int, timeout_s: float) -> None:
+        self.model = model
+        self.max_reading = max_reading
+        self.limit = limit  # bytes, raw and decoded
+        self.timeout_s = timeout_s  # to read the whole body
+        self.reading = 0  # requests holding an intake slot; touched on the event loop only
+        self._small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clef-intake")
+        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
+
+    def _prepare(self, decoded: bytes) -> Any:
+        """Parse, validate and tokenize one decoded body: the request, known to fit the model."""
+        value = body.parse(decoded)
+        check_request(value)
+        try:
+            n_tokens = len(self.model.encode(value).tokens)
+        except RequestError as e:
+            raise from_request_error(e, value) from e
+        except RecursionError as e:  # a state nested deeper than the prompt renderer recurses
+            raise Invalid(["body", "state"], "nested too deeply", "json_invalid") from e
+        if n_tokens > self.model.max_prompt_tokens:
+            raise from_request_error(PromptTooLongError(n_tokens, self.model.max_prompt_tokens), value)
+        return value
+
+    def _prepare_large(self, decoded: bytes) -> Any:
+        try:
+            return self._prepare(decoded)
+        finally:
+            _trim()  # the tokens and the parse of a refused body are garbage by now
+
+    async def request(self, request: Request) -> Any:
+        """The request body of `request`, parsed and validated; raises ApiError or Invalid."""
+        body.check_media_type(request.headers.get("content-type"))
+        if self.reading >= self.max_reading:
+            message = f"{self.reading} request bodies are already being read; retry shortly"
+            raise ApiError(503, "overloaded_error", message, {"Retry-After": "1"})
+        self.reading += 1
+        try:
+            raw = await body.read(request, self.limit, self.timeout_s)
+            # Decoding stays on the event loop: bounded by the limit, it takes milliseconds, and the decoded
+            # size is what picks the lane (a small compressed body can decode to a large one).
+            decoded = body.decode(raw, request.headers.get("content-encoding"), self.limit)
+            del raw
+            if len(decoded) > LARGE_BODY:
+                future = self._large.submit(self._prepare_large, decoded)
+            else:
+                future = self._small.submit(self._prepare, decoded)
+            return await asyncio.wrap_future(future)
+        finally:
+            self.reading -= 1
+
+    def close(self) -> None:
+        self._small.shutdown(wait=True, cancel_futures=True)
+        self._large.shutdown(wait=True, cancel_futures=True)
