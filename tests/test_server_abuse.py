@@ -205,6 +205,25 @@ def test_an_idle_keep_alive_connection_is_closed(server):
     assert answer.status == 200 and KEEP_ALIVE - 0.05 < answer.seconds < KEEP_ALIVE + 1.5, answer.seconds
 
 
+def test_slow_but_timely_requests_pipelining_and_long_decisions_are_answered(server):
+    """The limits refuse only what passes them: a body sent over longer than the header timeout (but within
+    the body timeout), two pipelined requests, and a decision longer than the header timeout on a
+    keep-alive connection, followed by another request on it."""
+    raw = json.dumps(NORMAL).encode()
+    pieces = [raw[: len(raw) // 3], raw[len(raw) // 3 : 2 * len(raw) // 3], raw[2 * len(raw) // 3 :]]
+    answer = exchange(server.port, [post_head(len(raw)), *pieces], pause_s=(HEADER_TIMEOUT + 0.3) / 3)
+    assert answer.status == 200, answer.body[:200]
+    pipelined = exchange(server.port, [b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 2])
+    assert pipelined.status == 200 and pipelined.body.count(b"HTTP/1.1 200 OK") == 1
+    slow = {"state": "word " * 2500, "questions": {"q": {"type": "noul"}}}  # about 7,500 tokens: over a second here
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        started = time.perf_counter()
+        assert client.post("/v1/systemone", json=slow).status_code == 200
+        took = time.perf_counter() - started
+        assert client.post("/v1/systemone", json=NORMAL).status_code == 200
+    print(f"\na decision of {took:.2f} s on a keep-alive connection, then another request: answered")
+
+
 # --- Bodies: slowloris, early answers, compression bombs, prompts over the limit --------------------------------
 def test_a_trickled_body_gets_408_at_the_body_timeout(server):
     answer = exchange(server.port, [post_head(1000)] + [b" "] * 100, pause_s=0.1)

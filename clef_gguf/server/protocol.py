@@ -9,8 +9,9 @@ dropped for as long as the client sends it. Its h11 protocol has a head limit
 This subclass adds, per connection:
 
   * a head limit: past `max_head_bytes` the answer is 431 (past `max_url_bytes` of request line, 414);
-  * a head deadline: the head must be complete `header_timeout_s` after the connection opens or the
-    previous answer ends, however slowly it trickles; then 408 (or a plain close if nothing came);
+  * a head deadline: the head must be complete `header_timeout_s` after the connection opens or its
+    first byte arrives, however slowly it trickles; then 408 (or a plain close if nothing came); an
+    idle connection after an answer is uvicorn's keep-alive timeout's;
   * a body deadline after an early answer: the rest of the body is still read and dropped (closing
     at once would reset the connection before the client reads its answer) but only until
     `body_timeout_s` after the head; the app itself answers a body slower than that with 408 (body.py).
@@ -62,6 +63,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._reading_head:
+            if self._head_bytes == 0:  # a request's first byte: its head is due by the deadline
+                self._await_head()
             self._head_bytes += len(data)
         super().data_received(data)
         # Checked after parsing: a chunk may end a small head and carry the start of a large body.
@@ -108,12 +111,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         self._reading_head, self._head_bytes = True, 0
-        if self.cycle is not None and self.cycle.response_complete:  # the body ended after an early answer
-            self._await_head()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self._reading_head:  # the next request's head is due (else its body is still coming)
+        if self.cycle is not None and self.cycle.response_complete:
+            # The body ended after an early answer, whose keep-alive timer its bytes cancelled: idle from now.
             self._await_head()
 
     def _body_timed_out(self) -> None:
