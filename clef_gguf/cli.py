@@ -428,7 +428,9 @@ def serve(
             help="Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)",
         ),
     ] = None,
-    max_queue: Annotated[int, typer.Option(min=1, help="Requests admitted at once (running + waiting); more get 503.")] = 64,
+    max_queue: Annotated[
+        int, typer.Option(min=1, help="Requests read at once, and admitted to decide (running + waiting); more get 503.")
+    ] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
     threads: Annotated[int | None, typer.Option(help="llama.cpp CPU threads (default: all cores).", show_default=False)] = None,
     header_timeout: Annotated[
