@@ -83,9 +83,9 @@ class ClefModel:
         """Validate and tokenize a request (no compute). Raises RequestError."""
         return encode(parse_request(request), self.template, self.backbone.tokenize)
 
-    def decide(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Answer a SystemOne request body with the SystemOne response body."""
-        prompt = self.encode(request)
+    def decide(self, request: dict[str, Any] | EncodedPrompt) -> dict[str, Any]:
+        """Answer a SystemOne request body (or one already encoded by `encode`) with the SystemOne response body."""
+        prompt = request if isinstance(request, EncodedPrompt) else self.encode(request)
         with self._lock:
             # A view of llama.cpp's output buffer, valid until the next decode: the head reads it under the same lock.
             hidden = self.backbone.hidden_states(prompt.tokens, copy=False)  # raises PromptTooLongError before compute

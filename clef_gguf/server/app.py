@@ -159,12 +159,12 @@ def create_app(
     async def answer(request: Request) -> tuple[bytes, dict[str, str]]:
         """Read, validate and decide one System One request: its response JSON and timing header."""
         arrived = time.perf_counter()
-        body = await intake.request(request)  # read, validated and tokenized: known to fit the model
+        prompt = await intake.request(request)  # read, validated and tokenized: known to fit the model
         parsed = time.perf_counter()
         try:
-            decision = await worker.decide(body)
+            decision = await worker.decide(prompt)
         except RequestError as e:  # not expected after intake: the same mapping all the same
-            raise from_request_error(e, body) from e
+            raise from_request_error(e, None) from e
         # Server-Timing tells a client where its latency went: reading, waiting, deciding, handing back.
         back = time.perf_counter() - decision.finished
         timing = (

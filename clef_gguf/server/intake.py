@@ -70,18 +70,20 @@ class Intake:
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
 
     def _prepare(self, decoded: bytes) -> Any:
-        """Parse, validate and tokenize one decoded body: the request, known to fit the model."""
+        """Parse, validate and tokenize one decoded body: the encoded prompt, known to fit the model.
+
+        The worker decides on this very prompt: a request is parsed and tokenized once."""
         value = body.parse(decoded)
         check_request(value)
         try:
-            n_tokens = len(self.model.encode(value).tokens)
+            prompt = self.model.encode(value)
         except RequestError as e:
             raise from_request_error(e, value) from e
         except RecursionError as e:  # a state nested deeper than the prompt renderer recurses
             raise Invalid(["body", "state"], "nested too deeply", "json_invalid") from e
-        if n_tokens > self.model.max_prompt_tokens:
-            raise from_request_error(PromptTooLongError(n_tokens, self.model.max_prompt_tokens), value)
-        return value
+        if len(prompt.tokens) > self.model.max_prompt_tokens:
+            raise from_request_error(PromptTooLongError(len(prompt.tokens), self.model.max_prompt_tokens), value)
+        return prompt
 
     def _prepare_large(self, decoded: bytes) -> Any:
         try:
@@ -90,7 +92,7 @@ class Intake:
             _trim()  # the tokens and the parse of a refused body are garbage by now
 
     async def request(self, request: Request) -> Any:
-        """The request body of `request`, parsed and validated; raises ApiError or Invalid."""
+        """The request of `request`, parsed, validated and encoded; raises ApiError or Invalid."""
         body.check_media_type(request.headers.get("content-type"))
         if self.reading >= self.max_reading:
             message = f"{self.reading} request bodies are already being read; retry shortly"

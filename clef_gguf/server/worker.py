@@ -38,7 +38,7 @@ class Model(Protocol):
 
     def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
 
-    def decide(self, request: dict[str, Any]) -> dict[str, Any]: ...
+    def decide(self, request: Prompt) -> dict[str, Any]: ...  # on a prompt encode returned
 
     def close(self) -> None: ...
 
@@ -63,13 +63,13 @@ class DecideWorker:
         self.pending = 0  # admitted and not yet answered; touched on the event loop only
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-decide")
 
-    def _run(self, request: dict[str, Any], submitted: float) -> Decision:
+    def _run(self, request: Prompt, submitted: float) -> Decision:
         started = time.perf_counter()
         body = render(self.model.decide(request))
         finished = time.perf_counter()
         return Decision(body, started - submitted, finished - started, finished)
 
-    async def decide(self, request: dict[str, Any]) -> Decision:
+    async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_pending:
             raise ApiError(
                 503, "overloaded_error", f"{self.pending} requests are already waiting; retry shortly", {"Retry-After": "1"}
