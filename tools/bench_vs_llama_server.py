@@ -1,0 +1,149 @@
+"""clef-gguf serve against llama.cpp's own llama-server: the same file, side by side.
+
+Both servers load the very same Clef GGUF (the format is llama.cpp's), on loopback, with the
+same thread count; the requests are interleaved (one to each server in turn, the order
+alternating by round) and the medians of the HTTP round trips are reported with their
+ratio. llama-server's Clef graph has no memory, so its physical batch is the whole prompt
+(-c = -b = -ub); clef-gguf runs at its defaults (ubatches of 1024).
+
+Requests: the demo request (a ticket with 3 questions) and long states with the 3 questions
+at about 2k and 8k tokens, NFC and with instructions (where llama-server departs from the
+reference it is not measured here; see tools/interop_llama_server.py for agreement).
+
+    bash tools/build_llama_server.sh         # once
+    python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--threads 1]
+
+Writes docs/benchmarks/vs_llama_server.md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from interop_llama_server import as_llama_server_accepts  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"a server exited ({process.returncode}) before it was healthy: {url}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"{url} did not come up")
+
+
+def post(url: str, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    req = urllib.request.Request(f"{url}/v1/systemone", json.dumps(request).encode(), {"Content-Type": "application/json"})
+    started = time.perf_counter()
+    body = urllib.request.urlopen(req, timeout=900).read()
+    return time.perf_counter() - started, json.loads(body)
+
+
+def requests_by_size() -> dict[str, dict[str, Any]]:
+    from request_suite import long_state_text
+
+    demo = json.loads((ROOT / "clef_gguf" / "data" / "demo_request.json").read_text())
+    out = {"ticket": demo}
+    for label, paragraphs in (("~2k", 11), ("~8k", 46)):
+        request = copy.deepcopy(demo)
+        request["state"] = {"ticket": long_state_text(paragraphs), "customer_tier": "gold"}
+        out[label] = request
+    return {name: as_llama_server_accepts(r) for name, r in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
+    parser.add_argument("--types", nargs="+", default=["f32", "q8_0", "q4_k_m"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "vs_llama_server.md")
+    args = parser.parse_args()
+    if not (args.bin / "llama-server").is_file():
+        raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
+
+    from release_builder import ReleaseSpec, build_release
+
+    import clef_gguf
+
+    requests = requests_by_size()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        # The issue's fixture: hidden 256, 8 layers; rows of 256 so that the K-quants apply.
+        spec = ReleaseSpec(seed=4, hidden=256, intermediate=512, layers=8, head_dim=64, linear_key_head_dim=64,
+                           linear_value_head_dim=64, head_width=128, routing_layers=6, head_layers=3)
+        release = build_release(root / "release", spec)
+        for file_type in args.types:
+            path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
+            ours_url, theirs_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+            ours = subprocess.Popen(
+                [sys.executable, "-m", "clef_gguf.cli", "serve", str(path), "--port", ours_url.rsplit(":", 1)[1],
+                 "--threads", str(args.threads)],
+                stdout=subprocess.DEVNULL, stderr=(root / f"ours-{file_type}.log").open("w"),
+            )
+            ctx = "16384"
+            theirs = subprocess.Popen(
+                [str(args.bin / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", theirs_url.rsplit(":", 1)[1],
+                 "-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(args.threads), "--no-repack"],
+                stdout=subprocess.DEVNULL, stderr=(root / f"theirs-{file_type}.log").open("w"),
+            )
+            try:
+                wait_healthy(ours_url, ours)
+                wait_healthy(theirs_url, theirs)
+                for name, request in requests.items():
+                    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+                    _, answer = post(ours_url, request)  # warm-up, and the token count
+                    post(theirs_url, request)
+                    for r in range(args.rounds):
+                        order = [("ours", ours_url), ("theirs", theirs_url)][:: 1 if r % 2 == 0 else -1]
+                        for who, url in order:
+                            times[who].append(post(url, request)[0])
+                    a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
+                    rows.append((file_type, name, answer["usage"]["input_tokens"], a, b))
+                    print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({a / b:.2f})", flush=True)
+            finally:
+                for process in (ours, theirs):
+                    process.terminate()
+                    process.wait(timeout=60)
+    lines = [
+        "# clef-gguf serve vs llama-server (same file, same threads)",
+        "",
+        f"`python tools/bench_vs_llama_server.py --rounds {args.rounds} --threads {args.threads}`: fixture hidden 256,",
+        "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback, interleaved, medians.",
+        "",
+        "| type | request | tokens | clef-gguf | llama-server | ratio |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {t} | {n} | {k} | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | {a / b:.2f} |" for t, n, k, a, b in rows]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
