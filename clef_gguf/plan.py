@@ -86,11 +86,13 @@ class _NoAllocModel:
         if not self.model:
             raise ModelFileError(f"llama.cpp could not plan {f.path.name}: {llama_log.last_error('no reason given')}")
 
-    def measure(self, n_ctx: int) -> dict[str, float]:
-        """MiB of KV cache, recurrent state and compute buffers (per backend) for one context."""
+    def measure(self, n_ctx: int, n_ubatch: int | None = None) -> dict[str, float]:
+        """MiB of KV cache, recurrent state and compute buffers (per backend) for one context, as the runtime
+        creates it (n_batch = n_ctx: one llama_decode per prompt), in one physical batch or ubatches of n_ubatch."""
         lines: list[str] = []
         params = L.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_ctx = params.n_batch = n_ctx
+        params.n_ubatch = n_ubatch or n_ctx
         params.n_seq_max = 1
         params.embeddings = True
         params.pooling_type = L.LLAMA_POOLING_TYPE_NONE

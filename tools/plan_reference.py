@@ -30,7 +30,7 @@ import llama_cpp as L
 
 from clef_gguf import contract as C
 from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.plan import _KV, _RS, _SIZE, _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
+from clef_gguf.plan import _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
 from clef_gguf.runtime import llama_log
 from clef_gguf.vocab import Vocab
 from clef_gguf.writer import GT, storage_type, write_metadata
@@ -133,33 +133,12 @@ def mixture(bf16: Path, file_type: int) -> dict[str, GT]:
     return types
 
 
-def chunked_sizes(model: _NoAllocModel, n_ctx: int, n_ubatch: int) -> dict[str, float]:
-    """MiB of KV cache, recurrent state and compute buffers of a context of n_ctx tokens prefilled in
-    ubatches of n_ubatch, as the runtime creates it (n_batch = n_ctx: one llama_decode per prompt)."""
-    lines: list[str] = []
-    params = L.llama_context_default_params()
-    params.n_ctx = params.n_batch = n_ctx
-    params.n_ubatch = n_ubatch
-    params.n_seq_max = 1
-    params.embeddings = True
-    params.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-    with llama_log.capture_info(lines.append):
-        ctx = L.llama_init_from_model(model.model, params)
-    assert ctx, llama_log.last_error(f"no context of {n_ctx} tokens")
-    L.llama_free(ctx)
-    text = "".join(lines)
-    sizes = {f"compute:{m[1]}": float(m[2]) for m in _SIZE.finditer(text)}
-    sizes["kv"] = sum(float(m[1]) for m in _KV.finditer(text))
-    sizes["recurrent"] = sum(float(m[1]) for m in _RS.finditer(text))
-    return sizes
-
-
 def chunked_device_bytes(path: Path, model: _NoAllocModel, n_ctx: int, n_ubatch: int) -> tuple[int, int]:
     """(device bytes, compute buffer bytes) with every layer offloaded."""
     f = GGUFFile.open(path)
     try:
         offloaded = QWEN35_9B.n_layer + 1
-        lines = _lines(f, chunked_sizes(model, n_ctx, n_ubatch), n_ctx, offloaded)[0]
+        lines = _lines(f, model.measure(n_ctx, n_ubatch), n_ctx, offloaded)[0]
     finally:
         f.close()
     compute = next(line.device_bytes for line in lines if line.component.startswith("compute buffer"))
