@@ -70,7 +70,6 @@ BACKBONE_TYPES = frozenset(
     | {GT.TQ1_0, GT.TQ2_0, GT.MXFP4}
 )
 HEAD_TYPES = BACKBONE_TYPES
-_INT_TYPES = frozenset({VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64})
 # Template special tokens must be parsed as one token each: llama.cpp does so for these types.
 _SPECIAL_TOKEN_TYPES = frozenset({gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED})
 _OPTIONAL_BIAS = re.compile(r"^blk\.(\d+)\.attn_([qkv])\.bias$")
