@@ -233,7 +233,7 @@ def open_qwen35_view(f: GGUFFile, lean: bool = False) -> VirtualFile:
 def write_backbone_gguf(f: GGUFFile, out: os.PathLike[str] | str) -> None:
     """Write the backbone alone as a plain qwen35 GGUF (what the full view shows llama.cpp)."""
     view = open_qwen35_view(f)
-    buffer = bytearray(64 << 20)
+    buffer = bytearray(min(64 << 20, view.size))  # chunks of at most 64 MiB
     try:
         with open(out, "wb") as dst:
             for pos in range(0, view.size, len(buffer)):
