@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from .convert import DEFAULT_FILE_TYPE, FILE_TYPES
+from .build.convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError
 from .runtime.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 
@@ -63,7 +63,7 @@ def _check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
 
 def _line(text: object) -> str:
     """One printable line: messages quote paths, names and values from files, which may hold escapes or newlines."""
-    from .validate import printable
+    from .check.validate import printable
 
     return printable(str(text), limit=2000)
 
@@ -87,7 +87,7 @@ _pending: list[int] = []  # a signal that arrived where raising would have been 
 def _in_llama_callback(frame: FrameType | None) -> bool:
     """Whether Python runs inside llama.cpp's log callback: ctypes drops an exception raised there."""
     while frame is not None:
-        if frame.f_code.co_name == "_log" and Path(frame.f_code.co_filename).match("*/runtime/llama_log.py"):
+        if frame.f_code.co_name == "_log" and Path(frame.f_code.co_filename).match("*/llama/log.py"):
             return True
         frame = frame.f_back
     return False
@@ -180,7 +180,7 @@ def convert(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata)."""
-    from .convert import convert as run_convert
+    from .build.convert import convert as run_convert
 
     def work() -> Path:
         with _signals_clean_up(), _progress() as progress:
@@ -200,7 +200,7 @@ def graft(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
-    from .graft import graft as run_graft
+    from .build.graft import graft as run_graft
 
     def work() -> Path:
         with _signals_clean_up(), _progress() as progress:
@@ -306,7 +306,7 @@ def plan(
     from rich.markup import escape
     from rich.table import Table
 
-    from .plan import memory_plan, parse_size
+    from .llama.plan import memory_plan, parse_size
 
     try:
         vram_bytes = parse_size(vram) if vram else None
@@ -383,7 +383,7 @@ def validate(
 
     Exit codes: 0 complete, 5 corrupt or unreadable, 6 not a decision model (e.g. backbone-only), 7 incomplete or inconsistent.
     """
-    from .validate import validate as run_validate
+    from .check.validate import validate as run_validate
 
     try:
         report = run_validate(source, deep=deep, sha256=sha256)
@@ -452,9 +452,7 @@ def serve(
     name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
     limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
-    run_server(
-        loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits
-    )
+    run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits)
 
 
 def main() -> None:

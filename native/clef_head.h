@@ -1,5 +1,5 @@
 // The C API of libclef_head: Clef's joint schema head as a ggml graph, on the device
-// the backbone runs on. Python binds it with ctypes (clef_gguf/runtime/native_head.py).
+// the backbone runs on. Python binds it with ctypes (clef_gguf/llama/native_head.py).
 //
 // Every function that can fail returns 0 on success, or non-zero with a one-line
 // message in err (err_size bytes, always NUL-terminated).
@@ -18,7 +18,7 @@ typedef struct clef_head clef_head;
 
 // Read the head's tensors (in their stored types) and the output-embedding table's location
 // from the Clef GGUF at `path`. names: the format's table of head modules, one
-// "reference<TAB>gguf" pair a line (clef_gguf/contract.py head_modules, plus "scales");
+// "reference<TAB>gguf" pair a line (clef_gguf/format/contract.py head_modules, plus "scales");
 // config: hidden_size, width, routing_layers, layers, heads, feedforward; norm_eps: the
 // head's LayerNorm epsilon. use_gpu: run on the first GPU device ggml knows (CUDA when
 // llama-cpp-python was built with it), else on the CPU.

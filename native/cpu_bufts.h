@@ -1,6 +1,6 @@
 // The C API of ggml's CPU "extra" buffer types (AMX, CPU_REPACK, ...), for the one
 // place in clef-gguf that decides where llama.cpp may put CPU weights
-// (clef_gguf/runtime/cpu_buffers.py). llama-cpp-python binds none of this.
+// (clef_gguf/llama/cpu_buffers.py). llama-cpp-python binds none of this.
 #pragma once
 
 #include <stdbool.h>

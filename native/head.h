@@ -18,7 +18,7 @@ struct Error : std::runtime_error {
 };
 
 // JointSchemaHead's constructor arguments, and its LayerNorms' epsilon: from the file, through Python's
-// reading of it (clef_gguf/runtime/native_head.py: the widths come from tensor shapes, the counts from keys).
+// reading of it (clef_gguf/llama/native_head.py: the widths come from tensor shapes, the counts from keys).
 struct Config {
     int64_t hidden_size, width, routing_layers, layers, heads, feedforward;
     float norm_eps;
@@ -77,7 +77,7 @@ struct Model {
 };
 
 // Reference module name (joint_head.safetensors, "evidence_layers.0.attention.q") -> GGUF name
-// ("dec.blk.0.cross_attn_q"): the format's table, handed over by Python (clef_gguf/contract.py).
+// ("dec.blk.0.cross_attn_q"): the format's table, handed over by Python (clef_gguf/format/contract.py).
 using Names = std::map<std::string, std::string>;
 
 // Load the head's tensors into a buffer of `buft`; throws Error.

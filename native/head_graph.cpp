@@ -1,4 +1,4 @@
-// The joint schema head as one ggml graph, op for op as clef_gguf/runtime/head.py (the
+// The joint schema head as one ggml graph, op for op as tests/numpy_head.py (the
 // numpy reference) and Cloudflare's JointSchemaHead compute it.
 //
 // Layout: a numpy (rows, cols) matrix is a ggml tensor [cols, rows]: hidden states

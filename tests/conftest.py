@@ -12,20 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from oracle import Oracle  # noqa: E402
-from release_builder import ReleaseSpec, build_release  # noqa: E402
-
 import clef_gguf  # noqa: E402
+from clef_gguf.testing.oracle import Oracle  # noqa: E402
+from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402
 
-# Two fixtures, as the parity criteria ask: untied float32, and tied bfloat16 (sharded).
-RELEASES: dict[str, ReleaseSpec] = {
-    "untied_f32": ReleaseSpec(seed=0),
-    "tied_bf16": ReleaseSpec(seed=1, tied=True, dtype="bfloat16", max_shard_bytes=200_000),
-    # Rows that are multiples of 256, so that llama.cpp's K-quants apply (not their fallbacks).
-    "k256": ReleaseSpec(
-        seed=2, hidden=256, intermediate=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, head_width=64
-    ),
-}
 MAX_PROMPT_TOKENS = 8192  # the long-state request has several thousand tokens
 
 
@@ -76,7 +66,7 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
 @pytest.fixture(scope="session")
 def oracle_probabilities(ws: Workspace) -> Callable[[str, str], dict[str, dict[str, float]]]:
     """Oracle probabilities per (release, request name), computed once."""
-    from request_suite import all_requests
+    from clef_gguf.testing.request_suite import all_requests
 
     requests = all_requests()
 

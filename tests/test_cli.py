@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from request_suite import mixed_request
+from clef_gguf.testing.request_suite import mixed_request
 
 
 def clef_gguf(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gguf_bytes import kv_str, rebuild
 
-from clef_gguf import remote
+from clef_gguf.check import remote
+from clef_gguf.check.validate import Verdict, validate
 from clef_gguf.cli import MAX_REQUEST_NESTING
 from clef_gguf.data import DEMO_MODEL
-from clef_gguf.validate import Verdict, validate
+from clef_gguf.testing.gguf_bytes import kv_str, rebuild
 
 NOUL = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
 LIMIT = MAX_REQUEST_NESTING

@@ -8,12 +8,12 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-from release_builder import CLEF_FLASH_LAYOUT, build_release
 
 import clef_gguf
-from clef_gguf import contract as C
 from clef_gguf.errors import ConversionError, ReleaseError
-from clef_gguf.gguf_header import GGUFFile
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release
 
 GT = gguf.GGMLQuantizationType
 

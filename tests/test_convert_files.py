@@ -19,16 +19,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from release_builder import ReleaseSpec, build_release
 
-from clef_gguf.convert import backbone_tensors
+from clef_gguf.build.convert import backbone_tensors
+from clef_gguf.build.graft import graft, head_tensors
+from clef_gguf.build.release import open_release
+from clef_gguf.build.vocab import read_vocab
+from clef_gguf.build.writer import GT, header_bytes, remove_stale
 from clef_gguf.errors import ConversionError
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.graft import graft, head_tensors
-from clef_gguf.release import open_release
-from clef_gguf.runtime.qwen35_view import write_backbone_gguf
-from clef_gguf.vocab import read_vocab
-from clef_gguf.writer import GT, header_bytes, remove_stale
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.qwen35_view import write_backbone_gguf
+from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
 # Big enough (~300 MB of f32 weights) that each stage of a conversion lasts a while on a loaded machine.
 SLOW = ReleaseSpec(

@@ -15,13 +15,14 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 import pytest
-from request_suite import mixed_request
 
 import clef_gguf
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.plan import memory_plan
-from clef_gguf.runtime import cpu_buffers, llama_log
-from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama import cpu_buffers
+from clef_gguf.llama import log as llama_log
+from clef_gguf.llama.plan import memory_plan
+from clef_gguf.llama.qwen35_view import write_backbone_gguf
+from clef_gguf.testing.request_suite import mixed_request
 
 QUANTIZED = ["q8_0", "q4_k_m"]
 _BUFFER_LINE = re.compile(r"(\S+) model buffer size")
@@ -94,7 +95,8 @@ def test_a_plain_qwen35_file_loaded_by_path_decodes(ws, tmp_path):
     clef.close()
     code = f"""
 import llama_cpp as L
-from clef_gguf.runtime import cpu_buffers, llama_log
+from clef_gguf.llama import cpu_buffers
+from clef_gguf.llama import log as llama_log
 llama_log.init_backend()
 params = L.llama_model_default_params()
 cpu_buffers.for_gguf({str(plain)!r}).apply(params)

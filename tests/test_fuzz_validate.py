@@ -25,17 +25,17 @@ from unittest import mock
 import gguf
 import numpy as np
 import pytest
-from gguf_bytes import build, kvs_of, tensors_of
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from clef_gguf import contract as C
-from clef_gguf import validate as V
+from clef_gguf.check import validate as V
+from clef_gguf.check.validate import Verdict, open_validated, validate, validate_remote
 from clef_gguf.data import DEMO_MODEL
-from clef_gguf.gguf_header import GGUFFile, parse_header
-from clef_gguf.runtime.qwen35_view import write_backbone_gguf
-from clef_gguf.validate import Verdict, open_validated, validate, validate_remote
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile, parse_header
+from clef_gguf.llama.qwen35_view import write_backbone_gguf
+from clef_gguf.testing.gguf_bytes import build, kvs_of, tensors_of
 
 EXAMPLES = int(os.environ.get("CLEF_FUZZ_EXAMPLES", "800"))
 TIME_LIMIT_S = 5.0

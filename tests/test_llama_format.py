@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from request_suite import all_requests
 
 import clef_gguf
-from clef_gguf import contract as C
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.validate import Verdict, validate
+from clef_gguf.check.validate import Verdict, validate
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.testing.request_suite import all_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from make_golden import make_golden  # noqa: E402
@@ -61,9 +61,7 @@ def test_llama_cpp_converter_output_is_complete_and_decides_as_the_reference(
             response = model.decide(request)
             assert response["usage"]["input_tokens"] == len(ws.oracle(release).input_ids(request))
             expected = oracle_probabilities(release, name)
-            worst = max(
-                abs(p - expected[q][k]) for q, a in response["answers"].items() for k, p in _probabilities(a).items()
-            )
+            worst = max(abs(p - expected[q][k]) for q, a in response["answers"].items() for k, p in _probabilities(a).items())
             assert worst <= tolerance, (name, worst)
 
 
@@ -92,7 +90,7 @@ def test_our_conversion_is_llama_cpps(golden, ws, file_type):
 
 def test_the_runtime_is_exact_on_their_weights(golden):
     """On llama.cpp's q8_0 file, the native head equals the numpy reference head on the file's dequantized weights."""
-    from clef_gguf.runtime.head import lexical_rows, reference_head
+    from numpy_head import lexical_rows, reference_head
 
     path = golden("untied_f32", "q8_0")
     f = GGUFFile.open(path)

@@ -23,13 +23,25 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGUFValueType as VT
-from gguf_bytes import Tensor, build, kv_array, kv_f32, kv_i32, kv_i32_array, kv_str, kv_str_array, kv_u32, kvs_of, tensors_of
 
-from clef_gguf import contract as C
+from clef_gguf.check.validate import Verdict, validate
 from clef_gguf.data import DEMO_MODEL
-from clef_gguf.gguf_header import GGUFFile, Header
-from clef_gguf.runtime.template import PromptTemplate
-from clef_gguf.validate import Verdict, validate
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile, Header
+from clef_gguf.format.template import PromptTemplate
+from clef_gguf.testing.gguf_bytes import (
+    Tensor,
+    build,
+    kv_array,
+    kv_f32,
+    kv_i32,
+    kv_i32_array,
+    kv_str,
+    kv_str_array,
+    kv_u32,
+    kvs_of,
+    tensors_of,
+)
 
 GT = gguf.GGMLQuantizationType
 Edit = dict[str, Any]  # mutate()'s keyword arguments
@@ -348,8 +360,8 @@ def test_validate_refuses_each_mutant_in_one_line(mutant, demo_header, tmp_path)
 # --- In a subprocess: the crash validate prevents, and decide exiting with validate's code ----------------
 BYPASS = """
 import sys
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.runtime.backbone import Backbone
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.backbone import Backbone
 
 backbone = Backbone(GGUFFile.open(sys.argv[1]), max_prompt_tokens=64)  # no validate: straight to llama.cpp
 backbone.hidden_states(backbone.tokenize("<|im_start|>user\\nIs this a complaint?<|im_end|>"))

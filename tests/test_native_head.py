@@ -1,4 +1,4 @@
-"""The native head (libclef_head, a ggml graph) against the numpy reference (runtime/head.py),
+"""The native head (libclef_head, a ggml graph) against the numpy reference (tests/numpy_head.py),
 one ggml in the process, and prefill in several ubatches."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import os
 import llama_cpp
 import numpy as np
 import pytest
-from request_suite import all_requests
+from numpy_head import lexical_rows, reference_head
 
 import clef_gguf
-from clef_gguf import contract as C
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.runtime.head import lexical_rows, reference_head
+from clef_gguf.format import contract as C
+from clef_gguf.format.contract import QUESTION_TYPES
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.native import library_path
+from clef_gguf.llama.native_head import NativeHead
 from clef_gguf.runtime.model import _decision_metadata
-from clef_gguf.runtime.native import library_path
-from clef_gguf.runtime.native_head import NativeHead
-from clef_gguf.runtime.prompt import QUESTION_TYPES, EncodedPrompt, EncodedQuestion, Question, Request
+from clef_gguf.runtime.prompt import EncodedPrompt, EncodedQuestion, Question, Request
+from clef_gguf.testing.request_suite import all_requests
 
 # (release, file type, head type, tolerance on |logit difference| relative to 1 + |logit|).
 # With F32 head weights both sides compute in float32 (only the order of sums differs);
@@ -32,8 +33,6 @@ CASES = [
     ("k256", "f32", "f16", 5e-3),
     ("k256", "f32", "q8_0", 3e-2),
 ]
-
-
 
 
 def random_prompt(rng: np.random.Generator, n_tokens: int, n_vocab: int, questions: int, max_options: int) -> EncodedPrompt:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from request_suite import all_requests
+
+from clef_gguf.testing.request_suite import all_requests
 
 REQUESTS = all_requests()
 # (release, file type, head type, tolerance). A q8_0 backbone under an F32 head: the runtime's own error

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 import clef_gguf
-from clef_gguf import contract as C
 from clef_gguf.errors import SettingsError
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.plan import memory_plan, parse_size
-from clef_gguf.runtime.backbone import MAX_UBATCH
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.backbone import MAX_UBATCH
+from clef_gguf.llama.plan import memory_plan, parse_size
 
 
 def _line(plan, prefix: str):
@@ -65,7 +65,7 @@ def test_the_largest_fitting_prompt_follows_the_card(ws):
 
 
 def test_a_backbone_only_file_is_planned_too(ws, tmp_path):
-    from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+    from clef_gguf.llama.qwen35_view import write_backbone_gguf
 
     f = GGUFFile.open(ws.gguf("k256", "q4_k_m"))
     write_backbone_gguf(f, tmp_path / "backbone.gguf")

@@ -8,16 +8,16 @@ from collections import Counter
 import gguf
 import numpy as np
 import pytest
-from release_builder import ReleaseSpec, build_release
-from request_suite import all_requests
 
 import clef_gguf
-from clef_gguf import contract as C
+from clef_gguf.build.graft import MismatchError, graft
+from clef_gguf.build.quantize import load_imatrix, quantize
 from clef_gguf.errors import ConversionError
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.graft import MismatchError, graft
-from clef_gguf.quantize import load_imatrix, quantize
-from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.qwen35_view import write_backbone_gguf
+from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.request_suite import all_requests
 
 GT = gguf.GGMLQuantizationType
 
@@ -172,7 +172,7 @@ def test_a_failed_quantization_leaves_nothing_beside_the_output(ws, tmp_path):
 
 
 def test_free_space_is_checked_before_starting(tmp_path):
-    from clef_gguf.writer import check_free_space
+    from clef_gguf.build.writer import check_free_space
 
     free = shutil.disk_usage(tmp_path).free
     check_free_space(tmp_path, free // 2)

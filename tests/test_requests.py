@@ -6,10 +6,10 @@ import copy
 
 import llama_cpp as L
 import pytest
-from request_suite import mixed_request
 
 import clef_gguf
 from clef_gguf import PromptTooLongError, RequestError
+from clef_gguf.testing.request_suite import mixed_request
 
 
 def _evaluated_tokens(model: clef_gguf.ClefModel) -> int:

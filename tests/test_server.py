@@ -27,12 +27,12 @@ import pytest
 import typesafe_sdk as ts
 import uvicorn
 from live_server import free_port, rss_bytes, serve_process, wait_healthy
-from request_suite import all_requests, long_state_request, mixed_request
 
 import clef_gguf
 from clef_gguf.errors import ModelFileError
 from clef_gguf.server import HttpLimits, create_app, uvicorn_config
 from clef_gguf.server.body import DECODERS
+from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request
 
 TIMEOUT = httpx.Timeout(120.0)
 Request = dict[str, Any]

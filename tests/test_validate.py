@@ -16,17 +16,17 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_bytes import f32_tensor, kv_i32_array, kv_str, kv_str_array, kv_u32, poke, rebuild
-from release_builder import CLEF_FLASH_LAYOUT, build_release
 
 import clef_gguf
-from clef_gguf import contract as C
-from clef_gguf import validate as V
-from clef_gguf.convert import FILE_TYPES
+from clef_gguf.build.convert import FILE_TYPES
+from clef_gguf.check import validate as V
+from clef_gguf.check.validate import Verdict, validate
 from clef_gguf.errors import CorruptModelError, IncompleteModelError, NotADecisionModelError
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.runtime.qwen35_view import write_backbone_gguf
-from clef_gguf.validate import Verdict, validate
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.qwen35_view import write_backbone_gguf
+from clef_gguf.testing.gguf_bytes import f32_tensor, kv_i32_array, kv_str, kv_str_array, kv_u32, poke, rebuild
+from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release
 
 FLASH_MESSAGE = (
     "427 backbone tensors, 0 of the 206 head tensors of Clef-flash (the 160 of joint_head.safetensors): "

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from request_suite import long_state_request, many_questions_request, mixed_request, ten_level_score_request  # noqa: E402
-
 import clef_gguf  # noqa: E402
+from clef_gguf.testing.request_suite import long_state_request, many_questions_request, mixed_request, ten_level_score_request  # noqa: E402
 
 Request = dict[str, Any]
 EXTRA = {"type": "noul", "instructions": "Is the text written in the passive voice?"}
@@ -130,7 +126,7 @@ def measure(model: clef_gguf.ClefModel, requests: dict[str, Request]) -> dict[st
 
 
 def fixture_models(root: Path) -> dict[str, Path]:
-    from release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
     specs = {"untied_f32": ReleaseSpec(seed=0), "tied_bf16": ReleaseSpec(seed=1, tied=True, dtype="bfloat16")}
     return {name: clef_gguf.convert(build_release(root / name, s), root / f"{name}.gguf", "f32") for name, s in specs.items()}

@@ -1,6 +1,6 @@
 """Prefill time with and without ggml's CPU_REPACK weights, on the CPU at hand.
 
-On an AMX Xeon clef-gguf keeps AMX out of the placement (runtime/cpu_buffers.py) and
+On an AMX Xeon clef-gguf keeps AMX out of the placement (llama/cpu_buffers.py) and
 routes to CPU_REPACK what it runs; this measures what that routing is worth, and what
 turning every extra buffer type off (the simple alternative) would cost. Each figure
 is a fresh process loading the exported backbone (a plain qwen35 GGUF) by path, as bare
@@ -20,12 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 CHILD = r"""
 import json, sys, time
 import llama_cpp as L
-from clef_gguf.runtime import cpu_buffers, llama_log
+from clef_gguf.llama import cpu_buffers
+from clef_gguf.llama import log as llama_log
 path, repack, n_tokens, threads, repeats = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 llama_log.init_backend()
 params = L.llama_model_default_params()
@@ -53,15 +52,20 @@ print(json.dumps({"seconds": min(times), "repacked": len(placed.repacked), "extr
 
 
 def prepare(root: Path, hidden: int, layers: int, file_type: str) -> Path:
-    from release_builder import ReleaseSpec, build_release
-
     import clef_gguf
-    from clef_gguf.gguf_header import GGUFFile
-    from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+    from clef_gguf.format.header import GGUFFile
+    from clef_gguf.llama.qwen35_view import write_backbone_gguf
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
     spec = ReleaseSpec(
-        seed=3, hidden=hidden, intermediate=2 * hidden, layers=layers, head_dim=64,
-        linear_key_head_dim=64, linear_value_head_dim=64, head_width=64,
+        seed=3,
+        hidden=hidden,
+        intermediate=2 * hidden,
+        layers=layers,
+        head_dim=64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        head_width=64,
     )
     release = root / "release"
     if not release.exists():
@@ -77,7 +81,9 @@ def prepare(root: Path, hidden: int, layers: int, file_type: str) -> Path:
 def measure(path: Path, repack: bool, tokens: int, threads: int) -> dict[str, float]:
     run = subprocess.run(
         [sys.executable, "-c", CHILD, str(path), "1" if repack else "0", str(tokens), str(threads), "2"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -92,7 +98,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    from clef_gguf.runtime import cpu_buffers
+    from clef_gguf.llama import cpu_buffers
 
     print(f"CPU extra buffer types: {', '.join(cpu_buffers.extra_buffer_types()) or 'none'}")
     with tempfile.TemporaryDirectory() as tmp:

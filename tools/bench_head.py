@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 SHORT_TARGET, LONG_TARGET = 1.10, 1.05  # (a) at 512 tokens, and from 2k
 
@@ -62,7 +61,8 @@ class BareLlama:
     def __init__(self, path: Path, n_ctx: int, n_gpu_layers: int, threads: int) -> None:
         import llama_cpp as L
 
-        from clef_gguf.runtime import cpu_buffers, llama_log
+        from clef_gguf.llama import cpu_buffers
+        from clef_gguf.llama import log as llama_log
 
         llama_log.init_backend()
         self.L = L
@@ -100,7 +100,7 @@ class BareLlama:
 # --- Requests -------------------------------------------------------------------------------------------
 def state_of(model: Any, tokens: int) -> str:
     """The longest state text whose prompt (with the long-state questions) has at most `tokens` tokens."""
-    from request_suite import long_state_request, long_state_text
+    from clef_gguf.testing.request_suite import long_state_request, long_state_text
 
     def fits(paragraphs: int) -> bool:
         return len(model.encode(long_state_request(paragraphs)).tokens) <= tokens
@@ -119,13 +119,13 @@ def request_with(state: str, questions: dict[str, Any]) -> dict[str, Any]:
 
 
 def long_state_questions() -> dict[str, Any]:
-    from request_suite import long_state_request
+    from clef_gguf.testing.request_suite import long_state_request
 
     return long_state_request(1)["questions"]
 
 
 def many_questions(count: int) -> dict[str, Any]:
-    from request_suite import many_questions_request
+    from clef_gguf.testing.request_suite import many_questions_request
 
     return dict(list(many_questions_request(64)["questions"].items())[:count])
 
@@ -202,7 +202,8 @@ def measure_questions(model: Any, bare: BareLlama, state_tokens: int, repeats: i
 def measure_oracle(model: Any, release: Path, sizes: list[int], repeats: int, threads: int) -> list[dict[str, float]]:
     try:
         import torch
-        from oracle import Oracle
+
+        from clef_gguf.testing.oracle import Oracle
     except ImportError:
         print("(c) skipped: torch / transformers are not installed", flush=True)
         return []
@@ -366,11 +367,10 @@ def main() -> None:
         write(Results(**json.loads(args.from_json.read_text())), args.out)
         return
 
-    from release_builder import ReleaseSpec, build_release
-
     import clef_gguf
-    from clef_gguf.gguf_header import GGUFFile
-    from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+    from clef_gguf.format.header import GGUFFile
+    from clef_gguf.llama.qwen35_view import write_backbone_gguf
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
     # Room for the largest prompt: (a)'s, or (b)'s state plus 64 questions' schema (~7k tokens with the fixture's tokenizer).
     n_ctx = max(max(args.sizes), args.questions_state + 8192) + 1024

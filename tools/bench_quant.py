@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 TYPES = ["f32", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_nl"]
 CHILD = r"""
@@ -62,10 +61,9 @@ def agreement(reference: dict, other: dict) -> tuple[int, int, float]:
 
 
 def per_type(tmp: Path) -> None:
-    from release_builder import ReleaseSpec, build_release
-    from request_suite import all_requests
-
     import clef_gguf
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.request_suite import all_requests
 
     spec = ReleaseSpec(
         seed=2, hidden=256, intermediate=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, head_width=64
@@ -88,7 +86,7 @@ def per_type(tmp: Path) -> None:
 
 
 def big_conversion(tmp: Path, gib: float) -> None:
-    from release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
     layers = max(4, int(gib * 16) // 4 * 4)  # ~17M float32 parameters a layer
     spec = ReleaseSpec(seed=3, hidden=1024, intermediate=4096, heads=8, kv_heads=2, head_dim=128, layers=layers,

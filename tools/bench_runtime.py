@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 CHILD = r"""
 import json, sys, time
@@ -44,7 +43,8 @@ if mode == "clef":
     model = clef_gguf.load(path, n_ctx=n_ctx, ubatch=n_ctx)  # one batch, as llama.cpp's side
 else:
     import llama_cpp as L
-    from clef_gguf.runtime import cpu_buffers, llama_log
+    from clef_gguf.llama import cpu_buffers
+    from clef_gguf.llama import log as llama_log
     llama_log.init_backend()
     mp = L.llama_model_default_params()
     cpu_buffers.for_gguf(path).apply(mp)  # as the runtime places weights: never AMX (it segfaults)
@@ -89,13 +89,12 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=4096)
     args = parser.parse_args()
 
-    from oracle import Oracle
-    from release_builder import ReleaseSpec, build_release
-    from request_suite import mixed_request
-
     import clef_gguf
-    from clef_gguf.gguf_header import GGUFFile
-    from clef_gguf.runtime.qwen35_view import write_backbone_gguf
+    from clef_gguf.format.header import GGUFFile
+    from clef_gguf.llama.qwen35_view import write_backbone_gguf
+    from clef_gguf.testing.oracle import Oracle
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.request_suite import mixed_request
 
     spec = ReleaseSpec(hidden=args.hidden, intermediate=2 * args.hidden, layers=args.layers, head_width=args.hidden // 2)
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,19 +14,16 @@ import argparse
 import dataclasses
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from gguf_bytes import kv_str_array, kvs_of  # noqa: E402
-from release_builder import CLEF_FLASH_LAYOUT, build_release, build_tokenizer  # noqa: E402
 
 from clef_gguf import convert  # noqa: E402
-from clef_gguf.gguf_header import GGUFFile  # noqa: E402
-from clef_gguf.validate import validate  # noqa: E402
+from clef_gguf.check.validate import validate  # noqa: E402
+from clef_gguf.format.header import GGUFFile  # noqa: E402
+from clef_gguf.testing.gguf_bytes import kv_str_array, kvs_of  # noqa: E402
+from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release, build_tokenizer  # noqa: E402
 
 VOCAB = 248_320  # Qwen3.5's padded vocabulary
 MERGES = 247_000

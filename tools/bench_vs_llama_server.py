@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 from interop_llama_server import as_llama_server_accepts  # noqa: E402
 
@@ -64,7 +63,7 @@ def post(url: str, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 def requests_by_size() -> dict[str, dict[str, Any]]:
-    from request_suite import long_state_text
+    from clef_gguf.testing.request_suite import long_state_text
 
     demo = json.loads((ROOT / "clef_gguf" / "data" / "demo_request.json").read_text())
     out = {"ticket": demo}
@@ -86,31 +85,67 @@ def main() -> None:
     if not (args.bin / "llama-server").is_file():
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
 
-    from release_builder import ReleaseSpec, build_release
-
     import clef_gguf
+    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
     requests = requests_by_size()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # The fixture: hidden 256, 8 layers; rows of 256 so that the K-quants apply.
-        spec = ReleaseSpec(seed=4, hidden=256, intermediate=512, layers=8, head_dim=64, linear_key_head_dim=64,
-                           linear_value_head_dim=64, head_width=128, routing_layers=6, head_layers=3)
+        spec = ReleaseSpec(
+            seed=4,
+            hidden=256,
+            intermediate=512,
+            layers=8,
+            head_dim=64,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            head_width=128,
+            routing_layers=6,
+            head_layers=3,
+        )
         release = build_release(root / "release", spec)
         for file_type in args.types:
             path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
             ours_url, theirs_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
             ours = subprocess.Popen(
-                [sys.executable, "-m", "clef_gguf.cli", "serve", str(path), "--port", ours_url.rsplit(":", 1)[1],
-                 "--threads", str(args.threads)],
-                stdout=subprocess.DEVNULL, stderr=(root / f"ours-{file_type}.log").open("w"),
+                [
+                    sys.executable,
+                    "-m",
+                    "clef_gguf.cli",
+                    "serve",
+                    str(path),
+                    "--port",
+                    ours_url.rsplit(":", 1)[1],
+                    "--threads",
+                    str(args.threads),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=(root / f"ours-{file_type}.log").open("w"),
             )
             ctx = "16384"
             theirs = subprocess.Popen(
-                [str(args.bin / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", theirs_url.rsplit(":", 1)[1],
-                 "-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(args.threads), "--no-repack"],
-                stdout=subprocess.DEVNULL, stderr=(root / f"theirs-{file_type}.log").open("w"),
+                [
+                    str(args.bin / "llama-server"),
+                    "-m",
+                    str(path),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    theirs_url.rsplit(":", 1)[1],
+                    "-c",
+                    ctx,
+                    "-b",
+                    ctx,
+                    "-ub",
+                    ctx,
+                    "-t",
+                    str(args.threads),
+                    "--no-repack",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=(root / f"theirs-{file_type}.log").open("w"),
             )
             try:
                 wait_healthy(ours_url, ours)

@@ -10,17 +10,14 @@ installs them.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from release_builder import ReleaseSpec, build_release  # noqa: E402
 
 from clef_gguf import convert  # noqa: E402
 from clef_gguf.data import DEMO_MODEL  # noqa: E402
+from clef_gguf.testing.release_builder import ReleaseSpec, build_release  # noqa: E402
 
 
 def main() -> None:

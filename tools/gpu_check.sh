@@ -94,7 +94,8 @@ EOF
     local plugin
     plugin=$(mktemp -d)
     cat >"$plugin/clef_on_gpu.py" <<'EOF'
-from clef_gguf.runtime import model, native_head
+from clef_gguf.llama import native_head
+from clef_gguf.runtime import model
 
 _model_init, _head_init = model.ClefModel.__init__, native_head.NativeHead.__init__
 
@@ -119,9 +120,8 @@ EOF
     python3 - <<'EOF' || echo "!! the GPU-vs-CPU comparison failed"
 import sys, tempfile
 from pathlib import Path
-sys.path.insert(0, "tests")
-from release_builder import ReleaseSpec, build_release
-from request_suite import all_requests
+from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.request_suite import all_requests
 import clef_gguf
 
 def probabilities(answer):

@@ -1,6 +1,6 @@
 """llama.cpp's own llama-server loads clef-gguf's files and answers as clef-gguf does.
 
-Builds two fixture releases (tests/release_builder.py), converts them with clef-gguf
+Builds two fixture releases (clef_gguf/testing/release_builder.py), converts them with clef-gguf
 (f32, and Q4_K_M on the fixture whose rows are multiples of 256), starts the pinned
 llama-server on each file (loopback, one ubatch for the whole prompt: its Clef graph has
 no memory) and sends it the request suite through /v1/systemone, then compares every
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 import unicodedata
@@ -29,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 PORT = 18791
 
@@ -113,11 +111,9 @@ def main() -> None:
     if not (args.bin / "llama-server").is_file():
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
 
-    from conftest import RELEASES
-    from release_builder import build_release
-    from request_suite import all_requests
-
     import clef_gguf
+    from clef_gguf.testing.release_builder import RELEASES, build_release
+    from clef_gguf.testing.request_suite import all_requests
 
     requests = {name: as_llama_server_accepts(r) for name, r in all_requests().items()}
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,7 @@ head. This tool writes a *sparse* qwen35 GGUF with the real tensor shapes (a hea
 and a hole: nothing to download, almost nothing on disk), asks llama.cpp's quantizer
 for the exact Q4_K_M / Q5_K_M mixture (dry run: it decides every tensor's type
 without quantizing), writes the same sparse file with those types, and runs
-`clef_gguf.plan.memory_plan` on it: llama.cpp's no-alloc pass plans every buffer
+`clef_gguf.llama.plan.memory_plan` on it: llama.cpp's no-alloc pass plans every buffer
 without reading the weights.
 
 The second table is chunked prefill (the runtime's default): a context of n_ctx tokens
@@ -28,12 +28,12 @@ from pathlib import Path
 import gguf
 import llama_cpp as L
 
-from clef_gguf import contract as C
-from clef_gguf.gguf_header import GGUFFile
-from clef_gguf.plan import _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
-from clef_gguf.runtime import llama_log
-from clef_gguf.vocab import Vocab
-from clef_gguf.writer import GT, storage_type, write_metadata
+from clef_gguf.build.vocab import Vocab
+from clef_gguf.build.writer import GT, storage_type, write_metadata
+from clef_gguf.format import contract as C
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama import log as llama_log
+from clef_gguf.llama.plan import _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
 
 # Qwen3.5-9B's text config (the Clef-flash backbone).
 QWEN35_9B = C.BackboneShape(

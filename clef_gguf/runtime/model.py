@@ -6,16 +6,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .. import contract as C
+from ..check.validate import open_validated
 from ..errors import ModelFileError, PromptTooLongError
-from ..gguf_header import GGUFFile
-from ..validate import open_validated
+from ..format import contract as C
+from ..format.header import GGUFFile
+from ..format.template import PromptTemplate
+from ..llama.backbone import Backbone
+from ..llama.native_head import NativeHead
 from .answers import response
-from .backbone import Backbone
 from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
-from .native_head import NativeHead
 from .prompt import EncodedPrompt, encode, parse_request
-from .template import PromptTemplate
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}

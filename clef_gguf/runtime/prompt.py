@@ -1,6 +1,6 @@
 """SystemOne requests: validation, and the Clef prompt with its token spans.
 
-The prompt is the file's systemone template rendered into pieces (runtime/template.py),
+The prompt is the file's systemone template rendered into pieces (format/template.py),
 tokenized piece by piece exactly as the reference's encode_record does: the head
 averages hidden states over the spans of those pieces.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ModelFileError, RequestError
-from .template import OMITTED, PromptTemplate
+from ..format.contract import QUESTION_TYPES
+from ..format.template import OMITTED, PromptTemplate
 
-QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
 MAX_QUESTIONS = 64
 CHOICE_OPTIONS = (2, 255)
 SCORE_LEVELS = (2, 10)
@@ -50,6 +50,10 @@ class EncodedQuestion:
     question: Question
     span: tuple[int, int]  # the instruction tokens
     option_spans: tuple[tuple[int, int], ...]
+
+    @property
+    def type(self) -> str:
+        return self.question.type
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The Qwen3.5 backbone on stock llama.cpp (llama-cpp-python's libllama).
 
-Two llama.cpp models over the same Clef file (runtime/qwen35_view.py):
+Two llama.cpp models over the same Clef file (llama/qwen35_view.py):
   * the full view, vocabulary only: llama.cpp's tokenizer for the prompt;
   * the lean view, for compute: its LM head is tied to 258 rows, so llama.cpp does
     not compute (nor reserve a buffer for) n_vocab logits per token that nobody
@@ -21,8 +21,9 @@ import llama_cpp as L
 import numpy as np
 
 from ..errors import ModelFileError, PromptTooLongError, SettingsError
-from ..gguf_header import GGUFFile
-from . import cpu_buffers, llama_log
+from ..format.header import GGUFFile
+from . import cpu_buffers
+from . import log as llama_log
 from .qwen35_view import open_qwen35_view, view_tensor_names
 from .rows import RowTable
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import ClefError, CorruptModelError
+from ..errors import ClefError, CorruptModelError
 
 HF_SOURCE = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^:]+))?:(?P<filename>[^:]+\.gguf)$")
 TIMEOUT_S = 30.0  # any one network operation (connect, one read)

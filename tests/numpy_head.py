@@ -1,6 +1,6 @@
 """The joint schema head in numpy (float32), read top to bottom like the reference.
 
-The TEST REFERENCE of the native head (native/head_graph.cpp, runtime/native_head.py),
+The TEST REFERENCE of the native head (native/head_graph.cpp, llama/native_head.py),
 which is what decide() runs: this module is kept because it reads like Cloudflare's
 JointSchemaHead line by line, and tests/test_native_head.py holds the ggml graph to it.
 
@@ -17,10 +17,10 @@ from collections.abc import Mapping
 import gguf
 import numpy as np
 
-from .. import contract as C
-from ..contract import HeadConfig
-from ..gguf_header import GGUFFile
-from .prompt import QUESTION_TYPES, EncodedPrompt
+from clef_gguf.format import contract as C
+from clef_gguf.format.contract import QUESTION_TYPES, HeadConfig
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.runtime.prompt import EncodedPrompt
 
 LN_EPS = 1e-5  # torch LayerNorm default, also inside TransformerDecoderLayer
 Weights = Mapping[str, np.ndarray]

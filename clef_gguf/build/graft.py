@@ -16,9 +16,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import contract as C
-from .errors import ConversionError, ModelFileError
-from .gguf_header import GGUFFile, Header
+from ..format import contract as C
+from ..errors import ConversionError, ModelFileError
+from ..format.header import GGUFFile, Header
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
 from .writer import (

@@ -12,7 +12,7 @@ from typing import Any
 
 from gguf import TokenType
 
-from .errors import ReleaseError
+from ..errors import ReleaseError
 
 # Qwen3.5's split regex: what llama.cpp's `qwen35` pre-tokenizer implements.
 QWEN35_SPLIT = (

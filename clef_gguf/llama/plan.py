@@ -19,12 +19,13 @@ from pathlib import Path
 
 import llama_cpp as L
 
-from . import contract as C
-from .errors import ModelFileError
-from .gguf_header import GGUFFile
-from .runtime import cpu_buffers, llama_log
-from .runtime.backbone import MAX_UBATCH
-from .runtime.qwen35_view import open_qwen35_view, view_tensor_names
+from ..errors import ModelFileError
+from ..format import contract as C
+from ..format.header import GGUFFile
+from . import cpu_buffers
+from . import log as llama_log
+from .backbone import MAX_UBATCH
+from .qwen35_view import open_qwen35_view, view_tensor_names
 
 MIB = 1 << 20
 _SIZE = re.compile(r"(\w+)\s+compute buffer size =\s+([\d.]+) MiB")
@@ -144,9 +145,7 @@ def _head_bytes(f: GGUFFile) -> int:
     return weights + (config.routing_layers + config.layers) * config.width * config.width * 4
 
 
-def _lines(
-    f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int
-) -> tuple[list[Line], dict[str, int], bool]:
+def _lines(f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int) -> tuple[list[Line], dict[str, int], bool]:
     n_layer = int(_hparam(f, "block_count"))
     recurrent = list(_hparam(f, "attention.recurrent_layers"))
     tensors = f.header.tensors

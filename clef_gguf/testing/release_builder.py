@@ -436,3 +436,14 @@ def _save_head(out_dir: Path, spec: ReleaseSpec, reference: ModuleType) -> None:
     tensors = {name: tensor.to(dtype).contiguous() for name, tensor in head.state_dict().items()}
     save_file(tensors, str(out_dir / "joint_head.safetensors"))
     (out_dir / "joint_head_config.json").write_text(json.dumps(head_config(spec), indent=2) + "\n")
+
+
+# Two fixtures, as the parity criteria ask: untied float32, and tied bfloat16 (sharded).
+RELEASES: dict[str, ReleaseSpec] = {
+    "untied_f32": ReleaseSpec(seed=0),
+    "tied_bf16": ReleaseSpec(seed=1, tied=True, dtype="bfloat16", max_shard_bytes=200_000),
+    # Rows that are multiples of 256, so that llama.cpp's K-quants apply (not their fallbacks).
+    "k256": ReleaseSpec(
+        seed=2, hidden=256, intermediate=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, head_width=64
+    ),
+}

@@ -14,7 +14,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..gguf_header import GGUFFile
+from ..format.header import GGUFFile
 
 
 class _TypeTraits(ctypes.Structure):

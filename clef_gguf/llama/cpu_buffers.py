@@ -31,7 +31,7 @@ from functools import cache
 
 import llama_cpp as L
 
-from ..gguf_header import GGUFFile, TensorInfo
+from ..format.header import GGUFFile, TensorInfo
 from . import native
 
 AMX = "AMX"
@@ -106,7 +106,8 @@ def placement(tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repac
             name
             for name, t in tensors.items()
             # token_embd is read by GET_ROWS, which no extra buffer type runs.
-            if len(t.dims) == 2 and name != "token_embd.weight"
+            if len(t.dims) == 2
+            and name != "token_embd.weight"
             and lib.clef_cpu_buft_supports_weight(buft, int(t.type), t.dims[0], t.dims[1])
         ]
         patterns = tuple(p.encode() for p in _patterns(names))

@@ -17,10 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration
 
-try:  # tests/ as a package (tests/__init__.py) or as a plain folder on sys.path
-    from .release_builder import load_reference
-except ImportError:
-    from release_builder import load_reference
+from .release_builder import load_reference
 
 # Large enough that the reference never truncates the state.
 MAX_LENGTH = 1_000_000

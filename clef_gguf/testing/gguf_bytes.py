@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from clef_gguf.gguf_header import GGUFFile
+from clef_gguf.format.header import GGUFFile
 
 Tensor = tuple[str, tuple[int, ...], int, bytes]
 

@@ -51,13 +51,14 @@ BACKBONE_KEY_SUFFIXES = (
     "full_attention_interval",
 )
 
+
 def backbone_key(suffix: str) -> str:
     return f"{ARCH}.{suffix}"
 
 
 # --- The prompt template --------------------------------------------------------------
 # The reference's encode_record() as the Jinja template llama.cpp's converter stores
-# (`tokenizer.chat_template.systemone`); runtime/template.py says how it is rendered.
+# (`tokenizer.chat_template.systemone`); format/template.py says how it is rendered.
 # Literal text is a JSON-quoted Jinja string, so the stored template is exactly llama.cpp's.
 KEY_TEMPLATE = "tokenizer.chat_template.systemone"
 KEY_TEMPLATE_NAMES = "tokenizer.chat_templates"
@@ -89,22 +90,41 @@ _OPTION = (
 )
 SYSTEMONE_TEMPLATE = (
     _text(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n")
-    + "{% if images %}{{ sep }}{% for image in images %}{{ image }}{% endfor %}" + _text("\n") + "{% endif %}"
-    + "{{ sep }}" + _value("state")
-    + "{{ sep }}" + _text("\n\nSCHEMA FIELDS:\n")
+    + "{% if images %}{{ sep }}{% for image in images %}{{ image }}{% endfor %}"
+    + _text("\n")
+    + "{% endif %}"
+    + "{{ sep }}"
+    + _value("state")
+    + "{{ sep }}"
+    + _text("\n\nSCHEMA FIELDS:\n")
     + "{% for q in questions %}"
-    + "{{ sep }}" + _text("\nFIELD ") + "{{ loop.index }}" + _text("\nID: ") + "{{ q.id }}"
-    + _text("\nTYPE: ") + "{{ q.type }}" + _text("\nINSTRUCTION: ")
-    + "{{ sep }}{{ mark_question }}" + _value("q.instructions")
-    + "{{ sep }}" + _text("\nALLOWED OPTIONS:\n")
+    + "{{ sep }}"
+    + _text("\nFIELD ")
+    + "{{ loop.index }}"
+    + _text("\nID: ")
+    + "{{ q.id }}"
+    + _text("\nTYPE: ")
+    + "{{ q.type }}"
+    + _text("\nINSTRUCTION: ")
+    + "{{ sep }}{{ mark_question }}"
+    + _value("q.instructions")
+    + "{{ sep }}"
+    + _text("\nALLOWED OPTIONS:\n")
     + "{% for o in q.options %}"
-    + "{{ sep }}" + _text("OPTION ") + "{{ loop.index }}" + _text(": ")
-    + "{{ sep }}{{ mark_option }}" + _OPTION
-    + "{{ sep }}" + _text("\n")
+    + "{{ sep }}"
+    + _text("OPTION ")
+    + "{{ loop.index }}"
+    + _text(": ")
+    + "{{ sep }}{{ mark_option }}"
+    + _OPTION
+    + "{{ sep }}"
+    + _text("\n")
     + "{% endfor %}"
-    + "{{ sep }}" + _text("END FIELD\n")
+    + "{{ sep }}"
+    + _text("END FIELD\n")
     + "{% endfor %}"
-    + "{{ sep }}" + _text("\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:")
+    + "{{ sep }}"
+    + _text("\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:")
 )
 
 # Special tokens the template relies on; validate checks the vocabulary has them.
@@ -243,6 +263,8 @@ KEY_ROUTING_BLOCKS = "clef.decision.routing_block_count"
 KEY_JOINT_BLOCKS = "clef.decision.block_count"
 KEY_HEAD_COUNT = "clef.decision.head_count"
 KEY_HEAD_NORM_EPS = "clef.attention.layer_norm_epsilon"
+# Question types, as rows of the head's type embedding (decision.type_embd) and libclef_head's type ids.
+QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
 HEAD_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, the head's LayerNorms
 SCALES = "decision.scales"  # [prior, joint, gate]: the values the reference uses at inference
 SCALE_PARAMETERS = ("prior_logit_scale", "joint_logit_scale", "residual_gate")

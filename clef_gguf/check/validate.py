@@ -36,10 +36,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT
 from gguf import GGUFValueType as VT
 
-from . import contract as C
-from .errors import CorruptModelError, IncompleteModelError, ModelFileError, NotADecisionModelError
-from .gguf_header import GGUF_MAGIC, Field, GGUFFile, Header, TensorInfo, TruncatedHeader, parse_header
-from .runtime.template import PromptTemplate
+from ..errors import CorruptModelError, IncompleteModelError, ModelFileError, NotADecisionModelError
+from ..format import contract as C
+from ..format.header import GGUF_MAGIC, Field, GGUFFile, Header, TensorInfo, TruncatedHeader, parse_header
+from ..format.template import PromptTemplate
 
 # Limits no real model comes near. A Clef header is ~16 MB (a 248k-token vocabulary and its
 # merges); parsing the largest header allowed stays within seconds.
@@ -405,9 +405,7 @@ def check_backbone(h: Header, shape: C.BackboneShape) -> tuple[list[Problem], in
     missing = [n for n in expected if n not in tensors]
     wrong = [n for n, want in expected.items() if n in tensors and not _same_dims(tensors[n], want)]
     extra = [
-        n
-        for n, t in tensors.items()
-        if not C.is_head_tensor(n) and n not in expected and not _optional(n, t, shape, tensors)
+        n for n, t in tensors.items() if not C.is_head_tensor(n) and n not in expected and not _optional(n, t, shape, tensors)
     ]
     problems = []
     if missing:

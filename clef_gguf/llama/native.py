@@ -1,7 +1,7 @@
 """libclef_head (native/, built by CMake at install) through ctypes: the one loader and its prototypes.
 
-The library holds the joint schema head's ggml graph (runtime/native_head.py) and the
-questions about ggml's CPU buffer types (runtime/cpu_buffers.py). It is linked against
+The library holds the joint schema head's ggml graph (llama/native_head.py) and the
+questions about ggml's CPU buffer types (llama/cpu_buffers.py). It is linked against
 the ggml that llama-cpp-python ships. `llama_cpp` is imported first: it loads libllama
 and, as its dependencies, llama_cpp/lib/libggml.so.0 and libggml-base.so.0. The dynamic
 loader then resolves libclef_head's own dependencies (the same sonames) to those very
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
 import llama_cpp  # noqa: F401  (loads llama.cpp's ggml before libclef_head asks for it)
-
-import clef_gguf
 
 from ..errors import ModelFileError
 
@@ -55,7 +54,7 @@ def library_path() -> Path:
     """
     if os.environ.get(ENV_LIBRARY):
         return Path(os.environ[ENV_LIBRARY])
-    for directory in clef_gguf.__path__:
+    for directory in sys.modules[__name__.partition(".")[0]].__path__:  # the clef_gguf package, imported first
         candidate = Path(directory) / "_native" / LIBRARY_NAME
         if candidate.is_file():
             return candidate

@@ -1,24 +1,47 @@
 """The joint schema head on the backbone's device: libclef_head's ggml graph (native/head_graph.cpp).
 
 Its weights live in the device's default buffer type (on the CPU: never AMX, see
-runtime/cpu_buffers.py). clef_gguf/runtime/head.py (numpy) is the reference the tests
-hold this against.
+llama/cpu_buffers.py). tests/numpy_head.py is the reference the tests hold this against.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from .. import contract as C
 from ..errors import ModelFileError
+from ..format import contract as C
 from .native import library
-from .prompt import QUESTION_TYPES, EncodedPrompt
 
 _ERR_SIZE = 1024
+Span = tuple[int, int]
+
+
+class SpannedQuestion(Protocol):
+    """One question's token spans (runtime.prompt.EncodedQuestion)."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def span(self) -> Span: ...
+    @property
+    def option_spans(self) -> Sequence[Span]: ...
+
+
+class SpannedPrompt(Protocol):
+    """A prompt's tokens and its questions' spans (runtime.prompt.EncodedPrompt)."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def questions(self) -> Sequence[SpannedQuestion]: ...
+
+
 _i32p = ctypes.POINTER(ctypes.c_int32)
 
 
@@ -60,14 +83,14 @@ class NativeHead:
         self.device = self._lib.clef_head_device(handle).decode()
         self.hidden_size = self._lib.clef_head_hidden_size(handle)
 
-    def __call__(self, hidden: np.ndarray, prompt: EncodedPrompt) -> list[np.ndarray]:
+    def __call__(self, hidden: np.ndarray, prompt: SpannedPrompt) -> list[np.ndarray]:
         """hidden: (len(prompt.tokens), hidden_size) float32 -> one logit array per question."""
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         if hidden.shape != (len(prompt.tokens), self.hidden_size):
             raise ValueError(f"hidden states {hidden.shape}, expected ({len(prompt.tokens)}, {self.hidden_size})")
         questions = prompt.questions
         tokens = _i32(prompt.tokens)
-        types = _i32([QUESTION_TYPES[q.question.type] for q in questions])
+        types = _i32([C.QUESTION_TYPES[q.type] for q in questions])
         question_spans = _i32([q.span for q in questions])
         counts = _i32([len(q.option_spans) for q in questions])
         option_spans = _i32([s for q in questions for s in q.option_spans])

@@ -15,9 +15,9 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from .errors import ConversionError
-from .gguf_header import GGUFFile
-from .runtime import llama_log
+from ..errors import ConversionError
+from ..format.header import GGUFFile
+from ..llama import log as llama_log
 from .writer import Progress
 
 # --type name -> llama_ftype. Types that need an importance matrix (IQ1/IQ2/IQ3) are left out.

@@ -43,8 +43,19 @@ OMITTED = object()  # a description given as null where the template would suppl
 _LOOPS = ("questions", "images")  # top-level names a loop may run over; and `<loop variable>.options`
 _FILTERS = {"tojson"}
 _TESTS = {"string", "none"}
-_FORBIDDEN = (nodes.Call, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.Import, nodes.FromImport, nodes.Include,
-              nodes.Extends, nodes.Block, nodes.Scope, nodes.ScopedEvalContextModifier)
+_FORBIDDEN = (
+    nodes.Call,
+    nodes.Macro,
+    nodes.CallBlock,
+    nodes.FilterBlock,
+    nodes.Import,
+    nodes.FromImport,
+    nodes.Include,
+    nodes.Extends,
+    nodes.Block,
+    nodes.Scope,
+    nodes.ScopedEvalContextModifier,
+)
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from gguf import GGUFValueType
 
-from .. import contract as C
 from ..errors import ModelFileError
-from ..gguf_header import GGUF_MAGIC, GGUFFile
+from ..format import contract as C
+from ..format.header import GGUF_MAGIC, GGUFFile
 
 _GLOBAL_KEYS = ("general.alignment", "general.name", "general.file_type", "general.quantization_version")
 LEAN_VOCAB = 258  # rows of token_embd the lean view keeps: a byte alphabet, one merge, an end token

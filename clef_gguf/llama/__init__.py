@@ -1,0 +1,1 @@
+"""Everything that touches libllama, ggml or libclef_head through ctypes."""

@@ -1,0 +1,102 @@
+"""The package's layers: a module imports only from its own layer or the layers below it.
+
+CONTRIBUTING.md explains the order. The check reads every import statement (function-level
+ones too) with `ast`, so it imports nothing and runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom to top. The package root (the public API) and __main__ sit in the CLI's layer;
+# `testing` (fixture releases, the oracle) above it, since only tests and tools use it.
+LAYERS = ("errors", "data", "format", "check", "llama", "build", "runtime", "server", "cli", "testing")
+
+
+def _module(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return "cli"
+    assert parts[1] in LAYERS, f"{module} is in no layer: add clef_gguf/{parts[1]} to LAYERS and to CONTRIBUTING.md"
+    return parts[1]
+
+
+def _is_module(root: Path, dotted: str) -> bool:
+    path = root / dotted.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imports(root: Path, path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every clef_gguf import in the file."""
+    module = _module(root, path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for a in node.names:  # `from . import x` imports the submodule x, when there is one
+                found.append((node.lineno, f"{target}.{a.name}" if _is_module(root, f"{target}.{a.name}") else target))
+    return [(line, name) for line, name in found if name.split(".")[0] == "clef_gguf"]
+
+
+def upward_imports(root: Path) -> list[str]:
+    upward = []
+    for path in sorted((root / "clef_gguf").rglob("*.py")):
+        own = _layer(_module(root, path))
+        for line, target in _imports(root, path):
+            if LAYERS.index(_layer(target)) > LAYERS.index(own):
+                upward.append(f"{path.relative_to(root)}:{line} ({own}) imports {target} ({_layer(target)})")
+    return upward
+
+
+def test_imports_go_only_downward() -> None:
+    upward = upward_imports(ROOT)
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_every_package_and_module_is_a_layer() -> None:
+    package = ROOT / "clef_gguf"
+    names = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    names |= {p.stem for p in package.glob("*.py")} - {"__init__", "__main__"}
+    assert names <= set(LAYERS), sorted(names - set(LAYERS))
+
+
+def test_tools_import_only_the_package() -> None:
+    """tools/ uses clef_gguf (and its own scripts), never the test suite's files."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    offenders = []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in test_modules]
+        if '"tests"' in path.read_text():
+            offenders.append(f"{path.name} names the tests folder (sys.path?)")
+    assert not offenders, offenders
+
+
+def test_the_check_reports_an_upward_import(tmp_path: Path) -> None:
+    for folder in ("clef_gguf", "clef_gguf/format", "clef_gguf/runtime"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "clef_gguf/runtime/model.py").write_text("")
+    (tmp_path / "clef_gguf/errors.py").write_text("")
+    (tmp_path / "clef_gguf/format/fine.py").write_text("from .. import errors\n")
+    (tmp_path / "clef_gguf/format/bad.py").write_text("def f():\n    from ..runtime import model\n")
+    assert upward_imports(tmp_path) == ["clef_gguf/format/bad.py:2 (format) imports clef_gguf.runtime.model (runtime)"]
