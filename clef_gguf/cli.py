@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from .build.convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError
-from .runtime.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
+from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -63,7 +63,7 @@ def _check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
 
 def _line(text: object) -> str:
     """One printable line: messages quote paths, names and values from files, which may hold escapes or newlines."""
-    from .check.validate import printable
+    from .check.report import printable
 
     return printable(str(text), limit=2000)
 
@@ -298,7 +298,8 @@ def plan(
     vram: Annotated[
         str | None, typer.Option("--vram", help="Device memory to fit, e.g. 8GiB: reports the largest prompt that fits.")
     ] = None,
-    ctx: Annotated[int, typer.Option("--ctx", help="Prompt limit (physical batch) to plan for.")] = 4096,
+    ctx: Annotated[int, typer.Option("--ctx", help="Prompt limit to plan for (load's n_ctx).")] = DEFAULT_MAX_PROMPT_TOKENS,
+    ubatch: Ubatch = None,
     n_gpu_layers: GpuLayers = -1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
 ) -> None:
@@ -308,17 +309,13 @@ def plan(
 
     from .llama.plan import memory_plan, parse_size
 
-    try:
-        vram_bytes = parse_size(vram) if vram else None
-    except ValueError as e:
-        _error(e)
-        raise typer.Exit(2) from None
-    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, vram_bytes))
+    _check_ubatch(ubatch, ctx)
+    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, parse_size(vram) if vram else None, ubatch))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
     mib = 1 << 20
-    title = f"{_line(model.name)}: prompt limit {ctx} tokens, n_gpu_layers {n_gpu_layers}"
+    title = f"{_line(model.name)}: prompt limit {ctx} tokens in ubatches of {result.ubatch}, n_gpu_layers {n_gpu_layers}"
     table = Table(title=escape(title))  # the file name is text, not markup
     for column in ("component", "device MiB", "host MiB", "source"):
         table.add_column(column, justify="left" if column in ("component", "source") else "right")
@@ -330,7 +327,7 @@ def plan(
     out.print("weights by type: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in sorted(result.weights_by_type.items())))
     if not result.gpu_backend:
         out.print("[yellow]this llama.cpp build has no GPU backend: the compute buffer was measured on the CPU backend.[/]")
-    if vram_bytes is not None:
+    if vram:
         fits = result.max_prompt_tokens
         fit = f"largest prompt that fits {vram}: {fits} tokens" if fits else f"does not fit {vram} even at 256 tokens"
         out.print(fit, markup=False, highlight=False)
@@ -339,10 +336,10 @@ def plan(
 @app.command()
 def demo(n_gpu_layers: GpuLayers = 0) -> None:
     """Run the bundled tiny demo model on a bundled request. Its weights are random: so are its answers."""
-    from .data import DEMO_MODEL, DEMO_REQUEST
+    from .data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
 
     err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
-    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), n_gpu_layers, 4096))
+    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), n_gpu_layers, DEMO_CONTEXT))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
@@ -385,11 +382,7 @@ def validate(
     """
     from .check.validate import validate as run_validate
 
-    try:
-        report = run_validate(source, deep=deep, sha256=sha256)
-    except ValueError as e:
-        err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+    report = _run(lambda: run_validate(source, deep=deep, sha256=sha256))
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

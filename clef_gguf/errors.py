@@ -53,6 +53,12 @@ class ModelOutputError(CorruptModelError):
     """The model's scores are not finite (NaN or Inf): weights that overflow, or are NaN, in a file that parses."""
 
 
+class ComputeError(ClefError):
+    """llama.cpp or the native head failed while computing a decision (a device error, memory, a broken invariant)."""
+
+    exit_code = 1
+
+
 class SettingsError(ClefError, ValueError):
     """Load settings that cannot work (a prompt limit or ubatch out of range)."""
 

@@ -38,8 +38,8 @@ void set_threads(ggml_backend_t cpu, int n_threads) {
     if (set != nullptr && n_threads > 0) set(cpu, n_threads);
 }
 
-clef::Names parse_names(const char * text) {
-    clef::Names names;
+std::map<std::string, std::string> parse_names(const char * text) {
+    std::map<std::string, std::string> names;
     std::string line;
     for (const char * c = text; ; c++) {
         if (*c == '\n' || *c == '\0') {
@@ -54,7 +54,7 @@ clef::Names parse_names(const char * text) {
     return names;
 }
 
-void init_backends(clef_head & head, const char * path, const clef::Names & names, bool use_gpu, int n_threads) {
+void init_backends(clef_head & head, const char * path, const clef::Format & format, bool use_gpu, int n_threads) {
     head.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     if (head.cpu == nullptr) throw clef::Error("ggml has no CPU backend");
     set_threads(head.cpu, n_threads);
@@ -67,7 +67,7 @@ void init_backends(clef_head & head, const char * path, const clef::Names & name
     ggml_backend_t backends[2] = {primary, head.cpu};
     int n_backends = head.device ? 2 : 1;  // the scheduler wants the CPU last
     head.sched = ggml_backend_sched_new(backends, nullptr, n_backends, SCHED_GRAPH_SIZE, false, false);
-    clef::load_model(head.model, path, names, ggml_backend_get_default_buffer_type(primary));
+    clef::load_model(head.model, path, format, ggml_backend_get_default_buffer_type(primary));
 }
 
 void free_head(clef_head * head) {
@@ -142,12 +142,14 @@ void run(clef_head & head, const clef::Decision & d, float * logits) {
 
 extern "C" {
 
-int clef_head_load(const char * path, const char * names, const int64_t * config, float norm_eps, int use_gpu, int n_threads,
-                   clef_head ** out, char * err, size_t err_size) {
+int clef_head_load(const char * path, const char * names, const int32_t * weight_types, int32_t n_weight_types,
+                   const int64_t * config, float norm_eps, int use_gpu, int n_threads, clef_head ** out, char * err,
+                   size_t err_size) {
     auto * head = new clef_head();
     try {
         head->model.config = {config[0], config[1], config[2], config[3], config[4], config[5], norm_eps};
-        init_backends(*head, path, parse_names(names), use_gpu != 0, n_threads);
+        clef::Format format{parse_names(names), std::set<int32_t>(weight_types, weight_types + n_weight_types)};
+        init_backends(*head, path, format, use_gpu != 0, n_threads);
     } catch (const std::exception & e) {
         free_head(head);
         report(err, err_size, e.what());

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,12 +77,18 @@ struct Model {
     ggml_backend_buffer_t buffer = nullptr;
 };
 
-// Reference module name (joint_head.safetensors, "evidence_layers.0.attention.q") -> GGUF name
-// ("dec.blk.0.cross_attn_q"): the format's table, handed over by Python (clef_gguf/format/contract.py).
-using Names = std::map<std::string, std::string>;
+// The format's tables, handed over by Python (clef_gguf/format/contract.py), so that the head reads
+// exactly what validate accepts:
+//   names: reference module name (joint_head.safetensors, "evidence_layers.0.attention.q") -> GGUF
+//          name ("dec.blk.0.cross_attn_q");
+//   weight_types: the ggml types a matrix may have (contract.WEIGHT_TYPES); vectors are F32.
+struct Format {
+    std::map<std::string, std::string> names;
+    std::set<int32_t> weight_types;
+};
 
 // Load the head's tensors into a buffer of `buft`; throws Error.
-void load_model(Model & model, const char * path, const Names & names, ggml_backend_buffer_type_t buft);
+void load_model(Model & model, const char * path, const Format & format, ggml_backend_buffer_type_t buft);
 void free_model(Model & model);
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids);
 

@@ -34,12 +34,12 @@ void read_at(int fd, void * dst, size_t size, uint64_t offset) {
 // The head's tensors by reference name, checked against the shapes the graph assumes.
 class TensorTable {
   public:
-    TensorTable(ggml_context * meta, ggml_context * ctx, const Names & names) : meta_(meta), ctx_(ctx), names_(names) {}
+    TensorTable(ggml_context * meta, ggml_context * ctx, const Format & format) : meta_(meta), ctx_(ctx), format_(format) {}
 
     // The GGUF name of a reference module, and of one of its tensors ("weight", "bias").
     const std::string & module(const std::string & reference) const {
-        auto it = names_.find(reference);
-        if (it == names_.end()) throw Error("the format table has no head module " + reference);
+        auto it = format_.names.find(reference);
+        if (it == format_.names.end()) throw Error("the format table has no head module " + reference);
         return it->second;
     }
     std::string gguf_name(const std::string & reference, const char * suffix) const { return module(reference) + "." + suffix; }
@@ -58,6 +58,9 @@ class TensorTable {
         }
         if (f32_only && source->type != GGML_TYPE_F32) {
             throw Error("the head tensor " + full + " is " + ggml_type_name(source->type) + ", expected F32");
+        }
+        if (!f32_only && format_.weight_types.count(source->type) == 0) {
+            throw Error("the head tensor " + full + " is " + ggml_type_name(source->type) + ", which the head does not run");
         }
         ggml_tensor * t = ggml_dup_tensor(ctx_, source);
         ggml_set_name(t, full.c_str());
@@ -93,7 +96,7 @@ class TensorTable {
   private:
     ggml_context * meta_;
     ggml_context * ctx_;
-    const Names & names_;
+    const Format & format_;
     std::map<ggml_tensor *, ggml_tensor *> sources_;  // our tensor -> its metadata in the file
     std::map<ggml_tensor *, ggml_tensor *> derived_;  // key_t -> the key weight it comes from
 };
@@ -194,7 +197,7 @@ void upload(int fd, const gguf_context * gguf, const TensorTable & table, int64_
 
 }  // namespace
 
-void load_model(Model & model, const char * path, const Names & names, ggml_backend_buffer_type_t buft) {
+void load_model(Model & model, const char * path, const Format & format, ggml_backend_buffer_type_t buft) {
     ggml_context * meta = nullptr;
     gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/&meta};
     gguf_context * gguf = gguf_init_from_file(path, params);
@@ -213,7 +216,7 @@ void load_model(Model & model, const char * path, const Names & names, ggml_back
         size_t n_tensors = 20 + 19 * c.routing_layers + 27 * c.layers;  // the file's, and one key_t per memory attention
         ggml_init_params init = {ggml_tensor_overhead() * n_tensors, nullptr, /*no_alloc =*/true};
         model.ctx = ggml_init(init);
-        TensorTable table(meta, model.ctx, names);
+        TensorTable table(meta, model.ctx, format);
         model.weights = head_weights(table, c);
         read_scales(model.fd, gguf, meta, table.module("scales"), model.weights);
         model.lexicon = lexicon(gguf, meta, c.hidden_size);

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from clef_gguf.check import remote
-from clef_gguf.check.validate import Verdict, validate
+from clef_gguf.check.report import Verdict
+from clef_gguf.check.validate import validate
 from clef_gguf.cli import MAX_REQUEST_NESTING
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.testing.gguf_bytes import kv_str, rebuild

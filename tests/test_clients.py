@@ -24,7 +24,7 @@ import typesafe_sdk as ts
 from live_server import rss_bytes, served
 
 from clef_gguf.data import DEMO_MODEL
-from clef_gguf.runtime.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
+from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from clef_gguf.testing.request_suite import long_state_request, long_state_text, wide_choice_request
 
 ACCOUNT_ID = "0123456789abcdef0123456789abcdef"

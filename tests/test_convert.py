@@ -12,6 +12,7 @@ import pytest
 import clef_gguf
 from clef_gguf.errors import ConversionError, ReleaseError
 from clef_gguf.format import contract as C
+from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release
 
@@ -71,7 +72,7 @@ def test_head_tensors_round_trip_to_the_release(ws, tmp_path):
     release = ws.release("untied_f32")
     stored = load_file(release / "joint_head.safetensors")
     f = GGUFFile.open(ws.gguf("untied_f32", "f32"))
-    config = C.read_head_config(f.header)
+    config = hparams.head_config(f.header)
     parts: dict[str, list[np.ndarray]] = {}
     for rule in C.head_rules(config):
         parts.setdefault(rule.reference, []).append(np.array(f.tensor_bytes(rule.gguf).view(np.float32)))  # copies

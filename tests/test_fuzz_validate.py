@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from clef_gguf.check import validate as V
-from clef_gguf.check.validate import Verdict, open_validated, validate, validate_remote
+from clef_gguf.check.report import Verdict
+from clef_gguf.check.validate import open_validated, validate, validate_remote
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile, parse_header

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 import clef_gguf
-from clef_gguf.check.validate import Verdict, validate
+from clef_gguf.check.report import Verdict
+from clef_gguf.check.validate import validate
 from clef_gguf.format import contract as C
+from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.request_suite import all_requests
 
@@ -95,7 +97,7 @@ def test_the_runtime_is_exact_on_their_weights(golden):
     path = golden("untied_f32", "q8_0")
     f = GGUFFile.open(path)
     with clef_gguf.load(path, n_ctx=8192) as model:
-        exact = reference_head(f, C.read_head_config(f.header))
+        exact = reference_head(f, hparams.head_config(f.header))
         for name in ("mixed", "many_questions"):
             prompt = model.encode(REQUESTS[name])
             hidden = model.backbone.hidden_states(prompt.tokens)

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as VT
 
-from clef_gguf.check.validate import Verdict, validate
+from clef_gguf.check.report import Verdict
+from clef_gguf.check.validate import validate
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile, Header
@@ -295,7 +296,7 @@ MUTANTS = [
     ),
     Mutant("norm-f16", lambda h: {"tensors": _retype("blk.0.attn_norm.weight")}, "needs it in F32", crash="SIGABRT"),
     Mutant("conv1d-f16", lambda h: {"tensors": _retype("blk.0.ssm_conv1d.weight")}, "needs it in F32", crash="SIGABRT"),
-    Mutant("bias-f16", _bias_f16, "1-D tensors", crash="SIGABRT"),
+    Mutant("bias-f16", _bias_f16, "needs it in F32", crash="SIGABRT"),
     # Vocabulary: llama_vocab::impl::load and its tokenizer
     Mutant(
         "tokenizer-model",

@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as GT
 from numpy_head import lexical_rows, reference_head
 
 import clef_gguf
-from clef_gguf.format import contract as C
+from clef_gguf.check.validate import validate
+from clef_gguf.errors import ComputeError, ModelFileError
+from clef_gguf.format import hparams
 from clef_gguf.format.contract import QUESTION_TYPES
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.native import library_path
 from clef_gguf.llama.native_head import NativeHead
-from clef_gguf.runtime.model import _decision_metadata
 from clef_gguf.runtime.prompt import EncodedPrompt, EncodedQuestion, Question, Request
+from clef_gguf.testing.gguf_bytes import rebuild
 from clef_gguf.testing.request_suite import all_requests
 
 # (release, file type, head type, tolerance on |logit difference| relative to 1 + |logit|).
@@ -57,7 +61,7 @@ def test_native_head_equals_the_numpy_reference(ws, release, file_type, head_typ
     path = ws.gguf(release, file_type, head_type)
     f = GGUFFile.open(path)
     try:
-        config, _ = _decision_metadata(f)
+        config = hparams.head_config(f.header)
         reference = reference_head(f, config)
         native = NativeHead(path, config, n_threads=2)
         n_vocab = f.header.tensors["token_embd.weight"].shape[0]
@@ -82,7 +86,7 @@ def test_span_means_split_into_chunks_give_the_same_logits(ws):
     path = ws.gguf("untied_f32", "f32")
     f = GGUFFile.open(path)
     try:
-        config, _ = _decision_metadata(f)
+        config = hparams.head_config(f.header)
         rng = np.random.default_rng(1)
         prompt = random_prompt(rng, 6000, f.header.tensors["token_embd.weight"].shape[0], 64, 40)
         hidden = rng.normal(0.0, 1.0, size=(6000, config.hidden_size)).astype(np.float32)
@@ -101,18 +105,18 @@ def test_decide_uses_the_native_head(ws):
 def test_bad_spans_and_tokens_are_errors_not_crashes(ws):
     path = ws.gguf("untied_f32", "f32")
     f = GGUFFile.open(path)
-    head = NativeHead(path, C.read_head_config(f.header), n_threads=1)
+    head = NativeHead(path, hparams.head_config(f.header), n_threads=1)
     f.close()
     rng = np.random.default_rng(2)
     prompt = random_prompt(rng, 20, 100, 1, 2)
     hidden = np.zeros((20, head.hidden_size), dtype=np.float32)
     q = prompt.questions[0]
     for bad in [EncodedQuestion(q.question, (5, 5), q.option_spans), EncodedQuestion(q.question, q.span, ((0, 21), (1, 2)))]:
-        with pytest.raises(RuntimeError, match="span"):
+        with pytest.raises(ComputeError, match="span"):
             head(hidden, EncodedPrompt(prompt.request, prompt.tokens, (bad,)))
-    with pytest.raises(RuntimeError, match="vocabulary"):
+    with pytest.raises(ComputeError, match="vocabulary"):
         head(hidden, EncodedPrompt(prompt.request, [10**8] * 20, prompt.questions))
-    with pytest.raises(ValueError, match="hidden states"):
+    with pytest.raises(ComputeError, match="hidden states"):
         head(hidden[:10], prompt)
 
 
@@ -150,3 +154,37 @@ def test_prefill_in_ubatches_gives_the_same_hidden_states(ws, ubatch):
 def test_ubatch_out_of_range_is_refused(ws):
     with pytest.raises(ValueError, match="ubatch"):
         clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=1024, ubatch=2048)
+
+
+def _retyped(src: Path, dst: Path, name: str, qtype: GT) -> Path:
+    """`src` with tensor `name` stored as `qtype` (F64 or F16), from its F32 values."""
+    f = GGUFFile.open(src)
+    t = f.header.tensors[name]
+    values = f.tensor_bytes(name).view(np.float32)
+    data = values.astype(np.float64 if qtype == GT.F64 else np.float16).tobytes()
+    f.close()
+    return rebuild(src, dst, keep=lambda n: n != name, extra=[(name, t.dims, int(qtype), data)])
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype", "accepted"),
+    [
+        ("decision.proj_question.weight", GT.F16, True),  # a matrix in a type of the table
+        ("decision.proj_question.weight", GT.F64, False),  # a matrix in a type outside it
+        ("decision.hidden_norm.bias", GT.F16, False),  # a vector: F32 only
+    ],
+)
+def test_validate_and_the_native_head_accept_the_same_types(ws, tmp_path, name, qtype, accepted):
+    """One table (contract.WEIGHT_TYPES, vectors F32), read by validate and handed to libclef_head."""
+    path = _retyped(ws.gguf("untied_f32", "f32"), tmp_path / "retyped.gguf", name, qtype)
+    report = validate(path)
+    f = GGUFFile.open(path)
+    config = hparams.head_config(f.header)
+    f.close()
+    if accepted:
+        assert report.ok, report.summary
+        NativeHead(path, config, n_threads=1).close()
+    else:
+        assert [p.check for p in report.problems] == ["types"] and name in report.summary
+        with pytest.raises(ModelFileError, match=rf"{name} is \w+, (which the head does not run|expected F32)"):
+            NativeHead(path, config, n_threads=1)

@@ -7,8 +7,10 @@ import pytest
 import clef_gguf
 from clef_gguf.errors import SettingsError
 from clef_gguf.format import contract as C
+from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.backbone import MAX_UBATCH
+from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from clef_gguf.llama.plan import memory_plan, parse_size
 
 
@@ -35,7 +37,7 @@ def test_the_head_is_counted_where_it_runs(ws):
     device as soon as layers are offloaded (the native head runs where the backbone runs)."""
     path = ws.gguf("k256", "q4_k_m")
     f = GGUFFile.open(path)
-    config = C.read_head_config(f.header)
+    config = hparams.head_config(f.header)
     expected = sum(t.n_bytes for n, t in f.header.tensors.items() if C.is_head_tensor(n))
     expected += (config.routing_layers + config.layers) * config.width**2 * 4
     f.close()
@@ -57,10 +59,14 @@ def test_buffers_grow_with_the_prompt_limit_and_stay_on_the_host_without_offload
 
 def test_the_largest_fitting_prompt_follows_the_card(ws):
     path = ws.gguf("k256", "q4_k_m")
-    fits = [memory_plan(path, 512, vram=parse_size(v)).max_prompt_tokens for v in ("24MiB", "48MiB", "96MiB")]
-    assert fits[0] < fits[1] < fits[2] <= MAX_UBATCH
-    plan = memory_plan(path, fits[1], vram=parse_size("48MiB"))
-    assert plan.device_bytes <= parse_size("48MiB") < memory_plan(path, fits[1] + 256).device_bytes
+    fits = [memory_plan(path, 512, vram=parse_size(v)).max_prompt_tokens for v in ("12MiB", "24MiB", "48MiB")]
+    f = GGUFFile.open(path)
+    trained = hparams.context_length(f.header)
+    f.close()
+    assert fits[0] < fits[1] < fits[2] < trained  # in ubatches, as the runtime runs: no longer capped at MAX_UBATCH
+    assert memory_plan(path, 512, vram=parse_size("1GiB")).max_prompt_tokens == trained
+    plan = memory_plan(path, fits[1], vram=parse_size("24MiB"))
+    assert plan.device_bytes <= parse_size("24MiB") < memory_plan(path, fits[1] + 256).device_bytes
     assert memory_plan(path, 512, vram=parse_size("1MiB")).max_prompt_tokens is None
 
 
@@ -73,6 +79,22 @@ def test_a_backbone_only_file_is_planned_too(ws, tmp_path):
     plan = memory_plan(tmp_path / "backbone.gguf", 1024)
     assert _line(plan, "joint schema head").host_bytes == 0
     assert not any(C.is_head_tensor(n) for n in plan.weights_by_type)
+
+
+def test_a_backbone_without_recurrent_layers_is_planned_as_llama_cpp_reads_it(ws, tmp_path):
+    """llama.cpp derives the layer types from full_attention_interval when the array is absent; so does the
+    one hyperparameter reader that plan, graft and validate share (plan used to refuse such a file)."""
+    from clef_gguf.llama.qwen35_view import write_backbone_gguf
+    from clef_gguf.testing.gguf_bytes import rebuild
+
+    f = GGUFFile.open(ws.gguf("k256", "q4_k_m"))
+    write_backbone_gguf(f, tmp_path / "backbone.gguf")
+    f.close()
+    rebuild(tmp_path / "backbone.gguf", tmp_path / "bare.gguf", drop_keys={"qwen35.attention.recurrent_layers"})
+    with_key, without = memory_plan(tmp_path / "backbone.gguf", 1024), memory_plan(tmp_path / "bare.gguf", 1024)
+    assert [(x.component, x.device_bytes, x.host_bytes) for x in without.lines] == [
+        (x.component, x.device_bytes, x.host_bytes) for x in with_key.lines
+    ]
 
 
 @pytest.mark.parametrize(("text", "value"), [("8GiB", 8 << 30), ("8 GB", 8 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29)])
@@ -97,7 +119,8 @@ def test_the_plan_command_prints_a_table_or_json(ws):
     )
     assert run.returncode == 0, run.stderr
     plan = json.loads(run.stdout)
-    assert plan["max_prompt_tokens"] == memory_plan(path, 4096, vram=parse_size("48MiB")).max_prompt_tokens
+    assert plan["max_prompt_tokens"] == memory_plan(path, vram=parse_size("48MiB")).max_prompt_tokens
+    assert (plan["n_ctx"], plan["ubatch"]) == (DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH)  # what load uses
     assert {line["source"] for line in plan["lines"]} == {"file", "llama.cpp", "computed"}
     table = subprocess.run(
         [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "48MiB"], capture_output=True, text=True

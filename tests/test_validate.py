@@ -20,7 +20,9 @@ import pytest
 import clef_gguf
 from clef_gguf.build.convert import FILE_TYPES
 from clef_gguf.check import validate as V
-from clef_gguf.check.validate import Verdict, validate
+from clef_gguf.check.deep import file_sha256
+from clef_gguf.check.report import Report, Verdict
+from clef_gguf.check.validate import validate
 from clef_gguf.errors import CorruptModelError, IncompleteModelError, NotADecisionModelError
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
@@ -51,7 +53,7 @@ def flash_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"clef": clef, "backbone": root / "flash-backbone.gguf"}
 
 
-def assert_one_line(report: V.Report) -> None:
+def assert_one_line(report: Report) -> None:
     assert "\n" not in report.summary and report.summary
     json.dumps(report.to_dict())  # the --json output is always serializable
 
@@ -91,7 +93,7 @@ def test_the_clef_flash_layout_is_complete_with_427_and_206_tensors(flash_files)
 
 def test_deep_reads_every_tensor_and_checks_the_sha256(ws):
     path = ws.gguf("untied_f32", "q8_0")
-    digest = V.file_sha256(path)
+    digest = file_sha256(path)
     report = validate(path, deep=True, sha256=digest.upper())
     assert report.ok and report.deep and report.sha256 == digest, report.summary
     wrong = validate(path, sha256="0" * 64)

@@ -33,6 +33,7 @@ from clef_gguf.build.writer import GT, storage_type, write_metadata
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import log as llama_log
+from clef_gguf.llama.backbone import MAX_UBATCH
 from clef_gguf.llama.plan import _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
 
 # Qwen3.5-9B's text config (the Clef-flash backbone).
@@ -138,7 +139,7 @@ def chunked_device_bytes(path: Path, model: _NoAllocModel, n_ctx: int, n_ubatch:
     f = GGUFFile.open(path)
     try:
         offloaded = QWEN35_9B.n_layer + 1
-        lines = _lines(f, model.measure(n_ctx, n_ubatch), n_ctx, offloaded)[0]
+        lines = _lines(f, model.measure(n_ctx, n_ubatch), n_ctx, n_ubatch, offloaded)[0]
     finally:
         f.close()
     compute = next(line.device_bytes for line in lines if line.component.startswith("compute buffer"))
@@ -161,16 +162,20 @@ def main() -> None:
         for name, ftype in (("Q4_K_M", L.LLAMA_FTYPE_MOSTLY_Q4_K_M), ("Q5_K_M", L.LLAMA_FTYPE_MOSTLY_Q5_K_M)):
             path = Path(tmp) / f"qwen35-9b-{name}.gguf"
             write_sparse(path, mixture(bf16, ftype))
-            at_4k = memory_plan(path, 4096, -1, vram)
-            at_16k = memory_plan(path, 16384, -1)
+            # The whole prompt as one physical batch (ubatch = the prompt limit), as before ubatches.
+            at_4k = memory_plan(path, 4096, -1, ubatch=4096)
+            at_16k = memory_plan(path, 16384, -1, ubatch=16384)
             weights = sum(at_4k.weights_by_type.values())
             one_batch.append(
                 f"| {name} | {weights / 2**30:.2f} | {at_4k.device_bytes / 2**30:.2f} | {at_16k.device_bytes / 2**30:.2f} "
-                f"| {at_4k.max_prompt_tokens} |"
             )
             f = GGUFFile.open(path)
             model = _NoAllocModel(f, -1)
             try:
+                one_batch_fits = _largest_fitting(
+                    lambda n, path=path, model=model: chunked_device_bytes(path, model, n, n)[0], vram, MAX_UBATCH
+                )
+                one_batch[-1] += f" {one_batch_fits} |"
                 for ubatch in ubatches:
                     device, compute = chunked_device_bytes(path, model, args.ctx, ubatch)
 

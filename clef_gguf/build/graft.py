@@ -19,6 +19,7 @@ import numpy as np
 from ..format import contract as C
 from ..errors import ConversionError, ModelFileError
 from ..format.header import GGUFFile, Header
+from ..format.hparams import backbone_shape
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
 from .writer import (
@@ -95,13 +96,17 @@ def head_tensors(release: Release, qtype: GT) -> list[OutTensor]:
 
 
 # --- Reading a backbone GGUF ---------------------------------------------------------------------
-def _hparams(h: Header) -> dict[str, object]:
+def _hparams(h: Header, what: str) -> dict[str, object]:
+    """The backbone's hyperparameter values, to compare with the release's and to copy into the Clef file.
+
+    Checked by the one reader (format/hparams.py), which derives the recurrent layers when a file
+    only has full_attention_interval, as llama.cpp does.
+    """
+    shape = backbone_shape(h, what)
     prefix = f"{C.BACKBONE_ARCH}."
     values = {s: h.get(prefix + s) for s in C.BACKBONE_KEY_SUFFIXES}
-    if values["attention.recurrent_layers"] is None and values["block_count"] is not None:
-        interval = values["full_attention_interval"] or 4
-        values["full_attention_interval"] = interval
-        values["attention.recurrent_layers"] = [(i + 1) % interval != 0 for i in range(int(values["block_count"]))]
+    values["attention.recurrent_layers"] = list(shape.recurrent)
+    values["full_attention_interval"] = shape.recurrent.index(False) + 1
     missing = [s for s, v in values.items() if v is None]
     if missing:
         raise ModelFileError(f"the backbone lacks {prefix}{missing[0]} ({len(missing)} keys missing)")
@@ -192,7 +197,7 @@ def assemble(
         arch = f.header.get("general.architecture")
         if arch != C.BACKBONE_ARCH:
             raise MismatchError(f"{backbone_path.name} is not a qwen35 backbone (general.architecture is {arch!r})")
-        hparams = _hparams(f.header)
+        hparams = _hparams(f.header, backbone_path.name)
         tied = "output.weight" not in f.header.tensors
         if tied != release.tied:
             raise MismatchError(f"the backbone {'ties' if tied else 'unties'} its output embedding, the release does not")

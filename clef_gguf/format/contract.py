@@ -15,7 +15,8 @@ import json
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+
+from gguf import GGMLQuantizationType as GT
 
 ARCH = "clef"
 BACKBONE_ARCH = "qwen35"
@@ -188,6 +189,19 @@ LINEAR_ATTENTION_RULES = (
 )
 # llama.cpp keeps these in F32 whatever the file type (its converter does the same).
 F32_ONLY_SUFFIXES = ("_norm.weight", "ssm_conv1d.weight", "ssm_a", "ssm_dt.bias")
+
+# The types a weight matrix may have: what llama.cpp's CPU backend runs as weights. The native head,
+# a ggml graph too, is handed this very table (llama/native_head.py), so it runs what validate accepts.
+WEIGHT_TYPES = frozenset(
+    {GT.F32, GT.F16, GT.BF16, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K}
+    | {GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ3_XXS, GT.IQ3_S, GT.IQ1_S, GT.IQ1_M, GT.IQ4_NL, GT.IQ4_XS}
+    | {GT.TQ1_0, GT.TQ2_0, GT.MXFP4}
+)
+
+
+def needs_f32(name: str, n_dims: int) -> bool:
+    """Vectors (biases, norms: ggml_add and ggml_mul operands, which ggml runs in F32 only) and what llama.cpp keeps in F32."""
+    return n_dims == 1 or name.endswith((".bias", "norm.weight", *F32_ONLY_SUFFIXES))
 
 
 @dataclass(frozen=True)
@@ -422,22 +436,6 @@ def inference_scales(prior_logit_scale: float, joint_logit_scale: float, residua
     cap = math.log(100.0)
     gate = 1.0 / (1.0 + math.exp(-residual_gate))
     return math.exp(min(prior_logit_scale, cap)), math.exp(min(joint_logit_scale, cap)), gate
-
-
-def read_head_config(header: Any) -> HeadConfig:
-    """The head's config from a Clef GGUF header: counts from keys, widths from tensor shapes (as llama.cpp reads them).
-
-    Raises KeyError or TypeError on a file that lacks them; validate names what is missing first.
-    """
-    tensors = header.tensors
-    return HeadConfig(
-        hidden_size=int(header.get(backbone_key("embedding_length"))),
-        width=int(tensors["decision.proj_memory.weight"].dims[1]),
-        routing_layers=int(header.get(KEY_ROUTING_BLOCKS)),
-        layers=int(header.get(KEY_JOINT_BLOCKS)),
-        heads=int(header.get(KEY_HEAD_COUNT)),
-        feedforward=int(tensors["dec.blk.0.ffn_up.weight"].dims[1]),
-    )
 
 
 TOKEN_TYPES = "token_types.weight"  # the head's question-type embedding (llama.cpp keeps it F32)

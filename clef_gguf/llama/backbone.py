@@ -16,11 +16,12 @@ from __future__ import annotations
 import ctypes
 import os
 import unicodedata
+from contextlib import ExitStack
 
 import llama_cpp as L
 import numpy as np
 
-from ..errors import ModelFileError, PromptTooLongError, SettingsError
+from ..errors import ComputeError, ModelFileError, PromptTooLongError, SettingsError
 from ..format.header import GGUFFile
 from . import cpu_buffers
 from . import log as llama_log
@@ -89,7 +90,7 @@ class Backbone:
         f: GGUFFile,
         *,
         n_gpu_layers: int = 0,
-        max_prompt_tokens: int = 4096,
+        max_prompt_tokens: int,
         n_threads: int | None = None,
         nfc: bool = True,
         ubatch: int | None = None,
@@ -105,29 +106,32 @@ class Backbone:
         llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
         self.nfc = nfc
-        self.vocab_model = _load(f, lean=False, vocab_only=True)
-        self.vocab = L.llama_model_get_vocab(self.vocab_model)
-        self.model = _load(f, lean=True, n_gpu_layers=n_gpu_layers)
-        self.n_embd = L.llama_model_n_embd(self.model)
-        self.token_embd = RowTable(f, "token_embd.weight")
-        n_pos = 4 if L.llama_model_rope_type(self.model) in _MULTI_POSITION_ROPE else 1
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = max_prompt_tokens
-        # A prompt is one llama_decode call; with a smaller n_ubatch llama.cpp splits it into
-        # ubatches itself, carrying the recurrent and KV state over, and sizes its compute
-        # buffer for n_ubatch tokens instead of the whole prompt.
-        cparams.n_ubatch = ubatch or max_prompt_tokens
-        cparams.n_seq_max = 1
-        cparams.embeddings = True
-        cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-        cparams.n_threads = cparams.n_threads_batch = n_threads or os.cpu_count() or 1
-        self.ctx = L.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            self._free_models()
-            raise ModelFileError(
-                f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {llama_log.last_error('out of memory?')}"
-            )
-        self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos)
+        with ExitStack() as stack:  # a failure at any stage frees what the earlier ones made
+            self.vocab_model = _load(f, lean=False, vocab_only=True)
+            stack.callback(L.llama_model_free, self.vocab_model)
+            self.vocab = L.llama_model_get_vocab(self.vocab_model)
+            self.model = _load(f, lean=True, n_gpu_layers=n_gpu_layers)
+            stack.callback(L.llama_model_free, self.model)
+            self.n_embd = L.llama_model_n_embd(self.model)
+            self.token_embd = RowTable(f, "token_embd.weight")
+            n_pos = 4 if L.llama_model_rope_type(self.model) in _MULTI_POSITION_ROPE else 1
+            cparams = L.llama_context_default_params()
+            cparams.n_ctx = cparams.n_batch = max_prompt_tokens
+            # A prompt is one llama_decode call; with a smaller n_ubatch llama.cpp splits it into
+            # ubatches itself, carrying the recurrent and KV state over, and sizes its compute
+            # buffer for n_ubatch tokens instead of the whole prompt.
+            cparams.n_ubatch = ubatch or max_prompt_tokens
+            cparams.n_seq_max = 1
+            cparams.embeddings = True
+            cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
+            cparams.n_threads = cparams.n_threads_batch = n_threads or os.cpu_count() or 1
+            self.ctx = L.llama_init_from_model(self.model, cparams)
+            if not self.ctx:
+                reason = llama_log.last_error("out of memory?")
+                raise ModelFileError(f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {reason}")
+            stack.callback(L.llama_free, self.ctx)
+            self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos)
+            self._resources = stack.pop_all()
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens parsed, as the reference's tokenizer(text, add_special_tokens=False)."""
@@ -138,7 +142,7 @@ class Backbone:
         tokens = (L.llama_token * capacity)()
         n = L.llama_tokenize(self.vocab, raw, len(raw), tokens, capacity, False, True)
         if n < 0:
-            raise AssertionError("a byte-level BPE never yields more tokens than bytes")
+            raise ComputeError(f"llama.cpp's tokenizer failed ({n}): a byte-level BPE never yields more tokens than bytes")
         return tokens[:n]
 
     def hidden_states(self, tokens: list[int], copy: bool = True) -> np.ndarray:
@@ -152,18 +156,15 @@ class Backbone:
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
         status = L.llama_decode(self.ctx, batch)
         if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
+            raise ComputeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
         pointer = L.llama_get_embeddings(self.ctx)
         hidden = np.ctypeslib.as_array(pointer, shape=(len(tokens), self.n_embd))
         return hidden.copy() if copy else hidden
 
-    def _free_models(self) -> None:
-        L.llama_model_free(self.model)
-        L.llama_model_free(self.vocab_model)
-
     def close(self) -> None:
-        if getattr(self, "ctx", None):
-            L.llama_free(self.ctx)
-            self._free_models()
+        """Free the context, then both models (the reverse of loading); a second close does nothing."""
+        if getattr(self, "_resources", None):
+            self._resources.close()
+            self._resources = None
             self.ctx = None
-            self.token_embd = None  # a view of the file's map: let the map close
+        self.token_embd = None  # its rows are a view of the file's mapping, which can only close once they are gone

@@ -31,7 +31,19 @@ _char_p, _size_t, _int, _void_p = ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
 _PROTOTYPES = {
     "clef_head_load": (
         _int,
-        [_char_p, _char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_float, _int, _int, ctypes.POINTER(_void_p), _char_p, _size_t],
+        [
+            _char_p,
+            _char_p,
+            _i32p,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.c_float,
+            _int,
+            _int,
+            ctypes.POINTER(_void_p),
+            _char_p,
+            _size_t,
+        ],
     ),
     "clef_head_free": (None, [_void_p]),
     "clef_head_device": (_char_p, [_void_p]),

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import ModelFileError
+from ..errors import ComputeError, ModelFileError
 from ..format import contract as C
 from .native import library
 
@@ -74,9 +74,9 @@ class NativeHead:
         table = "\n".join(f"{reference}\t{gguf}" for reference, gguf in names.items()).encode()
         fields = (config.hidden_size, config.width, config.routing_layers, config.layers, config.heads, config.feedforward)
         values = (ctypes.c_int64 * len(fields))(*fields)
-        status = self._lib.clef_head_load(
-            os.fsencode(path), table, values, norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE
-        )
+        types = _i32(sorted(int(t) for t in C.WEIGHT_TYPES))  # validate's table: the head runs what validate accepts
+        args = (table, _ptr(types), len(types), values, norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE)
+        status = self._lib.clef_head_load(os.fsencode(path), *args)
         if status != 0:
             raise ModelFileError(f"{Path(path).name}: {err.value.decode('utf-8', 'replace')}")
         self._handle = handle
@@ -87,7 +87,7 @@ class NativeHead:
         """hidden: (len(prompt.tokens), hidden_size) float32 -> one logit array per question."""
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         if hidden.shape != (len(prompt.tokens), self.hidden_size):
-            raise ValueError(f"hidden states {hidden.shape}, expected ({len(prompt.tokens)}, {self.hidden_size})")
+            raise ComputeError(f"hidden states {hidden.shape}, expected ({len(prompt.tokens)}, {self.hidden_size})")
         questions = prompt.questions
         tokens = _i32(prompt.tokens)
         types = _i32([C.QUESTION_TYPES[q.type] for q in questions])
@@ -111,7 +111,7 @@ class NativeHead:
             _ERR_SIZE,
         )
         if status != 0:
-            raise RuntimeError(f"the native head failed: {err.value.decode('utf-8', 'replace')}")
+            raise ComputeError(f"the native head failed: {err.value.decode('utf-8', 'replace')}")
         return np.split(logits, np.cumsum(counts)[:-1])
 
     def close(self) -> None:

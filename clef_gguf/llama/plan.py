@@ -4,7 +4,7 @@ Each figure says where it comes from:
   file      - the GGUF header (tensor sizes: exact);
   llama.cpp - llama.cpp's own no-alloc pass (model params no_alloc: it plans every
               buffer without allocating): KV cache, recurrent state, compute buffer
-              at a physical batch of n_ctx tokens, read from its log;
+              at a prompt limit of n_ctx tokens in ubatches, read from its log;
   computed  - arithmetic here (placement of layers, output buffer, head).
 The compute buffer is measured on the backends this llama.cpp build has: on a
 CPU-only build, the CPU backend's buffer stands in for the GPU's (same graph; the
@@ -19,12 +19,14 @@ from pathlib import Path
 
 import llama_cpp as L
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, SettingsError
 from ..format import contract as C
+from ..format import hparams
 from ..format.header import GGUFFile
 from . import cpu_buffers
 from . import log as llama_log
 from .backbone import MAX_UBATCH
+from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from .qwen35_view import open_qwen35_view, view_tensor_names
 
 MIB = 1 << 20
@@ -46,6 +48,7 @@ class Line:
 class Plan:
     model: str
     n_ctx: int
+    ubatch: int
     n_gpu_layers: int
     lines: tuple[Line, ...]
     weights_by_type: dict[str, int]
@@ -126,14 +129,6 @@ def _on_device(name: str, n_layer: int, offloaded: int) -> bool:
     return name == "output_norm.weight" and offloaded > n_layer
 
 
-def _hparam(f: GGUFFile, suffix: str) -> object:
-    for arch in (C.ARCH, C.BACKBONE_ARCH):
-        value = f.header.get(f"{arch}.{suffix}")
-        if value is not None:
-            return value
-    raise ModelFileError(f"{f.path.name}: no {suffix} (not a Clef or qwen35 file)")
-
-
 def _head_bytes(f: GGUFFile) -> int:
     """The native head's weights in their stored types, plus the F32 transposed key weight of each
     attention over the prompt (one per routing block and joint layer, width x width)."""
@@ -141,13 +136,15 @@ def _head_bytes(f: GGUFFile) -> int:
     weights = sum(t.n_bytes for n, t in tensors.items() if C.is_head_tensor(n))
     if not weights:
         return 0
-    config = C.read_head_config(f.header)
+    config = hparams.head_config(f.header, f.path.name)
     return weights + (config.routing_layers + config.layers) * config.width * config.width * 4
 
 
-def _lines(f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int) -> tuple[list[Line], dict[str, int], bool]:
-    n_layer = int(_hparam(f, "block_count"))
-    recurrent = list(_hparam(f, "attention.recurrent_layers"))
+def _lines(
+    f: GGUFFile, sizes: dict[str, float], n_ctx: int, ubatch: int, offloaded: int
+) -> tuple[list[Line], dict[str, int], bool]:
+    shape = hparams.backbone_shape(f.header, f.path.name)
+    n_layer, recurrent = shape.n_layer, shape.recurrent
     tensors = f.header.tensors
     weights_device = weights_host = 0
     by_type: dict[str, int] = {}
@@ -177,39 +174,56 @@ def _lines(f: GGUFFile, sizes: dict[str, float], n_ctx: int, offloaded: int) -> 
         )
     else:  # a CPU-only build: its compute buffer stands in for the GPU's when layers are offloaded
         compute_device = int(compute_total) if offloaded > 0 else 0
-    n_embd = int(_hparam(f, "embedding_length"))
     lines = [
         Line("backbone weights", weights_device, weights_host, "file"),
         Line("KV cache (full-attention layers)", *kv, "llama.cpp"),
         Line("recurrent state (linear-attention layers)", *rs, "llama.cpp"),
-        Line(f"compute buffer (physical batch {n_ctx})", compute_device, int(compute_total) - compute_device, "llama.cpp"),
-        Line("hidden-state output buffer", 0, n_ctx * n_embd * 4, "computed"),
+        Line(f"compute buffer (ubatch {ubatch})", compute_device, int(compute_total) - compute_device, "llama.cpp"),
+        Line("hidden-state output buffer", 0, n_ctx * shape.n_embd * 4, "computed"),
         # The native head runs where the backbone runs: on the GPU as soon as layers are offloaded.
         Line("joint schema head", *((head, 0) if offloaded > 0 else (0, head)), "file"),
     ]
     return lines, by_type, gpu_backend
 
 
-def memory_plan(path: str | Path, n_ctx: int = 4096, n_gpu_layers: int = -1, vram: int | None = None) -> Plan:
-    """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt that fits `vram`."""
+def memory_plan(
+    path: str | Path,
+    n_ctx: int = DEFAULT_MAX_PROMPT_TOKENS,
+    n_gpu_layers: int = -1,
+    vram: int | None = None,
+    ubatch: int | None = None,
+) -> Plan:
+    """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt limit that fits `vram`.
+
+    Prompts are processed in ubatches of `ubatch` tokens, as the runtime does (the default is
+    its default: DEFAULT_UBATCH, or the prompt limit when that is smaller).
+    """
+    if ubatch is not None and not 1 <= ubatch <= MAX_UBATCH:
+        raise SettingsError(f"ubatch must be between 1 and {MAX_UBATCH} (llama.cpp aborts above), not {ubatch}")
+
+    def ubatch_at(n: int) -> int:
+        return min(ubatch or DEFAULT_UBATCH, n)
+
     f = GGUFFile.open(path)
     try:
-        n_layer = int(_hparam(f, "block_count"))
+        n_layer = hparams.backbone_shape(f.header, f.path.name).n_layer
         offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
         model = _NoAllocModel(f, n_gpu_layers)
         try:
-            lines, by_type, gpu = _lines(f, model.measure(n_ctx), n_ctx, offloaded)
+
+            def lines_at(n: int) -> tuple[list[Line], dict[str, int], bool]:
+                return _lines(f, model.measure(n, ubatch_at(n)), n, ubatch_at(n), offloaded)
+
+            lines, by_type, gpu = lines_at(n_ctx)
             fits = None
             if vram is not None:
-                limit = min(int(_hparam(f, "context_length")), MAX_UBATCH)  # the largest single physical batch
-                fits = _largest_fitting(
-                    lambda n: sum(x.device_bytes for x in _lines(f, model.measure(n), n, offloaded)[0]), vram, limit
-                )
+                limit = hparams.context_length(f.header)
+                fits = _largest_fitting(lambda n: sum(x.device_bytes for x in lines_at(n)[0]), vram, limit)
         finally:
             model.close()
     finally:
         f.close()
-    return Plan(str(path), n_ctx, n_gpu_layers, tuple(lines), by_type, gpu, vram, fits)
+    return Plan(str(path), n_ctx, ubatch_at(n_ctx), n_gpu_layers, tuple(lines), by_type, gpu, vram, fits)
 
 
 def _largest_fitting(device_bytes, vram: int, limit: int, step: int = 256) -> int | None:
@@ -230,5 +244,5 @@ def parse_size(text: str) -> int:
     """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(f"not a size: {text!r} (try 8GiB)")
+        raise SettingsError(f"not a size: {text!r} (try 8GiB)")
     return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))

@@ -14,6 +14,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from ..errors import ModelFileError
 from ..format.header import GGUFFile
 
 
@@ -41,7 +42,7 @@ class RowTable:
 
     def __init__(self, f: GGUFFile, name: str) -> None:
         t = f.header.tensors[name]
-        self.type = t.type
+        self.name, self.type = name, t.type
         self.n_rows, self.width = t.shape
         self._rows = f.tensor_bytes(name).reshape(self.n_rows, -1)
         traits = _ggml.ggml_get_type_traits(int(t.type)).contents
@@ -53,6 +54,6 @@ class RowTable:
             return gathered.view(np.float32).reshape(-1, self.width)
         out = np.empty((len(gathered), self.width), dtype=np.float32)
         if self._to_float is None:
-            raise ValueError(f"ggml cannot dequantize {self.type.name}")
+            raise ModelFileError(f"ggml cannot dequantize {self.type.name} rows of {self.name}")
         self._to_float(gathered.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
         return out

@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
 from ..check.validate import open_validated
-from ..errors import ModelFileError, PromptTooLongError
-from ..format import contract as C
-from ..format.header import GGUFFile
-from ..format.template import PromptTemplate
+from ..errors import PromptTooLongError
 from ..llama.backbone import Backbone
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from ..llama.native_head import NativeHead
 from .answers import response
-from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from .prompt import EncodedPrompt, encode, parse_request
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
-
-
-def _decision_metadata(f: GGUFFile) -> tuple[C.HeadConfig, PromptTemplate]:
-    h = f.header
-    if h.get("general.architecture") != C.ARCH or h.get(C.KEY_DECISION_TYPE) != C.DECISION_TYPE:
-        raise ModelFileError(
-            f"{f.path.name} is not a Clef decision model (architecture {h.get('general.architecture')!r}, "
-            f"{C.KEY_DECISION_TYPE} {h.get(C.KEY_DECISION_TYPE)!r}); run `clef-gguf validate` on it"
-        )
-    try:
-        config = C.read_head_config(h)
-        template = PromptTemplate(str(h.fields[C.KEY_TEMPLATE].value))
-    except (KeyError, TypeError) as e:
-        raise ModelFileError(f"{f.path.name}: incomplete Clef metadata ({e}); run `clef-gguf validate` on it") from e
-    return config, template
 
 
 class ClefModel:
@@ -50,30 +33,30 @@ class ClefModel:
             ubatch = min(DEFAULT_UBATCH, max_prompt_tokens)
         self.ubatch = ubatch
         self.path = Path(path)
-        self.file = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
-        config, self.template = _decision_metadata(self.file)
-        self.name = str(self.file.header.get("general.name") or self.path.stem)
-        # Qwen's tokenizer.json normalizes to NFC, which llama.cpp's tokenizer does not apply: the runtime does,
-        # unless the file says its tokenizer has no normalizer (llama.cpp's converter writes no such key).
-        nfc = self.file.header.get(C.KEY_NORMALIZER, "NFC") == "NFC"
-        self.backbone = Backbone(
-            self.file, n_gpu_layers=n_gpu_layers, max_prompt_tokens=max_prompt_tokens, n_threads=n_threads, nfc=nfc, ubatch=ubatch
-        )
-        try:
+        # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
+        with ExitStack() as stack:
+            validated = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
+            stack.callback(validated.close)
+            self.file, d = validated.file, validated.description
+            self.description, self.name, self.template = d, d.name, d.template
+            self.backbone = Backbone(
+                self.file,
+                n_gpu_layers=n_gpu_layers,
+                max_prompt_tokens=max_prompt_tokens,
+                n_threads=n_threads,
+                nfc=d.nfc,
+                ubatch=ubatch,
+            )
+            stack.callback(self.backbone.close)
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
-            norm_eps = float(self.file.header.get(C.KEY_HEAD_NORM_EPS, C.HEAD_NORM_EPS))
-            self.head = NativeHead(self.path, config, norm_eps=norm_eps, gpu=n_gpu_layers != 0, n_threads=n_threads)
-        except Exception:
-            self.backbone.close()
-            raise
-        self._lock = threading.Lock()
-        try:
-            self.decide(PROBE)  # weights that parse but overflow or hold NaN: refused now, not on every request
-        except PromptTooLongError:
-            pass  # a context too small for the probe: the first request checks instead
-        except Exception:
-            self.close()
-            raise
+            self.head = NativeHead(self.path, d.head, norm_eps=d.head_norm_eps, gpu=n_gpu_layers != 0, n_threads=n_threads)
+            stack.callback(self.head.close)
+            self._lock = threading.Lock()
+            # Weights that parse but overflow or hold NaN: refused now, not on every request. A context too
+            # small for the probe leaves the check to the first request.
+            with suppress(PromptTooLongError):
+                self.decide(PROBE)
+            self._resources = stack.pop_all()
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -93,9 +76,7 @@ class ClefModel:
         return response(prompt, self.name, logits)
 
     def close(self) -> None:
-        self.head.close()
-        self.backbone.close()
-        self.file.close()
+        self._resources.close()  # head, backbone, then the mapping: the reverse of loading
 
     def __enter__(self) -> ClefModel:
         return self

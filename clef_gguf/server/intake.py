@@ -24,7 +24,6 @@ from typing import Any
 from starlette.requests import Request
 
 from ..errors import PromptTooLongError, RequestError
-from ..runtime.prompt import parse_request
 from . import body
 from .problems import ApiError, Invalid, from_request_error
 from .worker import Model
@@ -33,16 +32,11 @@ MEDIA_FIELDS = ("assets", "images", "videos")  # the vision tower is not convert
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
 
 
-def check_request(value: Any) -> None:
-    """Reject a malformed request before it waits for the model: 422 even when the server is busy."""
+def check_media(value: Any) -> None:
     if isinstance(value, dict):
         for key in MEDIA_FIELDS:
             if value.get(key):
                 raise Invalid(["body", key], "images and videos are not supported: this Clef GGUF has no vision tower")
-    try:
-        parse_request(value)
-    except RequestError as e:
-        raise from_request_error(e, value) from e
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -70,11 +64,12 @@ class Intake:
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
 
     def _prepare(self, decoded: bytes) -> Any:
-        """Parse, validate and tokenize one decoded body: the encoded prompt, known to fit the model.
+        """Parse, validate and tokenize one decoded body, before it waits for the model (a 422 even when the
+        server is busy): the encoded prompt, known to fit the model.
 
         The worker decides on this very prompt: a request is parsed and tokenized once."""
         value = body.parse(decoded)
-        check_request(value)
+        check_media(value)
         try:
             prompt = self.model.encode(value)
         except RequestError as e:
