@@ -5,7 +5,7 @@ model = clef_gguf.load("clef-flash-Q8_0.gguf")
 model.decide({"model": "clef", "state": "...", "questions": {...}})
 """
 
-from .build.convert import convert
+from .conversion.convert import convert
 from .errors import ClefError, ConversionError, ModelFileError, PromptTooLongError, ReleaseError, RequestError
 from .runtime.model import ClefModel, load
 

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from .build.convert import DEFAULT_FILE_TYPE, FILE_TYPES
+from .conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError
 from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 
@@ -180,7 +180,7 @@ def convert(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata)."""
-    from .build.convert import convert as run_convert
+    from .conversion.convert import convert as run_convert
 
     def work() -> Path:
         with _signals_clean_up(), _progress() as progress:
@@ -200,7 +200,7 @@ def graft(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
-    from .build.graft import graft as run_graft
+    from .conversion.graft import graft as run_graft
 
     def work() -> Path:
         with _signals_clean_up(), _progress() as progress:

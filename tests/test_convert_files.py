@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.build.convert import backbone_tensors
-from clef_gguf.build.graft import graft, head_tensors
-from clef_gguf.build.release import open_release
-from clef_gguf.build.vocab import read_vocab
-from clef_gguf.build.writer import GT, header_bytes, remove_stale
+from clef_gguf.conversion.convert import backbone_tensors
+from clef_gguf.conversion.graft import graft, head_tensors
+from clef_gguf.conversion.release import open_release
+from clef_gguf.conversion.vocab import read_vocab
+from clef_gguf.conversion.writer import GT, header_bytes, remove_stale
 from clef_gguf.errors import ConversionError
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.qwen35_view import write_backbone_gguf

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import clef_gguf
-from clef_gguf.build.graft import MismatchError, graft
-from clef_gguf.build.quantize import load_imatrix, quantize
+from clef_gguf.conversion.graft import MismatchError, graft
+from clef_gguf.conversion.quantize import load_imatrix, quantize
 from clef_gguf.errors import ConversionError
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
@@ -172,7 +172,7 @@ def test_a_failed_quantization_leaves_nothing_beside_the_output(ws, tmp_path):
 
 
 def test_free_space_is_checked_before_starting(tmp_path):
-    from clef_gguf.build.writer import check_free_space
+    from clef_gguf.conversion.writer import check_free_space
 
     free = shutil.disk_usage(tmp_path).free
     check_free_space(tmp_path, free // 2)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import clef_gguf
-from clef_gguf.build.convert import FILE_TYPES
 from clef_gguf.check import validate as V
 from clef_gguf.check.deep import file_sha256
 from clef_gguf.check.report import Report, Verdict
 from clef_gguf.check.validate import validate
+from clef_gguf.conversion.convert import FILE_TYPES
 from clef_gguf.errors import CorruptModelError, IncompleteModelError, NotADecisionModelError
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile

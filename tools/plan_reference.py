@@ -28,8 +28,8 @@ from pathlib import Path
 import gguf
 import llama_cpp as L
 
-from clef_gguf.build.vocab import Vocab
-from clef_gguf.build.writer import GT, storage_type, write_metadata
+from clef_gguf.conversion.vocab import Vocab
+from clef_gguf.conversion.writer import GT, storage_type, write_metadata
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import log as llama_log

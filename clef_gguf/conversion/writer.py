@@ -19,8 +19,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..format import contract as C
 from ..errors import ConversionError
+from ..format import contract as C
 from .vocab import Vocab
 
 GT = gguf.GGMLQuantizationType

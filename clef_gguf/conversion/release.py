@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..format.contract import BACKBONE_KEY_SUFFIXES, BackboneShape, HeadConfig
 from ..errors import ReleaseError
+from ..format.contract import BACKBONE_KEY_SUFFIXES, BackboneShape, HeadConfig
 
 BACKBONE_CLASS = "Qwen3_5ForConditionalGeneration"
 HEAD_WEIGHTS = "joint_head.safetensors"

@@ -16,8 +16,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..format import contract as C
 from ..errors import ConversionError, ModelFileError
+from ..format import contract as C
 from ..format.header import GGUFFile, Header
 from ..format.hparams import backbone_shape
 from .release import Release, backbone_hparams, open_release, reference_sha256

@@ -17,8 +17,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..format import contract as C
 from ..errors import ConversionError, ReleaseError
+from ..format import contract as C
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
 from .release import Release, backbone_hparams, open_release, reference_sha256
