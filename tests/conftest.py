@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import clef_gguf  # noqa: E402
+from clef_gguf.conversion.convert import default_mmproj_path  # noqa: E402
 from clef_gguf.testing.oracle import Oracle  # noqa: E402
 from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402
 
@@ -34,6 +35,10 @@ class Workspace:
     # Cached by all their arguments, the defaults spelled out: gguf(n, t) and gguf(n, t, "auto") are one file.
     def gguf(self, name: str, file_type: str, head_type: str = "auto") -> Path:
         return self._gguf_cached(name, file_type, head_type)
+
+    def mmproj(self, name: str, file_type: str) -> Path:
+        """The vision tower convert writes beside gguf(name, file_type) (its mmproj type follows the file type)."""
+        return default_mmproj_path(self.gguf(name, file_type))
 
     def model(self, name: str, file_type: str, head_type: str = "auto") -> clef_gguf.ClefModel:
         return self._model_cached(name, file_type, head_type)

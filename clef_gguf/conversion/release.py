@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ReleaseError
 from ..format.contract import BACKBONE_KEY_SUFFIXES, BackboneShape, HeadConfig
+from ..format.vision import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
 
 BACKBONE_CLASS = "Qwen3_5ForConditionalGeneration"
 HEAD_WEIGHTS = "joint_head.safetensors"
@@ -75,6 +76,8 @@ class Release:
     head: dict[str, StoredTensor]
     tokenizer: dict[str, Any]  # tokenizer.json
     tokenizer_config: dict[str, Any]
+    vision_config: dict[str, Any] | None = None  # config.json's vision_config: the vision tower, if any
+    preprocessor_config: dict[str, Any] | None = None  # preprocessor_config.json: the image processor
 
     @property
     def name(self) -> str:
@@ -198,7 +201,23 @@ def open_release(source: str | Path, *, weights: bool = True) -> Release:
         head=read_safetensors_index(root / HEAD_WEIGHTS),
         tokenizer=_read_json(root / "tokenizer.json"),
         tokenizer_config=_read_json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {},
+        vision_config=config.get("vision_config"),
+        preprocessor_config=_image_processor_config(root),
     )
+
+
+def _image_processor_config(root: Path) -> dict[str, Any] | None:
+    """The image processor's settings as llama.cpp's converter reads them (conversion/base.py:2635-2664):
+    preprocessor_config.json (its media_proc_cfg lifted to the top), then processor_config.json's
+    image_processor over it. None when the release has neither."""
+    found = None
+    if (root / PREPROCESSOR_CONFIG).is_file():
+        found = _read_json(root / PREPROCESSOR_CONFIG)
+        found = {**found, **found.get("media_proc_cfg", {})}
+    if (root / PROCESSOR_CONFIG).is_file():
+        processor = _read_json(root / PROCESSOR_CONFIG)
+        found = {**(found or {}), **processor, **processor.get("image_processor", {})}
+    return found
 
 
 def backbone_hparams(release: Release) -> dict[str, object]:

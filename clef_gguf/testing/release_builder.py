@@ -76,6 +76,16 @@ RESIDUAL_GATE = 1.0  # sigmoid(1) ~ 0.73
 RESIDUAL_WRITERS = ("o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
 RESIDUAL_WRITE_SCALE = 0.2
 
+# The vision tower and its image processor (preprocessor_config.json).
+VISUAL_PREFIX = "model.visual."
+VISION_PATCH_SIZE = 16
+VISION_MERGE_SIZE = 2  # 2 x 2 patches -> one image token
+VISION_TEMPORAL_PATCH_SIZE = 2  # an image is its frame twice
+VISION_MIN_TOKENS = 16
+VISION_MAX_TOKENS = 256
+VISION_IMAGE_MEAN = (0.48, 0.46, 0.41)
+VISION_IMAGE_STD = (0.27, 0.26, 0.28)
+
 # Draws the random value of one named parameter of a given shape.
 _ValueFn = Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor]
 
@@ -105,6 +115,8 @@ class ReleaseSpec:
     vocab_padding: int = 37  # model vocab = tokenizer size + this, like Qwen's padded embeddings
     seed: int = 0
     max_shard_bytes: int | None = None  # shard model*.safetensors (with an index) when set
+    vision: bool = True  # a vision tower (model.visual.*) and preprocessor_config.json, as the real releases
+    vision_layers: int = 2
 
 
 TINY = ReleaseSpec()
@@ -166,8 +178,40 @@ def build_release(out_dir: Path, spec: ReleaseSpec = TINY) -> Path:
     _save_backbone(out_dir, spec, tokenizer)
     _save_head(out_dir, spec, reference)
     tokenizer.save_pretrained(out_dir)
+    if spec.vision:
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     shutil.copyfile(reference_path(), out_dir / "joint_schema_model.py")
     return out_dir
+
+
+# --- image processor ---------------------------------------------------------
+
+
+def preprocessor_config() -> dict[str, object]:
+    """preprocessor_config.json in the real Qwen3.5 release's layout (Qwen2VLImageProcessor's fields).
+
+    The pixel limits are the fixture's own, not Qwen3.5's (65,536 to 16,777,216 pixels, i.e. 64 to
+    16,384 image tokens): small enough for CPU tests, and unlike mtmd's Qwen-VL defaults (8 to 4096
+    tokens), so that whatever ignores the release's limits gives other token counts. The mean and std
+    are not Qwen's 0.5 either: a converter that wrote its defaults would be caught.
+    """
+    pixels_per_token = (VISION_PATCH_SIZE * VISION_MERGE_SIZE) ** 2
+    return {
+        "size": {"shortest_edge": VISION_MIN_TOKENS * pixels_per_token, "longest_edge": VISION_MAX_TOKENS * pixels_per_token},
+        "patch_size": VISION_PATCH_SIZE,
+        "temporal_patch_size": VISION_TEMPORAL_PATCH_SIZE,
+        "merge_size": VISION_MERGE_SIZE,
+        "image_mean": list(VISION_IMAGE_MEAN),
+        "image_std": list(VISION_IMAGE_STD),
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,  # PIL bicubic, as Qwen's
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+    }
 
 
 # --- tokenizer -------------------------------------------------------------
@@ -301,17 +345,18 @@ def release_config(spec: ReleaseSpec, tokenizer: PreTrainedTokenizerFast) -> Qwe
         "eos_token_id": ids("<|im_end|>"),
         "pad_token_id": ids("<|endoftext|>"),
     }
-    # A minimal vision tower: present like in the real release, unused by text requests.
+    # A minimal vision tower, in the real release's layout (Qwen3.5's: no deepstack layers).
     vision_config = {
-        "depth": 1,
+        "depth": spec.vision_layers,
         "hidden_size": 32,
+        "hidden_act": "gelu_pytorch_tanh",
         "intermediate_size": 64,
         "num_heads": 2,
         "out_hidden_size": spec.hidden,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 64,
+        "patch_size": VISION_PATCH_SIZE,
+        "spatial_merge_size": VISION_MERGE_SIZE,
+        "temporal_patch_size": VISION_TEMPORAL_PATCH_SIZE,
+        "num_position_embeddings": 64,  # an 8 x 8 grid of learned positions, interpolated to the image's
     }
     return Qwen3_5Config(
         text_config=text_config,
@@ -331,7 +376,16 @@ def _save_backbone(out_dir: Path, spec: ReleaseSpec, tokenizer: PreTrainedTokeni
     _randomize(model, generator, _backbone_value)
     model = model.to(getattr(torch, spec.dtype))
     shard = spec.max_shard_bytes if spec.max_shard_bytes is not None else "50GB"
-    model.save_pretrained(out_dir, max_shard_size=shard)
+    if spec.vision:
+        model.save_pretrained(out_dir, max_shard_size=shard)
+        return
+    # A release without a vision tower: no model.visual.* weights and no vision_config.
+    text_only = {name: t for name, t in model.state_dict().items() if not name.startswith(VISUAL_PREFIX)}
+    model.save_pretrained(out_dir, max_shard_size=shard, state_dict=text_only)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["vision_config"]
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _randomize(
