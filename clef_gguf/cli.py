@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from .conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES
-from .errors import ClefError, RequestError
+from .errors import ClefError, RequestError, SettingsError
 from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 
 app = typer.Typer(
@@ -177,16 +177,52 @@ def convert(
     imatrix: Annotated[
         Path | None, typer.Option("--imatrix", help="Importance matrix (llama-imatrix GGUF) for llama.cpp's quantizer.")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+    mmproj: Annotated[
+        Path | None,
+        typer.Option(
+            "--mmproj",
+            help="Where to write the vision tower (llama.cpp's mmproj GGUF). Default: mmproj-<OUT's stem>.gguf beside OUT.",
+            show_default=False,
+        ),
+    ] = None,
+    no_mmproj: Annotated[bool, typer.Option("--no-mmproj", help="Do not convert the vision tower.")] = False,
+    mmproj_type: Annotated[
+        str,
+        typer.Option(
+            "--mmproj-type",
+            help="Vision tower weight type: auto (the file type for f32/f16/bf16/q8_0, else f16), f32, f16, bf16 or q8_0.",
+        ),
+    ] = "auto",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT (and the mmproj) if they exist.")] = False,
 ) -> None:
-    """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata)."""
-    from .conversion.convert import convert as run_convert
+    """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata), and its vision
+    tower into llama.cpp's mmproj file beside it."""
+    from .conversion.convert import Converted, convert_files
 
-    def work() -> Path:
+    if no_mmproj and mmproj is not None:
+        err.print("[bold red]error:[/] --mmproj and --no-mmproj exclude each other")
+        raise typer.Exit(2)
+
+    def work() -> Converted:
         with _signals_clean_up(), _progress() as progress:
-            return run_convert(source, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress)
+            return convert_files(
+                source,
+                out,
+                file_type,
+                head_type=head_type,
+                imatrix=imatrix,
+                mmproj=False if no_mmproj else (mmproj or True),
+                mmproj_type=mmproj_type,
+                force=force,
+                progress=progress,
+            )
 
-    err.print(f"wrote {_line(_run(work))}", markup=False, highlight=False, soft_wrap=True)
+    made = _run(work)
+    err.print(f"wrote {_line(made.model)}", markup=False, highlight=False, soft_wrap=True)
+    if made.mmproj is not None:
+        err.print(f"wrote {_line(made.mmproj)} (the vision tower)", markup=False, highlight=False, soft_wrap=True)
+    if made.note:
+        err.print(f"note: {_line(made.note)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -373,15 +409,43 @@ def validate(
     sha256: Annotated[
         str | None, typer.Option("--sha256", metavar="HEX", help="Expected sha256 of the whole file (local files).")
     ] = None,
+    mmproj: Annotated[
+        str | None,
+        typer.Option(
+            "--mmproj",
+            metavar="MMPROJ",
+            help="Also validate this vision tower (mmproj) and whether it belongs to SOURCE.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Is SOURCE a complete Clef decision model? Says so in one line, before anything is loaded.
+    """Is SOURCE a complete Clef decision model, or a vision tower (mmproj) for one? Says so in one line, before
+    anything is loaded.
 
     Reads only the header unless --deep; a remote SOURCE with HTTP range requests, before any download.
+    With --mmproj, both files and their pairing (projector, embedding width = the backbone's hidden size).
 
-    Exit codes: 0 complete, 5 corrupt or unreadable, 6 not a decision model (e.g. backbone-only), 7 incomplete or inconsistent.
+    Exit codes: 0 complete, 5 corrupt or unreadable, 6 not a decision model (e.g. backbone-only; an mmproj of
+    another projector), 7 incomplete or inconsistent (with --mmproj: also a pair that does not belong together).
     """
     from .check.validate import validate as run_validate
 
+    if mmproj is not None:
+        from .check.pair import PairReport, validate_pair
+
+        def pair_work() -> PairReport:
+            if sha256 is not None:
+                raise SettingsError("--sha256 checks one file: validate the model and the mmproj separately")
+            return validate_pair(source, mmproj, deep=deep)
+
+        pair = _run(pair_work)
+        if as_json:
+            typer.echo(json.dumps(pair.to_dict(), indent=2))
+        else:
+            _print_report(pair.model)
+            _print_report(pair.mmproj)
+            typer.echo(f"pairing: {_line(pair.summary)}")
+        raise typer.Exit(pair.exit_code)
     report = _run(lambda: run_validate(source, deep=deep, sha256=sha256))
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))

@@ -179,3 +179,14 @@ def test_a_release_whose_image_processor_cannot_feed_the_tower_is_refused(ws, tm
     assert reason in str(raised.value) and "\n" not in str(raised.value)
     assert not [p for p in tmp_path.iterdir() if p.name != release.name]
     clef_gguf.convert(release, tmp_path / "m.gguf", "f32", mmproj=False)  # the text model still converts
+
+
+def test_llama_cpps_mmproj_validates_and_pairs_with_our_model(golden, ws):
+    from clef_gguf.check.pair import validate_pair
+    from clef_gguf.check.validate import validate
+
+    path = golden("untied_f32", "q8_0")
+    report = validate(path)
+    assert report.ok, report.summary
+    assert len(report.notes) == 1 and "no image pixel limits" in report.notes[0]
+    assert validate_pair(ws.gguf("untied_f32", "q8_0"), path).ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -104,6 +105,8 @@ class Findings:
     shape: C.BackboneShape | None = None
     head: C.HeadConfig | None = None
     template: PromptTemplate | None = None
+    # A file of another kind (an mmproj, check/mmproj.py) has a summary of its own.
+    summarize: Callable[[Verdict, Findings, Header | None], str] | None = None
 
 
 def _verdict(found: Findings) -> Verdict:
@@ -122,6 +125,8 @@ def _type_summary(h: Header) -> dict[str, int]:
 
 
 def _summary(verdict: Verdict, found: Findings, h: Header | None, source: str) -> str:
+    if found.summarize is not None:
+        return found.summarize(verdict, found, h)
     c, problems = found.counts, found.problems
     if verdict is Verdict.CORRUPT:
         first = next(p for p in problems if p.corrupt)

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import ModelFileError, SettingsError
+from ..errors import ModelFileError, NotADecisionModelError, SettingsError
 from ..format import contract as C
 from ..format.header import GGUFFile, Header
 from ..format.hparams import prefix_of, read_backbone_shape, read_head_config
@@ -36,6 +36,7 @@ from .deep import check_data, file_sha256
 from .description import ClefDescription, ValidatedFile
 from .layout import EMPTY, MAX_HEADER_BYTES, check_layout, parse_prefix
 from .metadata import OLD_LAYOUT_MESSAGE, check_decision_metadata, check_tokenizer, old_layout
+from .mmproj import is_mmproj, judge_mmproj
 from .report import Counts, Findings, Problem, Report, corrupt, make_report
 from .tensors import check_backbone, check_head, check_types
 
@@ -44,6 +45,8 @@ MAX_FETCHES = 16
 
 
 def judge_header(h: Header, file_size: int) -> Findings:
+    if is_mmproj(h):  # a vision tower, llama.cpp's mmproj: its own checks and summary
+        return judge_mmproj(h, file_size)
     tensors = h.tensors
     n_head = sum(C.is_head_tensor(n) for n in tensors)
     arch = h.get("general.architecture")
@@ -157,24 +160,24 @@ def _fetch_header(reader: Any) -> tuple[Header | None, list[Problem]]:
 def validate_remote(reader: Any) -> Report:
     """Header-only validation through `reader`: remote.RangeReader, or anything with `source`,
     `size` (known after the first read), `bytes_read` and `read(start, end) -> bytes`."""
+    return _judge_remote(reader)[0]
+
+
+def _judge_remote(reader: Any) -> tuple[Report, Header | None]:
     started = time.perf_counter()
     try:
         header, problems = _fetch_header(reader)
     except ModelFileError as e:
-        return make_report(reader.source, Findings(problems=[corrupt("source", str(e))]), None, None, started)
+        return make_report(reader.source, Findings(problems=[corrupt("source", str(e))]), None, None, started), None
     extra = {"bytes_read": reader.bytes_read}
     if header is None:
-        return make_report(reader.source, Findings(problems=problems), None, reader.size, started, **extra)
+        return make_report(reader.source, Findings(problems=problems), None, reader.size, started, **extra), None
     found = judge_header(header, reader.size or 0)
-    return make_report(reader.source, found, header, reader.size, started, **extra)
+    return make_report(reader.source, found, header, reader.size, started, **extra), header
 
 
-def validate(source: str | os.PathLike[str], deep: bool = False, sha256: str | None = None) -> Report:
-    """Judge a GGUF file: a local path, `REPO_ID[@REVISION]:FILENAME` on the Hub, or an http(s) URL.
-
-    Never raises for what the file holds: the Report says it. Header-only unless `deep`
-    (reads every tensor) or `sha256` (hashes the file), which need a local file.
-    """
+def judge_source(source: str | os.PathLike[str], deep: bool = False, sha256: str | None = None) -> tuple[Report, Header | None]:
+    """validate(), with the parsed header (None when the file has none that parses): what check/pair.py compares."""
     from .remote import RangeReader, is_remote
 
     started = time.perf_counter()
@@ -183,11 +186,22 @@ def validate(source: str | os.PathLike[str], deep: bool = False, sha256: str | N
     if is_remote(text) and not Path(text).exists():
         if deep or expected:
             raise SettingsError("--deep and --sha256 read the whole file: download it, then validate the local copy")
-        return validate_remote(RangeReader(text))
+        return _judge_remote(RangeReader(text))
     report, f, _ = _judge_local(Path(text), deep, expected, started)
-    if f is not None:
-        f.close()
-    return report
+    if f is None:
+        return report, None
+    f.close()
+    return report, f.header
+
+
+def validate(source: str | os.PathLike[str], deep: bool = False, sha256: str | None = None) -> Report:
+    """Judge a GGUF file: a local path, `REPO_ID[@REVISION]:FILENAME` on the Hub, or an http(s) URL.
+
+    A Clef model, or a vision tower (llama.cpp's mmproj, general.architecture "clip": check/mmproj.py).
+    Never raises for what the file holds: the Report says it. Header-only unless `deep`
+    (reads every tensor) or `sha256` (hashes the file), which need a local file.
+    """
+    return judge_source(source, deep, sha256)[0]
 
 
 def open_validated(path: str | os.PathLike[str]) -> ValidatedFile:
@@ -197,6 +211,9 @@ def open_validated(path: str | os.PathLike[str]) -> ValidatedFile:
     runtime parses nothing again.
     """
     report, f, found = _judge_local(Path(path), deep=False, sha256=None, started=time.perf_counter())
+    if f is not None and is_mmproj(f.header):
+        f.close()
+        raise NotADecisionModelError(f"{path}: this is a vision tower (an mmproj), not a Clef model: load the model file")
     if not report.ok:
         if f is not None:
             f.close()

@@ -1,0 +1,104 @@
+"""validate MODEL --mmproj MMPROJ: both files validated, then whether the mmproj is this model's vision tower.
+
+What mtmd_init_from_file compares (the image embeddings' width, clip_n_mmproj_embd, against the text
+model's), and what an image prompt needs of the model (the tokens that bracket each image).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..format import contract as C
+from ..format import vision as V
+from ..format.header import Header
+from .mmproj import describe_mmproj, is_mmproj
+from .report import Problem, Report, Verdict
+from .validate import judge_source
+
+
+def _vision_tokens(model: Header) -> list[str]:
+    tokens = model.get("tokenizer.ggml.tokens")
+    present = set(tokens) if isinstance(tokens, list) else set()
+    return [t for t in V.VISION_TOKENS if t not in present]
+
+
+def check_pairing(model: Header, mmproj: Header) -> list[Problem]:
+    """What mtmd_init_from_file compares (the embeddings' width) and what an image prompt needs of the model."""
+    d = describe_mmproj(mmproj)
+    if d is None:
+        return [Problem("pairing", "the mmproj does not validate, so it cannot be paired")]
+    problems = []
+    n_embd = model.get(C.backbone_key("embedding_length"), model.get(f"{C.BACKBONE_ARCH}.embedding_length"))
+    if n_embd != d.embedding_width:
+        problems.append(
+            Problem(
+                "pairing",
+                f"the mmproj's image embeddings are {d.embedding_width} wide, the model's hidden size is {n_embd}: "
+                "not this model's vision tower (mtmd refuses the pair)",
+            )
+        )
+    missing = _vision_tokens(model)
+    if missing:
+        problems.append(Problem("pairing", f"the model's vocabulary lacks {', '.join(missing)}, which bracket every image"))
+    return problems
+
+
+@dataclass(frozen=True)
+class PairReport:
+    """validate MODEL --mmproj MMPROJ: both reports, and whether they belong together."""
+
+    model: Report
+    mmproj: Report
+    problems: tuple[Problem, ...]  # of the pairing (none when either file does not validate: see its report)
+
+    @property
+    def exit_code(self) -> int:
+        for code in (self.model.exit_code, self.mmproj.exit_code):
+            if code:
+                return code
+        return 7 if self.problems else 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def summary(self) -> str:
+        if not self.model.ok or not self.mmproj.ok:
+            return "the pair was not compared: " + ("the model" if not self.model.ok else "the mmproj") + " does not validate"
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
+            return f"model and mmproj do not belong together: {self.problems[0].message}{more}"
+        return "model and mmproj belong together: the image embeddings are as wide as the backbone's hidden size"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(),
+            "mmproj": self.mmproj.to_dict(),
+            "pairing": {"summary": self.summary, "problems": [p.message for p in self.problems]},
+            "exit_code": self.exit_code,
+        }
+
+
+def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str], *, deep: bool = False) -> PairReport:
+    """Validate a model, an mmproj, and their pairing (each source local, on the Hub or a URL, as validate takes)."""
+    model_report, model_header = judge_source(model, deep=deep)
+    mmproj_report, mmproj_header = judge_source(mmproj, deep=deep)
+    problems: list[Problem] = []
+    if model_header is not None and is_mmproj(model_header) and model_report.verdict is not Verdict.CORRUPT:
+        model_report = _wrong_kind(model_report, "a vision tower (mmproj), not a Clef model: give the model first")
+    if mmproj_header is not None and not is_mmproj(mmproj_header) and mmproj_report.verdict is not Verdict.CORRUPT:
+        arch = mmproj_header.get(V.KEY_ARCH)
+        mmproj_report = _wrong_kind(
+            mmproj_report, f"a GGUF of architecture {arch!r}, not an mmproj (a vision tower has general.architecture {V.ARCH!r})"
+        )
+    if model_report.ok and mmproj_report.ok and model_header is not None and mmproj_header is not None:
+        problems += check_pairing(model_header, mmproj_header)
+    return PairReport(model_report, mmproj_report, tuple(problems))
+
+
+def _wrong_kind(report: Report, summary_line: str) -> Report:
+    """A sound file in the other slot of the pair: verdict 6, whatever it is on its own."""
+    return replace(report, verdict=Verdict.NOT_A_DECISION_MODEL, summary=summary_line)
