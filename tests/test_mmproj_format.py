@@ -190,3 +190,23 @@ def test_llama_cpps_mmproj_validates_and_pairs_with_our_model(golden, ws):
     assert report.ok, report.summary
     assert len(report.notes) == 1 and "no image pixel limits" in report.notes[0]
     assert validate_pair(ws.gguf("untied_f32", "q8_0"), path).ok
+
+
+def test_llama_cpps_mmproj_encodes_as_ours_in_mtmd(golden, ws):
+    """Same tensors, same keys clip.cpp reads: the same embeddings, bit for bit."""
+    from clef_gguf.check.validate import open_validated
+    from clef_gguf.llama.backbone import Backbone
+    from clef_gguf.llama.mtmd import VisionEncoder
+
+    image = np.random.default_rng(3).integers(0, 256, (128, 128, 3), dtype=np.uint8)
+    f = open_validated(ws.gguf("untied_f32", "q8_0"))
+    backbone = Backbone(f.file, max_prompt_tokens=64, n_threads=2)
+    try:
+        embeddings = []
+        for path in (golden("untied_f32", "q8_0"), ws.mmproj("untied_f32", "q8_0")):
+            with VisionEncoder(path, backbone.model, n_threads=2, min_tokens=16, max_tokens=256) as enc:
+                embeddings.append(enc.encode(image).embeddings)
+        assert embeddings[0].shape == (16, 64) and np.array_equal(embeddings[0], embeddings[1])
+    finally:
+        backbone.close()
+        f.close()

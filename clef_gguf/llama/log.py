@@ -13,12 +13,14 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import llama_cpp as L
 
 _LEVEL_ERROR = 4  # GGML_LOG_LEVEL_ERROR
 _lock = threading.Lock()
 _ready = False
+_mtmd_routed = False
 _errors: list[str] = []
 _capture: list[Callable[[str], None]] = []
 
@@ -43,6 +45,15 @@ def init_backend() -> None:
                 L.llama_log_set(_log, ctypes.c_void_p())
             L.llama_backend_init()
             _ready = True
+
+
+def route_mtmd(mtmd: Any) -> None:
+    """libmtmd (llama_cpp.mtmd_cpp, loaded only for images) logs through its own callback: route it here too."""
+    global _mtmd_routed
+    with _lock:
+        if not _mtmd_routed and not os.environ.get("CLEF_GGUF_LLAMA_LOG"):
+            mtmd.mtmd_log_set(_log, ctypes.c_void_p())
+        _mtmd_routed = True
 
 
 def clear_errors() -> None:
