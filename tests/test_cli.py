@@ -65,3 +65,10 @@ def test_convert_shows_progress_and_writes_the_file(ws, tmp_path):
     run = clef_gguf("convert", str(ws.release("untied_f32")), "-o", str(out), "--type", "q8_0")
     assert run.returncode == 0, run.stderr
     assert out.read_bytes()[:4] == b"GGUF" and "converting" in run.stderr
+    mmproj = tmp_path / "mmproj-m.gguf"  # the vision tower, beside it
+    assert f"wrote {out}" in run.stderr and f"wrote {mmproj} (the vision tower)" in run.stderr
+    assert mmproj.read_bytes()[:4] == b"GGUF"
+    run = clef_gguf("convert", str(ws.release("untied_f32")), "-o", str(out), "--type", "q8_0", "--force", "--no-mmproj")
+    assert run.returncode == 0 and "vision tower" not in run.stderr, run.stderr
+    run = clef_gguf("convert", str(ws.release("untied_f32")), "-o", str(out), "--no-mmproj", "--mmproj", str(mmproj))
+    assert run.returncode == 2 and "exclude each other" in run.stderr

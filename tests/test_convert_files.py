@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.conversion.convert import backbone_tensors
+from clef_gguf.conversion.convert import backbone_tensors, default_mmproj_path
 from clef_gguf.conversion.graft import graft, head_tensors
 from clef_gguf.conversion.release import open_release
 from clef_gguf.conversion.vocab import read_vocab
@@ -143,10 +143,13 @@ def test_after_sigkill_the_next_run_removes_the_leftovers(slow_release, tmp_path
     process, _ = kill_at(slow_release, out, file_type, predicate, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL
     left = beside(out)
-    assert left and all(f".{out.name}.{process.pid}." in name for name in left), left  # what the test is about
+    mmproj = default_mmproj_path(out)
+    # what the test is about: the model's leftovers, and those of its mmproj (written first, renamed last)
+    assert f".{mmproj.name}.{process.pid}.partial" in left, left
+    assert left and all(f".{out.name}.{process.pid}." in name or f".{mmproj.name}.{process.pid}." in name for name in left), left
     rerun = cli("convert", str(slow_release), "-o", str(out), "--type", "f32")
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert beside(out) == [out.name]
+    assert beside(out) == sorted([mmproj.name, out.name])
 
 
 def test_leftovers_of_a_live_process_and_other_files_stay(tmp_path):

@@ -79,6 +79,18 @@ def test_images_are_encoded_into_the_release_token_range(ws, backbone):
             enc.encode(np.zeros((4, 4), dtype=np.uint8))
 
 
+def test_an_image_at_a_size_the_reference_would_give_is_encoded_at_that_size(ws, backbone):
+    """mtmd copies an image whose sides are whole tokens and whose area is within the limits, unresized
+    (img_tool::resize): the runtime can resize as the reference's processor does and hand mtmd the result.
+    (mtmd's own resize differs from transformers' smart_resize: banker's rounding, tiny sides; docs/mmproj.md.)"""
+    low, high = token_limits(ws.mmproj("untied_f32", "f32"))
+    with encoder(ws.mmproj("untied_f32", "f32"), backbone) as enc:
+        for ny, nx in ((4, 4), (2, 8), (1, 16), (16, 16), (3, 7), (20, 12)):
+            assert low <= nx * ny <= high
+            e = enc.encode(np.zeros((ny * 32, nx * 32, 3), dtype=np.uint8))
+            assert (e.nx, e.ny) == (nx, ny)
+
+
 def _patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, int, int]:
     """(C, H, W) -> transformers' flattened patches (Qwen2VLImageProcessorPil.patchify, transformers 5.24)."""
     c, h, w = image.shape

@@ -28,7 +28,7 @@ from . import body
 from .problems import ApiError, Invalid, from_request_error
 from .worker import Model
 
-MEDIA_FIELDS = ("assets", "images", "videos")  # the vision tower is not converted
+MEDIA_FIELDS = ("assets", "images", "videos")  # the runtime does not run the vision tower (the mmproj) yet
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
 
 
