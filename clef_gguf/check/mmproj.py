@@ -16,23 +16,18 @@ A model and its mmproj are paired in check/pair.py.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from gguf import GGMLQuantizationType as GT
 from gguf import GGUFValueType as VT
 
 from ..format import contract as C
 from ..format import vision as V
 from ..format.header import Header
-from ..format.hparams import MAX_LAYERS, MAX_WIDTH, _Reader
+from ..format.hparams import VisionDescription, read_vision_hparams
 from .layout import check_layout
 from .report import Counts, Findings, Problem, Verdict
 from .tensors import _first, _same_dims
 
 CHECK = "mmproj"
-MAX_IMAGE_SIZE = 8192  # clip.cpp refuses larger (clip.cpp:2047-2050)
-MAX_PATCH_SIZE = 65535
 # clip.cpp reads these for every vision projector when present, each with one type (a wrong one aborts).
 OPTIONAL_KEY_TYPES = {
     "clip.vision.attention.head_dim": VT.UINT32,
@@ -55,24 +50,6 @@ PATCH_TYPES = frozenset({GT.F32, GT.F16})
 
 def is_mmproj(h: Header) -> bool:
     return h.get(V.KEY_ARCH) == V.ARCH
-
-
-@dataclass(frozen=True)
-class VisionDescription:
-    """What the runtime needs to know of a validated mmproj (none of it parsed again)."""
-
-    projector: str
-    shape: V.VisionShape
-    image_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    min_pixels: int | None  # clef-gguf's keys (format/vision.CLEF_KEYS); None in a file of llama.cpp's converter
-    max_pixels: int | None
-
-    @property
-    def embedding_width(self) -> int:
-        """The width of the image embeddings clip.cpp hands the text model (clip_n_mmproj_embd)."""
-        return self.shape.out_width
 
 
 def _projector(h: Header) -> tuple[str | None, list[Problem]]:
@@ -106,77 +83,10 @@ def _optional_types(h: Header) -> list[Problem]:
     ]
 
 
-def _float_triple(r: _Reader, key: str) -> tuple[float, ...] | None:
-    f = r.h.fields.get(key)
-    if f is None or f.type != VT.ARRAY or f.item_type != VT.FLOAT32 or len(f.value) < 3:
-        r.bad(f"{key} must be an array of at least 3 FLOAT32 values (clip.cpp refuses anything else)")
-        return None
-    values = tuple(float(v) for v in f.value[:3])
-    if not all(math.isfinite(v) for v in values):
-        r.bad(f"{key} = {list(values)} is not finite")
-        return None
-    return values
-
-
-def _pixel_limits(r: _Reader) -> tuple[int | None, int | None]:
-    low = r.uint("image_min_pixels", 1, (1 << 31) - 1, default=0) or None
-    high = r.uint("image_max_pixels", 1, (1 << 31) - 1, default=0) or None
-    if (low is None) != (high is None):
-        r.bad(f"{V.KEY_IMAGE_MIN_PIXELS} and {V.KEY_IMAGE_MAX_PIXELS} come together: only one is set")
-        return None, None
-    if low is not None and high is not None and low > high:
-        r.bad(f"{V.KEY_IMAGE_MIN_PIXELS} {low} exceeds {V.KEY_IMAGE_MAX_PIXELS} {high}")
-        return None, None
-    return low, high
-
-
 def vision_keys(h: Header) -> tuple[VisionDescription | None, list[Problem]]:
-    """The qwen3vl_merger keys as clip.cpp reads them (types, ranges); the description when all are usable."""
-    r = _Reader(h, "clip.vision")
-    n_embd = r.uint("embedding_length", 1, MAX_WIDTH)
-    n_head = r.uint("attention.head_count", 1, MAX_WIDTH)
-    n_ff = r.uint("feed_forward_length", 1, MAX_WIDTH)
-    n_layer = r.uint("block_count", 1, MAX_LAYERS)
-    projection = r.uint("projection_dim", 1, MAX_WIDTH)
-    image_size = r.uint("image_size", 1, MAX_IMAGE_SIZE)
-    patch = r.uint("patch_size", 1, MAX_PATCH_SIZE)
-    r.float("attention.layer_norm_epsilon", 0.0, 1.0)
-    merge = r.uint("spatial_merge_size", 1, MAX_PATCH_SIZE, default=V.MERGE_SIZE)
-    if merge is not None and merge != V.MERGE_SIZE:
-        r.bad(f"{V.KEY_SPATIAL_MERGE_SIZE} is {merge}: llama.cpp's qwen3vl graph merges 2 x 2 patches, whatever the key says")
-    if n_embd and n_head:
-        if n_embd % n_head:
-            r.bad(f"{V.KEY_EMBEDDING_LENGTH} {n_embd} is not a multiple of {V.KEY_HEAD_COUNT} {n_head}")
-        elif (n_embd // n_head) % 4:
-            # Its M-RoPE gives each head d_head/4 dims per section and asserts n_dims == d_head/2: an abort otherwise.
-            r.bad(f"the attention heads are {n_embd // n_head} wide, not a multiple of 4 (llama.cpp's qwen3vl rope aborts)")
-    gelu = h.fields.get(V.KEY_USE_GELU)
-    if gelu is None or gelu.type != VT.BOOL or gelu.value is not True:
-        shown = "missing" if gelu is None else f"{gelu.value!r} ({gelu.type.name})"
-        r.bad(f"{V.KEY_USE_GELU} is {shown}, not true: clip.cpp would run another activation than the tower's GELU")
-    elif h.get(V.KEY_USE_SILU) is True:
-        r.bad(f"{V.KEY_USE_GELU} and {V.KEY_USE_SILU} are both true (clip.cpp refuses the file)")
-    mean, std = _float_triple(r, V.KEY_IMAGE_MEAN), _float_triple(r, V.KEY_IMAGE_STD)
-    if std is not None and min(abs(v) for v in std) == 0:
-        r.bad(f"{V.KEY_IMAGE_STD} = {list(std)}: pixels are divided by it")
-        std = None
-    low, high = _pixel_limits(r)
-    positions = h.tensors.get(V.POSITION_EMBD)
-    merger_out = h.tensors.get(V.MERGER_OUT_BIAS)
-    values = (n_embd, n_head, n_ff, n_layer, projection, image_size, patch, mean, std)
-    if r.problems or any(v is None for v in values) or positions is None or merger_out is None or len(positions.dims) != 2:
-        return None, [Problem(CHECK, m) for m in r.problems]
-    shape = V.VisionShape(
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_layer=n_layer,
-        n_head=n_head,
-        patch_size=patch,
-        n_positions=positions.dims[1],
-        out_width=merger_out.dims[0],
-    )
-    description = VisionDescription(V.PROJECTOR, shape, image_size, mean, std, low, high)
-    return description, []
+    """The qwen3vl_merger keys as clip.cpp reads them (format/hparams.py); the description when all are usable."""
+    description, problems = read_vision_hparams(h)
+    return description, [Problem(CHECK, m) for m in problems]
 
 
 def _type_problems(h: Header) -> list[Problem]:

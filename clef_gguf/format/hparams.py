@@ -4,16 +4,19 @@ The one reader of them: validate reports its problems, and graft, plan, the view
 the runtime build from its BackboneShape and HeadConfig. Types, defaults and checks are
 llama.cpp's (its qwen35 and Clef loaders): a value llama.cpp would refuse is a problem
 here, and one it derives (recurrent layers from full_attention_interval) is derived here.
+An mmproj's (the vision tower's) keys too, as the vendored clip.cpp reads them (read_vision_hparams).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from gguf import GGUFValueType as VT
 
 from ..errors import IncompleteModelError
 from . import contract as C
+from . import vision as V
 from .header import Field, Header
 
 # Limits no real model comes near: a count or width beyond them is a corrupt or hostile file.
@@ -238,3 +241,99 @@ def head_config(h: Header, what: str = "the file") -> C.HeadConfig:
     if config is None:
         raise IncompleteModelError(f"{what}: {problems[0]}")
     return config
+
+
+# --- An mmproj (the vision tower, format/vision.py) ----------------------------------------------------
+MAX_IMAGE_SIZE = 8192  # clip.cpp refuses larger (clip.cpp:2047-2050)
+MAX_PATCH_SIZE = 65535
+
+
+@dataclass(frozen=True)
+class VisionDescription:
+    """What the runtime needs to know of a validated mmproj (none of it parsed again)."""
+
+    projector: str
+    shape: V.VisionShape
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    min_pixels: int | None  # clef-gguf's keys (format/vision.CLEF_KEYS); None in a file of llama.cpp's converter
+    max_pixels: int | None
+
+    @property
+    def embedding_width(self) -> int:
+        """The width of the image embeddings clip.cpp hands the text model (clip_n_mmproj_embd)."""
+        return self.shape.out_width
+
+
+def _float_triple(r: _Reader, key: str) -> tuple[float, ...] | None:
+    f = r.h.fields.get(key)
+    if f is None or f.type != VT.ARRAY or f.item_type != VT.FLOAT32 or len(f.value) < 3:
+        r.bad(f"{key} must be an array of at least 3 FLOAT32 values (clip.cpp refuses anything else)")
+        return None
+    values = tuple(float(v) for v in f.value[:3])
+    if not all(math.isfinite(v) for v in values):
+        r.bad(f"{key} = {list(values)} is not finite")
+        return None
+    return values
+
+
+def _pixel_limits(r: _Reader) -> tuple[int | None, int | None]:
+    low = r.uint("image_min_pixels", 1, (1 << 31) - 1, default=0) or None
+    high = r.uint("image_max_pixels", 1, (1 << 31) - 1, default=0) or None
+    if (low is None) != (high is None):
+        r.bad(f"{V.KEY_IMAGE_MIN_PIXELS} and {V.KEY_IMAGE_MAX_PIXELS} come together: only one is set")
+        return None, None
+    if low is not None and high is not None and low > high:
+        r.bad(f"{V.KEY_IMAGE_MIN_PIXELS} {low} exceeds {V.KEY_IMAGE_MAX_PIXELS} {high}")
+        return None, None
+    return low, high
+
+
+def read_vision_hparams(h: Header) -> tuple[VisionDescription | None, list[str]]:
+    """An mmproj's qwen3vl_merger keys as the vendored clip.cpp reads them (types, ranges, what its graph
+    asserts); the description when all are usable, else the problems (check/mmproj.py reports them)."""
+    r = _Reader(h, "clip.vision")
+    n_embd = r.uint("embedding_length", 1, MAX_WIDTH)
+    n_head = r.uint("attention.head_count", 1, MAX_WIDTH)
+    n_ff = r.uint("feed_forward_length", 1, MAX_WIDTH)
+    n_layer = r.uint("block_count", 1, MAX_LAYERS)
+    projection = r.uint("projection_dim", 1, MAX_WIDTH)
+    image_size = r.uint("image_size", 1, MAX_IMAGE_SIZE)
+    patch = r.uint("patch_size", 1, MAX_PATCH_SIZE)
+    r.float("attention.layer_norm_epsilon", 0.0, 1.0)
+    merge = r.uint("spatial_merge_size", 1, MAX_PATCH_SIZE, default=V.MERGE_SIZE)
+    if merge is not None and merge != V.MERGE_SIZE:
+        r.bad(f"{V.KEY_SPATIAL_MERGE_SIZE} is {merge}: llama.cpp's qwen3vl graph merges 2 x 2 patches, whatever the key says")
+    if n_embd and n_head:
+        if n_embd % n_head:
+            r.bad(f"{V.KEY_EMBEDDING_LENGTH} {n_embd} is not a multiple of {V.KEY_HEAD_COUNT} {n_head}")
+        elif (n_embd // n_head) % 4:
+            # Its M-RoPE gives each head d_head/4 dims per section and asserts n_dims == d_head/2: an abort otherwise.
+            r.bad(f"the attention heads are {n_embd // n_head} wide, not a multiple of 4 (llama.cpp's qwen3vl rope aborts)")
+    gelu = h.fields.get(V.KEY_USE_GELU)
+    if gelu is None or gelu.type != VT.BOOL or gelu.value is not True:
+        shown = "missing" if gelu is None else f"{gelu.value!r} ({gelu.type.name})"
+        r.bad(f"{V.KEY_USE_GELU} is {shown}, not true: clip.cpp would run another activation than the tower's GELU")
+    elif h.get(V.KEY_USE_SILU) is True:
+        r.bad(f"{V.KEY_USE_GELU} and {V.KEY_USE_SILU} are both true (clip.cpp refuses the file)")
+    mean, std = _float_triple(r, V.KEY_IMAGE_MEAN), _float_triple(r, V.KEY_IMAGE_STD)
+    if std is not None and min(abs(v) for v in std) == 0:
+        r.bad(f"{V.KEY_IMAGE_STD} = {list(std)}: pixels are divided by it")
+        std = None
+    low, high = _pixel_limits(r)
+    positions = h.tensors.get(V.POSITION_EMBD)
+    merger_out = h.tensors.get(V.MERGER_OUT_BIAS)
+    values = (n_embd, n_head, n_ff, n_layer, projection, image_size, patch, mean, std)
+    if r.problems or any(v is None for v in values) or positions is None or merger_out is None or len(positions.dims) != 2:
+        return None, r.problems
+    shape = V.VisionShape(
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_layer=n_layer,
+        n_head=n_head,
+        patch_size=patch,
+        n_positions=positions.dims[1],
+        out_width=merger_out.dims[0],
+    )
+    return VisionDescription(V.PROJECTOR, shape, image_size, mean, std, low, high), []
