@@ -4,6 +4,7 @@ each with what the vendored clip.cpp would do with it, named in one line with va
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -11,14 +12,17 @@ import sys
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fuzz_validate import MemoryReader, _anchors, _values
 
 import clef_gguf
 from clef_gguf.check.mmproj import describe_mmproj
 from clef_gguf.check.pair import validate_pair
 from clef_gguf.check.report import Verdict
-from clef_gguf.check.validate import validate
+from clef_gguf.check.validate import validate, validate_remote
 from clef_gguf.conversion.mmproj import MMPROJ_TYPES
-from clef_gguf.errors import NotADecisionModelError
+from clef_gguf.errors import ModelFileError, NotADecisionModelError
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.gguf_bytes import f32_tensor, kv_array, kv_i32, kv_str, kv_u32, pack_str, poke, rebuild
@@ -191,3 +195,57 @@ def test_the_pair_needs_an_mmproj_and_a_model(ws, tmp_path):
     assert run.returncode == 5 and "cannot read" in run.stdout
     run = cli("validate", str(model), "--mmproj", str(mmproj), "--sha256", "0" * 64)
     assert run.returncode == 2 and "one file" in run.stderr
+
+
+# --- Fuzzing: whatever bytes an mmproj holds, a one-line report, and never a model -------------------------------
+FUZZ_EXAMPLES = max(50, int(os.environ.get("CLEF_FUZZ_EXAMPLES", "800")) // 4)
+
+
+@pytest.fixture(scope="module")
+def mmproj_seed(ws) -> tuple[bytes, tuple[int, ...]]:
+    data = ws.mmproj("untied_f32", "q8_0").read_bytes()
+    return data, _anchors(data)
+
+
+@st.composite
+def _edits(draw: st.DrawFn, data: bytes, anchors: tuple[int, ...]) -> list[tuple]:
+    positions = st.one_of(st.sampled_from(anchors), st.integers(0, anchors[-1] + 64), st.integers(0, len(data)))
+    edit = st.one_of(
+        st.tuples(st.just("poke"), positions, _values()),
+        st.tuples(st.just("truncate"), positions),
+        st.tuples(st.just("insert"), positions, st.binary(min_size=1, max_size=16)),
+        st.tuples(st.just("delete"), positions, st.integers(1, 16)),
+    )
+    return draw(st.lists(edit, min_size=1, max_size=4))
+
+
+def _apply(data: bytes, edits: list[tuple]) -> bytes:
+    for kind, position, *rest in edits:
+        position = min(position, len(data))
+        if kind == "poke":
+            data = data[:position] + rest[0] + data[position + len(rest[0]) :]
+        elif kind == "truncate":
+            data = data[:position]
+        elif kind == "insert":
+            data = data[:position] + rest[0] + data[position:]
+        else:
+            data = data[:position] + data[position + rest[0] :]
+    return data
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_damaged_mmproj_gets_a_one_line_report(mmproj_seed, tmp_path_factory, data):
+    seed, anchors = mmproj_seed
+    damaged = _apply(seed, data.draw(_edits(seed, anchors)))
+    path = tmp_path_factory.mktemp("fuzz") / "m.gguf"
+    path.write_bytes(damaged)
+    report = validate(path, deep=data.draw(st.booleans()))
+    assert report.summary and len(report.summary.splitlines()) == 1
+    assert report.exit_code == {"complete": 0, "corrupt": 5, "not_a_decision_model": 6, "incomplete": 7}[report.verdict]
+    json.dumps(report.to_dict())
+    remote = validate_remote(MemoryReader(damaged, str(path)))
+    header_only = validate(path)
+    assert (remote.verdict, remote.summary) == (header_only.verdict, header_only.summary)
+    with pytest.raises(ModelFileError):  # an mmproj, damaged or not, is never loaded as a model
+        clef_gguf.load(path)
