@@ -24,7 +24,7 @@ from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release, preprocessor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from make_golden import make_golden  # noqa: E402
+from make_golden import describe, make_golden  # noqa: E402
 
 # general.name: clef-gguf names the mmproj as it names the model file (the release folder), where the
 # converter runs gguf-py's Metadata heuristics on it ("untied_f32" -> "Untied_F32"; docs/format.md).
@@ -210,3 +210,11 @@ def test_llama_cpps_mmproj_encodes_as_ours_in_mtmd(golden, ws):
     finally:
         backbone.close()
         f.close()
+
+
+def test_make_golden_describes_the_converters_mmproj(golden):
+    """tools/make_golden.py --mmproj --describe: the in-tree gguf-py reads the converter's file."""
+    info = describe(golden("untied_f32", "f32"))
+    keys = {k["name"]: k for k in info["keys"]}
+    assert keys[V.KEY_PROJECTOR]["value"] == V.PROJECTOR and keys[V.KEY_ARCH]["value"] == V.ARCH
+    assert len(info["tensors"]) == 34 and {t["name"] for t in info["tensors"]} >= {V.PATCH_EMBD, V.PATCH_EMBD_1}
