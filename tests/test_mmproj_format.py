@@ -218,3 +218,13 @@ def test_make_golden_describes_the_converters_mmproj(golden):
     keys = {k["name"]: k for k in info["keys"]}
     assert keys[V.KEY_PROJECTOR]["value"] == V.PROJECTOR and keys[V.KEY_ARCH]["value"] == V.ARCH
     assert len(info["tensors"]) == 34 and {t["name"] for t in info["tensors"]} >= {V.PATCH_EMBD, V.PATCH_EMBD_1}
+
+
+def test_under_llama_cpps_quantizations_the_mmproj_is_f16(ws):
+    """llama.cpp never K-quantizes an mmproj: auto is F16 beside a Q4_K_M model (the converter's F16 rules)."""
+    f = GGUFFile.open(ws.mmproj("k256", "q4_k_m"))
+    types = {n: t.type.name for n, t in f.header.tensors.items()}
+    file_type = f.header.get(V.KEY_FILE_TYPE)
+    f.close()
+    assert file_type == int(MMPROJ_TYPES["f16"][1])
+    assert types["mm.0.weight"] == types[V.PATCH_EMBD] == "F16" and types["mm.0.bias"] == "F32"
