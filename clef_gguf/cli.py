@@ -489,7 +489,10 @@ def serve(
         int, typer.Option(min=1, help="Requests read at once, and admitted to decide (running + waiting); more get 503.")
     ] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
-    threads: Annotated[int | None, typer.Option(help="llama.cpp CPU threads (default: all cores).", show_default=False)] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="llama.cpp CPU threads (default: the physical cores this process may use).", show_default=False),
+    ] = None,
     header_timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
     ] = 10.0,

@@ -14,7 +14,6 @@ hidden state (after the output norm).
 from __future__ import annotations
 
 import ctypes
-import os
 import unicodedata
 from contextlib import ExitStack
 
@@ -27,6 +26,7 @@ from . import cpu_buffers
 from . import log as llama_log
 from .qwen35_view import open_qwen35_view, view_tensor_names
 from .rows import RowTable
+from .threads import default_threads
 
 # Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of
 # 32768 aborts the process inside ggml's graph allocator (GGML_ASSERT, no error return).
@@ -124,7 +124,7 @@ class Backbone:
             cparams.n_seq_max = 1
             cparams.embeddings = True
             cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-            cparams.n_threads = cparams.n_threads_batch = n_threads or os.cpu_count() or 1
+            cparams.n_threads = cparams.n_threads_batch = n_threads or default_threads()
             self.ctx = L.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 reason = llama_log.last_error("out of memory?")

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import ComputeError, ModelFileError
 from ..format import contract as C
 from .native import library
+from .threads import default_threads
 
 _ERR_SIZE = 1024
 Span = tuple[int, int]
@@ -68,7 +69,7 @@ class NativeHead:
         self._lib = library()
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_SIZE)
-        threads = n_threads or os.cpu_count() or 1
+        threads = n_threads or default_threads()
         # The format's table of head modules: the C++ side looks its tensors up through it.
         names = C.head_modules(config) | {"scales": C.SCALES}
         table = "\n".join(f"{reference}\t{gguf}" for reference, gguf in names.items()).encode()
