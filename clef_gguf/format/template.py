@@ -101,6 +101,29 @@ class PromptTemplate:
         except TemplateSyntaxError as e:
             raise ModelFileError(f"the systemone prompt template does not parse: {e.message} (line {e.lineno})") from e
         self.source = source
+        self.state_piece = self._find_state_piece()
+
+    def _find_state_piece(self) -> int | None:
+        """The index of the piece that holds the state, when no piece up to it depends on the questions.
+
+        Clef's prompt puts the state first, so the tokens of the pieces up to and including it
+        are the same for every request about that state: the prefix the state cache keeps
+        (pieces are tokenized one by one, so it is an exact token boundary). Found by rendering
+        two probe states under two probe schemas; None (no reusable prefix) for a template that
+        puts anything that depends on the questions before or into the state's piece. Reusing
+        the prefix of any boundary would still give the same answers: the backbone is causal,
+        and a cache entry is keyed by the exact prefix tokens.
+        """
+        option = {"key": "true", "description": None}
+        schemas = (
+            [{"id": "a", "type": "noul", "instructions": "a", "options": [option]}],
+            [{"id": "b", "type": "choice", "instructions": {"b": 1}, "options": [option, {"key": "c", "description": "d"}]}] * 2,
+        )
+        x, y = (list(self.pieces(state, schemas[0])) for state in (f"x{_NONCE}", f"y{_NONCE}"))
+        index = next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+        if index is None or list(self.pieces(f"x{_NONCE}", schemas[1]))[: index + 1] != x[: index + 1]:
+            return None
+        return index
 
     def pieces(self, state: Any, questions: list[dict[str, Any]]) -> Iterator[Piece]:
         """The prompt's pieces, in order. questions: [{id, type, instructions, options: [{key, description}]}]."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import unicodedata
+from collections.abc import Sequence
 from contextlib import ExitStack
 
 import llama_cpp as L
@@ -52,6 +53,13 @@ def _load(f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = 
     return model
 
 
+_SEQ = 0  # every token is in sequence 0: one prompt at a time
+
+
+def _bytes(array: np.ndarray) -> ctypes._Pointer:
+    return array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+
 class _EmbeddingBatch:
     """A llama_batch of input embeddings, its arrays owned by numpy, for up to `capacity` tokens."""
 
@@ -65,12 +73,13 @@ class _EmbeddingBatch:
         self.seq_id = (ctypes.POINTER(L.llama_seq_id) * capacity)(*[zero] * capacity)  # every token in sequence 0
         self.logits = np.ones(capacity, dtype=np.int8)  # every token is an output: the head reads them all
 
-    def fill(self, embeddings: np.ndarray) -> L.llama_batch:
+    def fill(self, embeddings: np.ndarray, start: int = 0) -> L.llama_batch:
+        """The batch of these tokens at positions start, start + 1, ... (a decode continuing a restored prefix)."""
         n = len(embeddings)
         self.embd[:n] = embeddings
         # Positions are section-major for multi-position (M-)RoPE: text has t = h = w = i and a 4th section of 0.
         for section in range(self.n_pos):
-            self.pos[section * n : (section + 1) * n] = np.arange(n) if section < 3 else 0
+            self.pos[section * n : (section + 1) * n] = np.arange(start, start + n) if section < 3 else 0
         return L.llama_batch(
             n_tokens=n,
             token=None,
@@ -145,21 +154,55 @@ class Backbone:
             raise ComputeError(f"llama.cpp's tokenizer failed ({n}): a byte-level BPE never yields more tokens than bytes")
         return tokens[:n]
 
-    def hidden_states(self, tokens: list[int], copy: bool = True) -> np.ndarray:
+    def hidden_states(self, tokens: Sequence[int], copy: bool = True) -> np.ndarray:
         """(len(tokens), n_embd) final hidden states of one prompt, in one llama_decode call.
 
         copy=False returns a view of llama.cpp's output buffer, valid until the next decode.
         """
         if len(tokens) > self.max_prompt_tokens:
             raise PromptTooLongError(len(tokens), self.max_prompt_tokens)
-        batch = self.batch.fill(self.token_embd.rows(tokens))
+        self.clear()
+        hidden = self.decode(tokens)
+        return hidden.copy() if copy else hidden
+
+    def clear(self) -> None:
+        """Forget every token: the next decode starts a prompt at position 0."""
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-        status = L.llama_decode(self.ctx, batch)
+
+    def decode(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:
+        """Hidden states of `tokens` at positions start, ..., continuing the start tokens in memory.
+
+        Returns a view of llama.cpp's output buffer, valid until the next decode.
+        """
+        if start + len(tokens) > self.max_prompt_tokens:
+            raise PromptTooLongError(start + len(tokens), self.max_prompt_tokens)
+        status = L.llama_decode(self.ctx, self.batch.fill(self.token_embd.rows(tokens), start))
         if status != 0:
             raise ComputeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
-        pointer = L.llama_get_embeddings(self.ctx)
-        hidden = np.ctypeslib.as_array(pointer, shape=(len(tokens), self.n_embd))
-        return hidden.copy() if copy else hidden
+        return np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(len(tokens), self.n_embd))
+
+    # The sequence state: what llama.cpp's memory holds of the tokens decoded so far. For qwen35's hybrid
+    # memory that is the full-attention layers' KV cells and the linear-attention layers' recurrent state
+    # (conv and delta-rule state), which is the state after the last token: it is saved right after
+    # the tokens it stands for are decoded, before any other.
+    def sequence_size(self) -> int:
+        """Bytes of the sequence state of the tokens in memory."""
+        return L.llama_state_seq_get_size(self.ctx, _SEQ)
+
+    def save_sequence(self) -> np.ndarray:
+        """A copy of the sequence state (bytes, host memory), for restore_sequence."""
+        state = np.empty(self.sequence_size(), dtype=np.uint8)
+        written = L.llama_state_seq_get_data(self.ctx, _bytes(state), state.size, _SEQ)
+        if written != state.size:
+            raise ComputeError(f"llama.cpp wrote {written} bytes of a sequence state of {state.size}")
+        return state
+
+    def restore_sequence(self, state: np.ndarray) -> None:
+        """Replace the memory by a saved sequence state: the next decode continues after its tokens."""
+        self.clear()
+        if L.llama_state_seq_set_data(self.ctx, _bytes(state), state.size, _SEQ) != state.size:
+            self.clear()
+            raise ComputeError(f"llama.cpp refused a sequence state it saved: {llama_log.last_error('see stderr')}")
 
     def close(self) -> None:
         """Free the context, then both models (the reverse of loading); a second close does nothing."""

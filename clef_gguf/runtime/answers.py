@@ -66,7 +66,9 @@ def answer(question: EncodedQuestion, p: np.ndarray) -> dict[str, Any]:
     }
 
 
-def response(prompt: EncodedPrompt, model_name: str, logits: list[np.ndarray]) -> dict[str, Any]:
+def response(prompt: EncodedPrompt, model_name: str, logits: list[np.ndarray], cached_tokens: int = 0) -> dict[str, Any]:
+    """The response body. usage.input_tokens counts every prompt token; input_tokens_details.cached_tokens
+    (OpenAI's name for the same extension) those whose backbone state came from the state cache."""
     if not all(np.isfinite(z).all() for z in logits):  # JSON has no NaN: never answer with one
         raise ModelOutputError(
             f"{model_name}: the model's scores are not finite (NaN or Inf); its weights are broken "
@@ -76,5 +78,9 @@ def response(prompt: EncodedPrompt, model_name: str, logits: list[np.ndarray]) -
     return {
         "model": model if model is not None else model_name,
         "answers": {q.question.id: answer(q, probabilities(z)) for q, z in zip(prompt.questions, logits, strict=True)},
-        "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0},
+        "usage": {
+            "input_tokens": len(prompt.tokens),
+            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": 0,
+        },
     }

@@ -7,6 +7,8 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..check.validate import open_validated
 from ..errors import PromptTooLongError
 from ..llama.backbone import Backbone
@@ -14,6 +16,7 @@ from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from ..llama.native_head import NativeHead
 from .answers import response
 from .prompt import EncodedPrompt, encode, parse_request
+from .state_cache import DEFAULT_STATE_CACHE, Entry, StateCache, entry_bytes, prefix_key, split_at_prefix
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
@@ -28,7 +31,9 @@ class ClefModel:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         n_threads: int | None = None,
         ubatch: int | None = None,
+        state_cache: int = DEFAULT_STATE_CACHE,
     ) -> None:
+        self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
         if ubatch is None:  # the default: ubatches of DEFAULT_UBATCH, or the whole prompt when the limit is smaller
             ubatch = min(DEFAULT_UBATCH, max_prompt_tokens)
         self.ubatch = ubatch
@@ -70,10 +75,32 @@ class ClefModel:
         """Answer a SystemOne request body (or one already encoded by `encode`) with the SystemOne response body."""
         prompt = request if isinstance(request, EncodedPrompt) else self.encode(request)
         with self._lock:
-            # A view of llama.cpp's output buffer, valid until the next decode: the head reads it under the same lock.
-            hidden = self.backbone.hidden_states(prompt.tokens, copy=False)  # raises PromptTooLongError before compute
+            hidden, reused = self._hidden_states(prompt)  # raises PromptTooLongError before compute
             logits = self.head(hidden, prompt)
-        return response(prompt, self.name, logits)
+        return response(prompt, self.name, logits, cached_tokens=reused)
+
+    def _hidden_states(self, prompt: EncodedPrompt) -> tuple[np.ndarray, int]:
+        """Every token's final hidden state, and how many tokens of them the state cache gave."""
+        tokens, n = prompt.tokens, prompt.state_prefix
+        if not split_at_prefix(n, len(tokens)):
+            # A view of llama.cpp's output buffer, valid until the next decode: the head reads it under the same lock.
+            return self.backbone.hidden_states(tokens, copy=False), 0
+        if len(tokens) > self.max_prompt_tokens:
+            raise PromptTooLongError(len(tokens), self.max_prompt_tokens)
+        key = prefix_key(tokens[:n])
+        entry = self.state_cache.get(key)
+        if entry is not None:
+            self.backbone.restore_sequence(entry.sequence)
+            prefix, reused = entry.hidden, n
+        else:
+            # The prefix in a decode of its own (cache on or off: split_at_prefix), so that the recurrent
+            # state saved is the state right after it.
+            self.backbone.clear()
+            prefix, reused = self.backbone.decode(tokens[:n]).copy(), 0  # the next decode overwrites the view
+            if self.state_cache.admits(entry_bytes(key, self.backbone.sequence_size(), prefix.nbytes)):
+                self.state_cache.put(key, Entry(self.backbone.save_sequence(), prefix))
+        suffix = self.backbone.decode(tokens[n:], start=n)
+        return np.concatenate([prefix, suffix]), reused
 
     def close(self) -> None:
         self._resources.close()  # head, backbone, then the mapping: the reverse of loading
@@ -91,11 +118,22 @@ def load(
     n_ctx: int = DEFAULT_MAX_PROMPT_TOKENS,
     n_threads: int | None = None,
     ubatch: int | None = None,
+    state_cache: int = DEFAULT_STATE_CACHE,
 ) -> ClefModel:
     """Load a Clef GGUF. n_ctx is the largest prompt it will accept (default: Clef's 65,536).
 
     ubatch: prompts are processed in ubatches of this many tokens, the state carried over,
     so llama.cpp's compute buffer is bounded by the ubatch, not the prompt (default:
     DEFAULT_UBATCH, or n_ctx if smaller); ubatch = n_ctx processes a prompt in one physical batch.
+    state_cache: bytes of host memory for the backbone states of recent requests' state prefixes
+    (runtime/state_cache.py; default 1 GiB), so that a request repeating a state computes only its
+    schema; 0 turns it off. n_threads: default, the physical cores this process may use.
     """
-    return ClefModel(path, n_gpu_layers=n_gpu_layers, max_prompt_tokens=n_ctx, n_threads=n_threads, ubatch=ubatch)
+    return ClefModel(
+        path,
+        n_gpu_layers=n_gpu_layers,
+        max_prompt_tokens=n_ctx,
+        n_threads=n_threads,
+        ubatch=ubatch,
+        state_cache=state_cache,
+    )

@@ -61,6 +61,9 @@ class EncodedPrompt:
     request: Request
     tokens: list[int]
     questions: tuple[EncodedQuestion, ...]
+    # tokens[:state_prefix] are the template's pieces up to and including the state: the same for
+    # every request about this state, whatever its questions (0: the template has no such prefix).
+    state_prefix: int = 0
 
 
 # --- Validation -------------------------------------------------------------------------------------------
@@ -155,9 +158,12 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
     tokens: list[int] = []
     spans: list[tuple[int, int]] = []
     option_spans: list[list[tuple[int, int]]] = []
-    for piece in template.pieces(request.state, questions):
+    state_prefix = 0
+    for index, piece in enumerate(template.pieces(request.state, questions)):
         start = len(tokens)
         tokens += tokenize(piece.text)
+        if index == template.state_piece:
+            state_prefix = len(tokens)
         if piece.kind == "question":
             spans.append((start, len(tokens)))
             option_spans.append([])
@@ -166,4 +172,4 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
     if [len(o) for o in option_spans] != [len(q.options) for q in request.questions]:
         raise ModelFileError("the systemone prompt template does not mark every question and option once")
     encoded = zip(request.questions, spans, option_spans, strict=True)
-    return EncodedPrompt(request, tokens, tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in encoded))
+    return EncodedPrompt(request, tokens, tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in encoded), state_prefix)
