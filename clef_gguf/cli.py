@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from .conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError, SettingsError
-from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
+from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, DEFAULT_UBATCH
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -53,6 +53,28 @@ Ubatch = Annotated[
         show_default=False,
     ),
 ]
+
+
+def _size(value: str | int) -> int:
+    if isinstance(value, int):  # the default, which click hands to the parser too
+        return value
+    from .llama.plan import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _state_cache_option(default: str) -> Any:
+    return typer.Option(
+        "--state-cache",
+        metavar="SIZE",
+        parser=_size,
+        help="Host memory for the backbone states of recent requests' states (e.g. 512MiB; 0 turns it off): a request "
+        f"repeating a state prefills only its schema. Default: {default}.",
+        show_default=False,
+    )
 
 
 def _check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
@@ -297,12 +319,12 @@ def _check_unicode(text: str, where: str) -> None:
 
 
 def _decide(
-    model_path: Path, request_path: str, n_gpu_layers: int, max_prompt_tokens: int, ubatch: int | None = None
+    model_path: Path, request_path: str, n_gpu_layers: int, max_prompt_tokens: int, ubatch: int | None, state_cache: int
 ) -> dict[str, Any]:
     from .runtime.model import load
 
     request = _read_request(request_path)
-    with load(model_path, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, ubatch=ubatch) as model:
+    with load(model_path, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, ubatch=ubatch, state_cache=state_cache) as model:
         return model.decide(request)
 
 
@@ -315,6 +337,7 @@ def decide(
     n_gpu_layers: GpuLayers = 0,
     max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
+    state_cache: Annotated[int, _state_cache_option("0 (one request has nothing to reuse)")] = 0,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout."""
     from .data import DEMO_MODEL
@@ -324,7 +347,7 @@ def decide(
         raise typer.Exit(2)
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     _check_ubatch(ubatch, max_prompt_tokens)
-    answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens, ubatch))
+    answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens, ubatch, state_cache))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
@@ -375,7 +398,7 @@ def demo(n_gpu_layers: GpuLayers = 0) -> None:
     from .data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
 
     err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
-    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), n_gpu_layers, DEMO_CONTEXT))
+    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), n_gpu_layers, DEMO_CONTEXT, None, 0))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
@@ -498,6 +521,7 @@ def serve(
     ] = 10.0,
     body_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request has to send its whole body; then 408.")] = 30.0,
     keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
+    state_cache: Annotated[int, _state_cache_option(f"{DEFAULT_STATE_CACHE >> 30}GiB")] = DEFAULT_STATE_CACHE,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
@@ -507,7 +531,11 @@ def serve(
 
     _check_ubatch(ubatch, max_prompt_tokens)
     # Loaded before the port is bound: a file that loading rejects never gets a listening server.
-    loaded = _run(lambda: load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch))
+    loaded = _run(
+        lambda: load(
+            model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch, state_cache=state_cache
+        )
+    )
     url = f"http://{host}:{port}/v1/systemone"
     name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)

@@ -52,6 +52,7 @@ def test_user_mistakes_are_one_line_and_an_exit_code(ws, tmp_path):
         ("decide", model, str(tmp_path / "missing.json")): (2, "cannot read the request"),
         ("decide", str(tmp_path / "missing.gguf"), str(bad)): (5, "cannot read"),
         ("convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")): (3, "config.json is missing"),
+        ("decide", model, str(bad), "--state-cache", "lots"): (2, "not a size"),
     }
     for args, (code, message) in cases.items():
         run = clef_gguf(*args)

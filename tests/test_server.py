@@ -81,15 +81,22 @@ def client(live) -> Iterator[httpx.Client]:
         yield c
 
 
+def reuse_apart(body: dict[str, Any]) -> dict[str, Any]:
+    """A response without the state cache's count of reused tokens, which depends on the requests before it."""
+    usage = {k: v for k, v in body["usage"].items() if k != "input_tokens_details"}
+    assert set(body["usage"]) - set(usage) == {"input_tokens_details"}
+    return {**body, "usage": usage}
+
+
 @pytest.fixture(scope="module")
 def expected(model) -> Callable[[Request], dict[str, Any]]:
-    """What a direct decide() answers: the server must answer exactly that."""
+    """What a direct decide() answers: the server must answer exactly that (reuse_apart: whatever the cache reused)."""
     memo: dict[str, dict[str, Any]] = {}
 
     def decide(request: Request) -> dict[str, Any]:
         key = json.dumps(request, sort_keys=False)
         if key not in memo:
-            memo[key] = model.decide(copy.deepcopy(request))
+            memo[key] = reuse_apart(model.decide(copy.deepcopy(request)))
         return memo[key]
 
     return decide
@@ -155,7 +162,7 @@ def check_contract(request: Request, response: httpx.Response) -> dict[str, Any]
             expected_confidence = score_confidence(list(p.values()))
         assert 0 <= answer["confidence"] <= 1
         assert abs(answer["confidence"] - min(max(expected_confidence, 0), 1)) <= 4 * n * tolerance
-    return body
+    return reuse_apart(body)
 
 
 @pytest.mark.parametrize("name", list(all_requests()))
@@ -379,10 +386,33 @@ def test_the_workers_ai_route_wraps_the_systemone_answer_in_the_envelope(client,
     request = {**mixed_request(), "model": "clef-flash"}  # the body model field Workers AI clients send
     response = client.post(path, json=request, headers={"Authorization": "Bearer cf-api-token"})
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
-    assert response.json() == {"result": expected(request), "success": True, "errors": [], "messages": []}
+    envelope = response.json()
+    assert {**envelope, "result": reuse_apart(envelope["result"])} == {
+        "result": expected(request),
+        "success": True,
+        "errors": [],
+        "messages": [],
+    }
     direct = client.post("/v1/systemone", json=request)
     assert response.content == b'{"result":' + direct.content + b',"success":true,"errors":[],"messages":[]}'
     assert len(response.headers["x-typesafe-request-id"]) == 32 and "decide;dur=" in response.headers["server-timing"]
+
+
+def test_server_timing_and_usage_say_how_many_prompt_tokens_the_state_cache_reused(client, model):
+    state = "A state this test alone sends. " + long_state_request(paragraphs=2)["state"]
+    first = {**mixed_request(), "state": state}
+    second = {**long_state_request(), "state": state}  # the same state, another schema
+    prefix = model.encode(first).state_prefix
+    miss, hit = client.post("/v1/systemone", json=first), client.post("/v1/systemone", json=second)
+    assert miss.headers["server-timing"].endswith(', cache;desc="miss"')
+    assert hit.headers["server-timing"].endswith(f', cache;desc="hit {prefix} tokens"')
+    assert miss.json()["usage"]["input_tokens_details"] == {"cached_tokens": 0}
+    usage = hit.json()["usage"]
+    assert usage["input_tokens_details"] == {"cached_tokens": prefix}
+    assert usage["input_tokens"] == len(model.encode(second).tokens)  # still every prompt token
+    # The answers are the cache's own business: a direct decide of the same request, on a cold cache, answers the same.
+    with clef_gguf.load(model.path, n_ctx=model.max_prompt_tokens, ubatch=model.ubatch) as cold:
+        assert cold.decide(second)["answers"] == hit.json()["answers"]
 
 
 def test_workers_ai_errors_keep_their_status_in_the_envelope(client):
@@ -457,7 +487,7 @@ def test_16_concurrent_clients_get_the_sequential_answers(live, expected):
         results = [item for run in pool.map(client_run, range(16)) for item in run]
     assert len(results) == 16 * per_client
     for i, status, body in results:
-        assert status == 200 and body == sequential[i]
+        assert status == 200 and reuse_apart(body) == sequential[i]
 
 
 class BlockingModel:
@@ -498,7 +528,7 @@ def test_a_full_queue_gets_503_and_a_bad_request_never_waits(model, expected):
             assert "retry" in _envelope_error(busy, 503, 503) and busy.headers["retry-after"] == "1"
             assert c.post("/v1/systemone", json={"state": "s"}).status_code == 422  # validated before admission
             blocking.release.set()
-            assert [f.result().json() for f in held] == [expected(request)] * 2
+            assert [reuse_apart(f.result().json()) for f in held] == [expected(request)] * 2
     finally:
         blocking.release.set()
         live.stop()
@@ -636,8 +666,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(ws, model):
             process.send_signal(signal.SIGTERM)
             responses = [f.result() for f in in_flight]
         assert [r.status_code for r in responses] == [200] * 4
-        want = model.decide(request)
-        assert all(r.json() == want for r in responses)
+        want = reuse_apart(model.decide(request))
+        assert all(reuse_apart(r.json()) == want for r in responses)
         _, stderr = process.communicate(timeout=120)
         assert process.returncode == 0, stderr
         assert "Traceback" not in stderr and "Application shutdown complete" in stderr

@@ -13,10 +13,13 @@ import functools
 import json
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+from live_server import served
 
 import clef_gguf
+from clef_gguf.data import DEMO_MODEL
 from clef_gguf.errors import PromptTooLongError, SettingsError
 from clef_gguf.format import contract as C
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS, Entry, StateCache, entry_bytes, prefix_key
@@ -217,3 +220,14 @@ def test_the_lru_evicts_in_order_of_use_and_counts_bytes():
     assert [cache.get(k) is not None for k in keys] == [True, False, True, True] and cache.nbytes == 3 * size
     assert not cache.put(prefix_key([9]), entry(1000)) and len(cache) == 3  # larger than the budget: refused
     assert cache.put(keys[3], entry(10)) and cache.nbytes == 3 * size  # replacing an entry counts it once
+
+
+# --- The command ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("option", "reused"), [((), True), (("--state-cache", "0"), False), (("--state-cache", "64MiB"), True)])
+def test_serve_state_cache_sets_the_budget(option, reused):
+    request = _request(long_state_text(4))
+    with served(DEMO_MODEL, "--ctx", "4096", *option) as (url, _):
+        first, second = (httpx.post(f"{url}/v1/systemone", json=request, timeout=120) for _ in range(2))
+    assert _cached(first.json()) == 0 and first.headers["server-timing"].endswith('cache;desc="miss"')
+    assert (_cached(second.json()) > 0) == reused and ("hit" in second.headers["server-timing"]) == reused
+    assert second.json()["answers"] == first.json()["answers"]

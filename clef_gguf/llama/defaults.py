@@ -8,3 +8,5 @@ offloaded fits an 8 GiB card (measured by tools/plan_reference.py; README, "Memo
 
 DEFAULT_MAX_PROMPT_TOKENS = 65536
 DEFAULT_UBATCH = 1024
+# Host memory for the state cache (runtime/state_cache.py): two 8k-token states of Clef-flash.
+DEFAULT_STATE_CACHE = 1 << 30

@@ -12,11 +12,11 @@ import numpy as np
 from ..check.validate import open_validated
 from ..errors import PromptTooLongError
 from ..llama.backbone import Backbone
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, DEFAULT_UBATCH
 from ..llama.native_head import NativeHead
 from .answers import response
 from .prompt import EncodedPrompt, encode, parse_request
-from .state_cache import DEFAULT_STATE_CACHE, Entry, StateCache, entry_bytes, prefix_key, split_at_prefix
+from .state_cache import Entry, StateCache, entry_bytes, prefix_key, split_at_prefix
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import SettingsError
+from ..llama.defaults import DEFAULT_STATE_CACHE
 
-DEFAULT_STATE_CACHE = 1 << 30
 # Shorter prefixes are computed, not cached: their prefill is small next to the schema's own (a
 # 3-question schema is about 200 tokens), while every entry carries the whole recurrent state
 # (50 MiB on Clef-flash, as much as the KV cache of 1,600 tokens), so caching them would let

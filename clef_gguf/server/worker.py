@@ -49,6 +49,7 @@ class Decision:
     queued_s: float
     decide_s: float
     finished: float  # perf_counter() when decide returned, to time the hand-back to the event loop
+    cached_tokens: int = 0  # prompt tokens whose backbone state the state cache gave
 
 
 def render(response: dict[str, Any]) -> bytes:
@@ -65,9 +66,11 @@ class DecideWorker:
 
     def _run(self, request: Prompt, submitted: float) -> Decision:
         started = time.perf_counter()
-        body = render(self.model.decide(request))
+        response = self.model.decide(request)
+        body = render(response)
         finished = time.perf_counter()
-        return Decision(body, started - submitted, finished - started, finished)
+        cached = response.get("usage", {}).get("input_tokens_details", {}).get("cached_tokens", 0)
+        return Decision(body, started - submitted, finished - started, finished, cached)
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_pending:
