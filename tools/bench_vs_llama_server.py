@@ -8,7 +8,11 @@ ratio. llama-server's Clef graph has no memory, so its physical batch is the who
 
 Requests: the demo request (a ticket with 3 questions) and long states with the 3 questions
 at about 2k and 8k tokens, NFC and with instructions (where llama-server departs from the
-reference it is not measured here; see tools/interop_llama_server.py for agreement).
+reference it is not measured here; see tools/interop_llama_server.py for agreement). Then
+"~8k, state repeated": the ~8k state with a new 3-question schema each round, which
+clef-gguf answers from its state cache (prefilling only the schema) and llama-server, which
+has no such cache, cold. In the other rows every round's state is new (new_state), so both
+servers prefill all of it.
 
     bash tools/build_llama_server.sh         # once
     python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--threads 1]
@@ -72,6 +76,21 @@ def requests_by_size() -> dict[str, dict[str, Any]]:
         request["state"] = {"ticket": long_state_text(paragraphs), "customer_tier": "gold"}
         out[label] = request
     return {name: as_llama_server_accepts(r) for name, r in out.items()}
+
+
+def new_state(request: dict[str, Any], round_: int) -> dict[str, Any]:
+    """The request about a state of its own (one more key, first in the prompt's sorted JSON), so that every
+    round is cold for clef-gguf's state cache too: the same body goes to both servers."""
+    return {**request, "state": {"case": round_, **request["state"]}}
+
+
+def repeated_state(request: dict[str, Any], round_: int) -> dict[str, Any]:
+    """The request's state with a schema of its own: new ids and instructions each round."""
+    questions = {
+        f"{qid}_{round_}": {**q, "instructions": f"{q.get('instructions') or qid} ({round_})"}
+        for qid, q in request["questions"].items()
+    }
+    return as_llama_server_accepts({**request, "questions": questions})
 
 
 def main() -> None:
@@ -152,15 +171,30 @@ def main() -> None:
                 wait_healthy(theirs_url, theirs)
                 for name, request in requests.items():
                     times: dict[str, list[float]] = {"ours": [], "theirs": []}
-                    _, answer = post(ours_url, request)  # warm-up, and the token count
-                    post(theirs_url, request)
+                    _, answer = post(ours_url, new_state(request, -1))  # warm-up, and the token count
+                    post(theirs_url, new_state(request, -1))
                     for r in range(args.rounds):
                         order = [("ours", ours_url), ("theirs", theirs_url)][:: 1 if r % 2 == 0 else -1]
                         for who, url in order:
-                            times[who].append(post(url, request)[0])
+                            times[who].append(post(url, new_state(request, r))[0])
                     a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
                     rows.append((file_type, name, answer["usage"]["input_tokens"], a, b))
                     print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({a / b:.2f})", flush=True)
+                # The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request.
+                post(ours_url, requests["~8k"])
+                times = {"ours": [], "theirs": []}
+                for r in range(args.rounds):
+                    request = repeated_state(requests["~8k"], r)
+                    order = [("ours", ours_url), ("theirs", theirs_url)][:: 1 if r % 2 == 0 else -1]
+                    for who, url in order:
+                        seconds, answer = post(url, request)
+                        times[who].append(seconds)
+                        if who == "ours" and not answer["usage"]["input_tokens_details"]["cached_tokens"]:
+                            raise SystemExit("clef-gguf did not reuse the repeated state: is its state cache on?")
+                a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
+                name = "~8k, state repeated"
+                rows.append((file_type, name, answer["usage"]["input_tokens"], a, b))
+                print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({a / b:.2f})", flush=True)
             finally:
                 for process in (ours, theirs):
                     process.terminate()

@@ -8,7 +8,9 @@ Two llama.cpp models over the same Clef file (llama/qwen35_view.py):
     the prompt's token embeddings, gathered from token_embd on the host.
 One context, sized so that a whole prompt is one physical batch (n_ubatch = n_ctx =
 max_prompt_tokens), embeddings on, pooling none: a decode yields every token's final
-hidden state (after the output norm).
+hidden state (after the output norm). A prompt may also be decoded in parts (decode(tokens,
+start)), and the memory after a part saved and restored (llama.cpp's sequence state): the
+runtime's state cache (runtime/state_cache.py) keeps a state prefix's that way.
 """
 
 from __future__ import annotations
