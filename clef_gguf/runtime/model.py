@@ -103,6 +103,7 @@ class ClefModel:
         return np.concatenate([prefix, suffix]), reused
 
     def close(self) -> None:
+        self.state_cache.clear()  # host memory only: the saved states are of no use without the context
         self._resources.close()  # head, backbone, then the mapping: the reverse of loading
 
     def __enter__(self) -> ClefModel:
