@@ -398,15 +398,18 @@ def test_odd_request_targets_get_a_json_4xx(server, target):
 def test_requests_cut_off_by_the_drain_timeout_get_a_json_503(tmp_path):
     """SIGTERM with --drain-timeout 1 and several seconds of decisions queued: those finished in time are
     answered, the others get a JSON 503 with Retry-After (never uvicorn's plain-text 500), and serve exits 0."""
-    slow = {"state": "word " * 1500, "questions": {"q": {"type": "noul"}}}  # about 4,500 tokens on the demo vocabulary
+
+    def slow(i: int) -> dict:  # about 4,500 tokens on the demo vocabulary, a state of its own: no state cache hit
+        return {"state": f"Request {i}: " + "word " * 1500, "questions": {"q": {"type": "noul"}}}
+
     with served(DEMO_MODEL, "--drain-timeout", "1") as (url, process):
         with httpx.Client(base_url=url, timeout=60) as client:
             started = time.perf_counter()
-            assert client.post("/v1/systemone", json=slow).status_code == 200
+            assert client.post("/v1/systemone", json=slow(-1)).status_code == 200
             one = time.perf_counter() - started
         count = min(16, max(4, int(3 / one) + 1))  # about 3 s of decisions: 1 s of drain cuts most of them off
         with ThreadPoolExecutor(count) as pool, httpx.Client(base_url=url, timeout=60) as client:
-            queued = [pool.submit(httpx.post, f"{url}/v1/systemone", json=slow, timeout=60) for _ in range(count)]
+            queued = [pool.submit(httpx.post, f"{url}/v1/systemone", json=slow(i), timeout=60) for i in range(count)]
             deadline = time.monotonic() + 30
             while client.get("/health").json()["pending"] < count:
                 assert time.monotonic() < deadline
