@@ -20,8 +20,8 @@ from clef_gguf.conversion.mmproj import MMPROJ_TYPES
 from clef_gguf.errors import ModelFileError
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile
-from clef_gguf.llama.backbone import Backbone
-from clef_gguf.llama.mtmd import VisionEncoder, image_positions
+from clef_gguf.llama.backbone import Backbone, prompt_positions
+from clef_gguf.llama.mtmd import VisionEncoder
 
 # Max |difference| of an embedding from transformers' (embeddings have a std of ~0.66); measured: f32 0.0014,
 # f16 0.0027, bf16 0.012, q8_0 0.038.
@@ -135,9 +135,15 @@ def test_mtmd_refuses_an_mmproj_of_another_width(ws):
         f.close()
 
 
-def test_image_positions_are_mtmds_mrope_layout():
-    positions = image_positions(7, nx=3, ny=2).reshape(4, 6)
-    assert positions[0].tolist() == [7] * 6  # t: the image's first position
-    assert positions[1].tolist() == [7, 7, 7, 8, 8, 8]  # h: the row
-    assert positions[2].tolist() == [7, 8, 9, 7, 8, 9]  # w: the column
-    assert positions[3].tolist() == [0] * 6
+def test_prompt_positions_are_mtmds_mrope_layout():
+    # 7 text tokens, a 3 x 2 image, 2 text tokens: the image from t = 7, the text after it at 7 + max(3, 2).
+    positions = prompt_positions(15, [(7, 3, 2)])
+    image = positions[:, 7:13]
+    assert image[0].tolist() == [7] * 6  # t: the image's first position
+    assert image[1].tolist() == [7, 7, 7, 8, 8, 8]  # h: the row
+    assert image[2].tolist() == [7, 8, 9, 7, 8, 9]  # w: the column
+    assert positions[3].tolist() == [0] * 15
+    for section in range(3):  # text: t = h = w, one a token
+        assert positions[section, :7].tolist() == list(range(7))
+        assert positions[section, 13:].tolist() == [10, 11]
+    assert prompt_positions(3, start=5)[:3].tolist() == [[5, 6, 7]] * 3

@@ -10,9 +10,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..errors import IncompleteModelError, NotADecisionModelError
 from ..format import contract as C
 from ..format import vision as V
 from ..format.header import Header
+from ..format.hparams import VisionDescription
 from .mmproj import describe_mmproj, is_mmproj
 from .report import Problem, Report, Verdict
 from .validate import judge_source
@@ -102,3 +104,21 @@ def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str],
 def _wrong_kind(report: Report, summary_line: str) -> Report:
     """A sound file in the other slot of the pair: verdict 6, whatever it is on its own."""
     return replace(report, verdict=Verdict.NOT_A_DECISION_MODEL, summary=summary_line)
+
+
+def open_vision(model: Header, mmproj: str | os.PathLike[str]) -> VisionDescription:
+    """The description of a local mmproj for the runtime, after a header-only validation and the pairing
+    check with this model's header; raises validate's error (or IncompleteModelError for a bad pair)."""
+    report, header = judge_source(mmproj)
+    if header is not None and not is_mmproj(header) and report.verdict is not Verdict.CORRUPT:
+        raise NotADecisionModelError(
+            f"{mmproj}: a GGUF of architecture {header.get(V.KEY_ARCH)!r}, not an mmproj (a vision tower)"
+        )
+    report.raise_for_verdict()
+    assert header is not None
+    problems = check_pairing(model, header)
+    if problems:
+        raise IncompleteModelError(f"{mmproj} is not this model's vision tower: {problems[0].message}")
+    description = describe_mmproj(header)
+    assert description is not None  # it validated
+    return description

@@ -38,6 +38,7 @@ _NONCE = secrets.token_hex(8)
 SEP = f"\ue000sep:{_NONCE}\ue000"
 MARK_QUESTION = f"\ue000question:{_NONCE}\ue000"
 MARK_OPTION = f"\ue000option:{_NONCE}\ue000"
+MARK_IMAGE = f"\ue000image:{_NONCE}\ue000"  # what the template's `images` hold: one per image, where it goes
 OMITTED = object()  # a description given as null where the template would supply a default
 
 _LOOPS = ("questions", "images")  # top-level names a loop may run over; and `<loop variable>.options`
@@ -61,7 +62,8 @@ _FORBIDDEN = (
 @dataclass(frozen=True)
 class Piece:
     text: str
-    kind: str | None = None  # "question" (its instructions) or "option" (its description); None otherwise
+    # "question" (its instructions), "option" (its description), "image" (one image, text ""); None otherwise
+    kind: str | None = None
 
 
 def _tojson(value: Any, separators: list[str] | tuple[str, str] | None = None, **_: Any) -> str:
@@ -101,9 +103,16 @@ class PromptTemplate:
         except TemplateSyntaxError as e:
             raise ModelFileError(f"the systemone prompt template does not parse: {e.message} (line {e.lineno})") from e
         self.source = source
-        self.state_piece = self._find_state_piece()
+        self._state_pieces: dict[int, int | None] = {}
+        self.state_piece = self.state_piece_of(0)
 
-    def _find_state_piece(self) -> int | None:
+    def state_piece_of(self, n_images: int) -> int | None:
+        """The state's piece in a prompt with `n_images` images (they are pieces of their own)."""
+        if n_images not in self._state_pieces:
+            self._state_pieces[n_images] = self._find_state_piece(n_images)
+        return self._state_pieces[n_images]
+
+    def _find_state_piece(self, n_images: int) -> int | None:
         """The index of the piece that holds the state, when no piece up to it depends on the questions.
 
         Clef's prompt puts the state first, so the tokens of the pieces up to and including it
@@ -119,24 +128,33 @@ class PromptTemplate:
             [{"id": "a", "type": "noul", "instructions": "a", "options": [option]}],
             [{"id": "b", "type": "choice", "instructions": {"b": 1}, "options": [option, {"key": "c", "description": "d"}]}] * 2,
         )
-        x, y = (list(self.pieces(state, schemas[0])) for state in (f"x{_NONCE}", f"y{_NONCE}"))
+        x, y = (list(self.pieces(state, schemas[0], n_images)) for state in (f"x{_NONCE}", f"y{_NONCE}"))
         index = next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
-        if index is None or list(self.pieces(f"x{_NONCE}", schemas[1]))[: index + 1] != x[: index + 1]:
+        if index is None or list(self.pieces(f"x{_NONCE}", schemas[1], n_images))[: index + 1] != x[: index + 1]:
             return None
         return index
 
-    def pieces(self, state: Any, questions: list[dict[str, Any]]) -> Iterator[Piece]:
-        """The prompt's pieces, in order. questions: [{id, type, instructions, options: [{key, description}]}]."""
+    def pieces(self, state: Any, questions: list[dict[str, Any]], n_images: int = 0) -> Iterator[Piece]:
+        """The prompt's pieces, in order. questions: [{id, type, instructions, options: [{key, description}]}].
+
+        Each image is a piece of kind "image" where the template puts it (llama-server gives the template
+        mtmd's media markers, which mtmd replaces by the image's tokens)."""
         text = self._template.render(
             state=state,
             questions=questions,
-            images=[],  # no vision tower yet
+            images=[MARK_IMAGE] * n_images,
             sep=SEP,
             mark_question=MARK_QUESTION,
             mark_option=MARK_OPTION,
         )
         for piece in text.split(SEP):
-            if piece.startswith(MARK_QUESTION):
+            if MARK_IMAGE in piece:
+                first, *rest = piece.split(MARK_IMAGE)
+                yield from (Piece(first),) if first else ()
+                for part in rest:
+                    yield Piece("", "image")
+                    yield from (Piece(part),) if part else ()
+            elif piece.startswith(MARK_QUESTION):
                 yield Piece(piece[len(MARK_QUESTION) :], "question")
             elif piece.startswith(MARK_OPTION):
                 yield Piece(piece[len(MARK_OPTION) :], "option")

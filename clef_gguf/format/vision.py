@@ -55,9 +55,11 @@ KEY_IMAGE_MIN_PIXELS = "clip.vision.image_min_pixels"
 KEY_IMAGE_MAX_PIXELS = "clip.vision.image_max_pixels"
 CLEF_KEYS = (KEY_IMAGE_MIN_PIXELS, KEY_IMAGE_MAX_PIXELS)  # the keys beyond llama.cpp's converter's
 
-# libmtmd brackets each image's embeddings with these tokens of the text model (mtmd.cpp, qwen3vl: img_beg,
-# img_end), as the reference's processor writes <|vision_start|><|image_pad|>...<|vision_end|>.
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>")
+# libmtmd brackets each image's embeddings with the first two tokens of the text model (mtmd.cpp, qwen3vl:
+# img_beg, img_end), as the reference's processor writes <|vision_start|><|image_pad|>...<|vision_end|>, one
+# <|image_pad|> per image token (whose embedding the tower's replaces).
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD)
 
 # --- The release side ---------------------------------------------------------------------
 HF_VISION_PREFIX = "model.visual."

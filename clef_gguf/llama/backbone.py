@@ -58,6 +58,29 @@ def _load(f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = 
 _SEQ = 0  # every token is in sequence 0: one prompt at a time
 
 
+def prompt_positions(n_tokens: int, images: Sequence[tuple[int, int, int]] = (), start: int = 0) -> np.ndarray:
+    """(4, n_tokens) M-RoPE positions (t, h, w, and a 4th section of 0) of a prompt from position `start`.
+
+    Text has t = h = w, one position a token. An image (its first token's index, nx tokens a row, ny rows) is
+    at t = p, h = p + row, w = p + column from the position p after the text before it, and the text after it
+    continues at p + max(nx, ny): transformers' Qwen3.5 get_rope_index, and mtmd's positions for M-RoPE
+    (mtmd_image_tokens_get_decoder_pos, mtmd_image_tokens_get_n_pos).
+    """
+    positions = np.zeros((4, n_tokens), dtype=np.int32)
+    done, p = 0, start
+    for first, nx, ny in sorted(images):
+        text = first - done
+        positions[:3, done:first] = np.arange(p, p + text)
+        p += text
+        i = np.arange(nx * ny)
+        positions[0, first : first + nx * ny] = p
+        positions[1, first : first + nx * ny] = p + i // nx
+        positions[2, first : first + nx * ny] = p + i % nx
+        done, p = first + nx * ny, p + max(nx, ny)
+    positions[:3, done:] = np.arange(p, p + n_tokens - done)
+    return positions
+
+
 def _bytes(array: np.ndarray) -> ctypes._Pointer:
     return array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
@@ -75,13 +98,11 @@ class _EmbeddingBatch:
         self.seq_id = (ctypes.POINTER(L.llama_seq_id) * capacity)(*[zero] * capacity)  # every token in sequence 0
         self.logits = np.ones(capacity, dtype=np.int8)  # every token is an output: the head reads them all
 
-    def fill(self, embeddings: np.ndarray, start: int = 0) -> L.llama_batch:
-        """The batch of these tokens at positions start, start + 1, ... (a decode continuing a restored prefix)."""
+    def fill(self, embeddings: np.ndarray, positions: np.ndarray) -> L.llama_batch:
+        """The batch of these tokens at these positions ((n_pos, n), prompt_positions' layout)."""
         n = len(embeddings)
         self.embd[:n] = embeddings
-        # Positions are section-major for multi-position (M-)RoPE: text has t = h = w = i and a 4th section of 0.
-        for section in range(self.n_pos):
-            self.pos[section * n : (section + 1) * n] = np.arange(start, start + n) if section < 3 else 0
+        self.pos[: self.n_pos * n] = positions[: self.n_pos].reshape(-1)  # section-major, as llama.cpp reads it
         return L.llama_batch(
             n_tokens=n,
             token=None,
@@ -171,17 +192,26 @@ class Backbone:
         """Forget every token: the next decode starts a prompt at position 0."""
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
 
+    def embeddings(self, tokens: Sequence[int]) -> np.ndarray:
+        """The input embeddings of `tokens` (a new array: an image's rows can be written into it)."""
+        return self.token_embd.rows(tokens)
+
     def decode(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:
-        """Hidden states of `tokens` at positions start, ..., continuing the start tokens in memory.
+        """Hidden states of text `tokens` at positions start, ..., continuing the tokens in memory."""
+        return self.decode_embeddings(self.embeddings(tokens), prompt_positions(len(tokens), start=start))
+
+    def decode_embeddings(self, embeddings: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Hidden states of input embeddings at positions ((4, n): prompt_positions'), continuing the memory.
 
         Returns a view of llama.cpp's output buffer, valid until the next decode.
         """
-        if start + len(tokens) > self.max_prompt_tokens:
-            raise PromptTooLongError(start + len(tokens), self.max_prompt_tokens)
-        status = L.llama_decode(self.ctx, self.batch.fill(self.token_embd.rows(tokens), start))
+        n = len(embeddings)
+        if int(positions[0, -1]) + 1 > self.max_prompt_tokens or n > self.max_prompt_tokens:
+            raise PromptTooLongError(max(n, int(positions[0, -1]) + 1), self.max_prompt_tokens)
+        status = L.llama_decode(self.ctx, self.batch.fill(embeddings, positions))
         if status != 0:
             raise ComputeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
-        return np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(len(tokens), self.n_embd))
+        return np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(n, self.n_embd))
 
     # The sequence state: what llama.cpp's memory holds of the tokens decoded so far. For qwen35's hybrid
     # memory that is the full-attention layers' KV cells and the linear-attention layers' recurrent state

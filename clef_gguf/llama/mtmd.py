@@ -1,10 +1,12 @@
 """llama.cpp's multimodal library (libmtmd, bound in llama_cpp.mtmd_cpp): a vision tower loaded from an mmproj,
 and images encoded into embeddings for the backbone.
 
-Groundwork for images in the runtime (issue 13): nothing in runtime/ uses it yet. mtmd resizes and
-normalizes an image with the mmproj's settings, runs the tower on the CPU (or the GPU) and returns
-one embedding per image token, in rows of `nx` tokens (a merged 2 x 2 group of patches each); the
-runtime places them in the prompt itself, with M-RoPE positions (image_positions).
+mtmd normalizes an image with the mmproj's mean and std, runs the tower on the CPU (or the GPU) and
+returns one embedding per image token, in rows of `nx` tokens (a merged 2 x 2 group of patches
+each). The runtime resizes images itself, as the reference's processor does (runtime/images.py):
+mtmd copies an image whose sides are whole tokens and whose area is within its token limits
+unresized. The runtime places the embeddings in the prompt itself, with M-RoPE positions
+(backbone.prompt_positions).
 """
 
 from __future__ import annotations
@@ -34,15 +36,6 @@ class ImageEmbeddings:
     @property
     def n_tokens(self) -> int:
         return self.nx * self.ny
-
-
-def image_positions(pos_0: int, nx: int, ny: int) -> np.ndarray:
-    """M-RoPE positions of an image's tokens starting at text position `pos_0`, as mtmd gives them
-    (mtmd_image_tokens_get_decoder_pos, MTMD_POS_TYPE_MROPE), section-major like the backbone's batch:
-    t = pos_0, h = pos_0 + row, w = pos_0 + column, a 4th section of 0. The text after the image
-    continues at pos_0 + max(nx, ny) (mtmd_image_tokens_get_n_pos)."""
-    i = np.arange(nx * ny)
-    return np.concatenate([np.full_like(i, pos_0), pos_0 + i // nx, pos_0 + i % nx, np.zeros_like(i)]).astype(np.int32)
 
 
 class VisionEncoder:

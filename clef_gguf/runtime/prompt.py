@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ModelFileError, RequestError
+from ..format import vision as V
 from ..format.contract import QUESTION_TYPES
 from ..format.template import OMITTED, PromptTemplate
+from .images import ImageLimits, PreparedImage, prepare_all, request_images
 
 MAX_QUESTIONS = 64
 CHOICE_OPTIONS = (2, 255)
@@ -43,6 +45,7 @@ class Request:
     model: str | None
     state: str | dict | list
     questions: tuple[Question, ...]
+    images: tuple[PreparedImage, ...] = ()  # placed where the template puts images (before the state)
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,20 @@ class EncodedQuestion:
 
 
 @dataclass(frozen=True)
+class PlacedImage:
+    image: PreparedImage
+    start: int  # the index of its first image token in the prompt's tokens
+
+
+@dataclass(frozen=True)
 class EncodedPrompt:
     request: Request
-    tokens: list[int]
+    tokens: list[int]  # an image's tokens are <|image_pad|>s, whose embeddings the vision tower's replace
     questions: tuple[EncodedQuestion, ...]
     # tokens[:state_prefix] are the template's pieces up to and including the state: the same for
     # every request about this state, whatever its questions (0: the template has no such prefix).
     state_prefix: int = 0
+    images: tuple[PlacedImage, ...] = ()
 
 
 # --- Validation -------------------------------------------------------------------------------------------
@@ -111,8 +121,10 @@ def _check_level(value: Any, where: str) -> Description:
     return _check_description(value, where)
 
 
-def parse_request(body: Any) -> Request:
-    """Check a SystemOne request body; raise RequestError naming the field."""
+def parse_request(body: Any, image_limits: ImageLimits | None = None) -> Request:
+    """Check a SystemOne request body; raise RequestError naming the field.
+
+    image_limits: the vision tower's (None: the model has none, and a request with images is refused)."""
     if not isinstance(body, dict):
         raise RequestError("the request must be a JSON object")
     model = body.get("model")
@@ -139,7 +151,8 @@ def parse_request(body: Any) -> Request:
         options, levels = _options(qid, qtype, q.get("criteria"))
         order = tuple(q["criteria"]) if qtype == "choice" else ()
         parsed.append(Question(qid, qtype, instructions, options, levels, order))
-    return Request(model, state, tuple(parsed))
+    values, state = request_images(body, state)
+    return Request(model, state, tuple(parsed), prepare_all(values, image_limits))
 
 
 # --- Encoding ---------------------------------------------------------------------------------------------------
@@ -159,10 +172,23 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
     spans: list[tuple[int, int]] = []
     option_spans: list[list[tuple[int, int]]] = []
     state_prefix = 0
-    for index, piece in enumerate(template.pieces(request.state, questions)):
+    placed: list[PlacedImage] = []
+    images = iter(request.images)
+    state_piece = template.state_piece_of(len(request.images))
+    for index, piece in enumerate(template.pieces(request.state, questions, len(request.images))):
         start = len(tokens)
-        tokens += tokenize(piece.text)
-        if index == template.state_piece:
+        if piece.kind == "image":
+            image = next(images, None)
+            if image is None:
+                raise ModelFileError("the systemone prompt template places an image more than once")
+            # As the reference's processor expands its placeholder: the pads tokenized with the brackets.
+            tokens += tokenize(V.VISION_START)
+            placed.append(PlacedImage(image, len(tokens)))
+            tokens += tokenize(V.IMAGE_PAD) * image.n_tokens
+            tokens += tokenize(V.VISION_END)
+        else:
+            tokens += tokenize(piece.text)
+        if index == state_piece:
             state_prefix = len(tokens)
         if piece.kind == "question":
             spans.append((start, len(tokens)))
@@ -171,5 +197,7 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
             option_spans[-1].append((start, len(tokens)))
     if [len(o) for o in option_spans] != [len(q.options) for q in request.questions]:
         raise ModelFileError("the systemone prompt template does not mark every question and option once")
-    encoded = zip(request.questions, spans, option_spans, strict=True)
-    return EncodedPrompt(request, tokens, tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in encoded), state_prefix)
+    if len(placed) != len(request.images):
+        raise ModelFileError("the systemone prompt template does not place every image")
+    encoded = tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in zip(request.questions, spans, option_spans, strict=True))
+    return EncodedPrompt(request, tokens, encoded, state_prefix, tuple(placed))

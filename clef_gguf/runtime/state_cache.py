@@ -59,9 +59,10 @@ def split_at_prefix(prefix_tokens: int, prompt_tokens: int) -> bool:
     return MIN_PREFIX_TOKENS <= prefix_tokens < prompt_tokens
 
 
-def prefix_key(tokens: Sequence[int]) -> bytes:
-    """The key of a prefix: its tokens as int32 bytes (hashed, and compared in full on a match)."""
-    return np.asarray(tokens, dtype=np.int32).tobytes()
+def prefix_key(tokens: Sequence[int], images: Sequence[bytes] = ()) -> bytes:
+    """The key of a prefix: its images' digests (an image's tokens are all <|image_pad|>), then its tokens
+    as int32 bytes (hashed, and compared in full on a match)."""
+    return bytes([len(images)]) + b"".join(images) + np.asarray(tokens, dtype=np.int32).tobytes()
 
 
 def entry_bytes(key: bytes, sequence_bytes: int, hidden_bytes: int) -> int:

@@ -2,8 +2,12 @@
 
 Loads a Clef release folder the way the reference does (transformers backbone,
 reference ``JointSchemaHead``, ``ClefModel``) but in float32 on CPU, and without
-``AutoProcessor``: a Qwen3.5 processor needs torchvision, and text-only requests
-only ever touch ``processor.tokenizer``.
+``AutoProcessor``: for Qwen3.5 it builds a video processor, which needs torchvision,
+and no torchvision loads with the CPU torch here. The release's processor class,
+``Qwen3VLProcessor``, is built instead over the PIL image processor
+(``Qwen2VLImageProcessorPil``, pillow only) from ``preprocessor_config.json``, its
+video part left out: images are processed exactly as by the release's processor
+(requests here carry PIL images in ``images``, as the reference takes them).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration
+from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from .release_builder import load_reference
 
@@ -25,6 +30,25 @@ MAX_LENGTH = 1_000_000
 Span = tuple[int, int]
 
 
+class _ImageProcessor(Qwen3VLProcessor):
+    """Qwen3VLProcessor without its video processor (transformers refuses None for it, though images never use it)."""
+
+    def check_argument_for_proper_class(self, attribute_name: str, arg: Any) -> Any:
+        if attribute_name == "video_processor" and arg is None:
+            return None
+        return super().check_argument_for_proper_class(attribute_name, arg)
+
+
+def release_processor(release_dir: Path, tokenizer: PreTrainedTokenizerFast) -> Any:
+    """The release's processor for images, or a stand-in with only the tokenizer when it has no vision tower."""
+    config_path = release_dir / "preprocessor_config.json"
+    if not config_path.exists():
+        return SimpleNamespace(tokenizer=tokenizer)
+    config = json.loads(config_path.read_text())
+    settings = {k: v for k, v in config.items() if k not in ("processor_class", "image_processor_type")}
+    return _ImageProcessor(image_processor=Qwen2VLImageProcessorPil(**settings), tokenizer=tokenizer)
+
+
 class Oracle:
     """The reference Clef model of one release folder, float32 on CPU."""
 
@@ -32,8 +56,7 @@ class Oracle:
         release_dir = Path(release_dir)
         self.reference = load_reference()
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(release_dir)
-        # The reference reads only .tokenizer from its processor for text requests.
-        self.processor = SimpleNamespace(tokenizer=self.tokenizer)
+        self.processor = release_processor(release_dir, self.tokenizer)
         backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release_dir, dtype=torch.float32)
         backbone.config.use_cache = False
         config = json.loads((release_dir / "joint_head_config.json").read_text())
@@ -71,4 +94,4 @@ class Oracle:
         return [(question.question_span, question.option_spans) for question in self._encode(request).questions]
 
     def _encode(self, request: dict[str, Any]) -> Any:
-        return self.reference.encode_record(self.tokenizer, request, max_length=MAX_LENGTH)
+        return self.reference.encode_record(self.tokenizer, request, max_length=MAX_LENGTH, processor=self.processor)
