@@ -43,6 +43,15 @@ MaxPrompt = Annotated[
         help="Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache.",
     ),
 ]
+Mmproj = Annotated[
+    Path | None,
+    typer.Option(
+        "--mmproj",
+        help="The vision tower (llama.cpp's mmproj GGUF, which convert writes beside the model): requests may carry up to "
+        "4 images. Without it, requests with images are refused.",
+        show_default=False,
+    ),
+]
 Ubatch = Annotated[
     int | None,
     typer.Option(
@@ -318,14 +327,26 @@ def _check_unicode(text: str, where: str) -> None:
         raise RequestError(f"holds a lone surrogate ({surrogate}), which is not Unicode text", where or None) from None
 
 
-def _decide(
-    model_path: Path, request_path: str, n_gpu_layers: int, max_prompt_tokens: int, ubatch: int | None, state_cache: int
-) -> dict[str, Any]:
+def _decide(model_path: Path, request_path: str, images: list[Path], **settings: Any) -> dict[str, Any]:
     from .runtime.model import load
 
     request = _read_request(request_path)
-    with load(model_path, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, ubatch=ubatch, state_cache=state_cache) as model:
+    if images:  # after the request's own, as files (bytes: the runtime reads their format)
+        if not isinstance(request, dict):
+            raise RequestError("the request must be a JSON object")
+        given = request.get("images") or []
+        if not isinstance(given, list):
+            raise RequestError("must be a list of images", "images")
+        request["images"] = [*given, *(_read_image(path) for path in images)]
+    with load(model_path, **settings) as model:
         return model.decide(request)
+
+
+def _read_image(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise RequestError(f"cannot read {path}: {e.strerror or e}", "images") from None
 
 
 @app.command()
@@ -338,8 +359,14 @@ def decide(
     max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
     state_cache: Annotated[int, _state_cache_option("0 (one request has nothing to reuse)")] = 0,
+    mmproj: Mmproj = None,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option("--image", help="An image file (PNG, JPEG, WebP) for the request's images; repeat for more (up to 4)."),
+    ] = None,
 ) -> None:
-    """Answer a SystemOne request; prints the response JSON on stdout."""
+    """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
+    and --image files, with --mmproj."""
     from .data import DEMO_MODEL
 
     if not 1 <= len(paths) <= 2:
@@ -347,7 +374,8 @@ def decide(
         raise typer.Exit(2)
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     _check_ubatch(ubatch, max_prompt_tokens)
-    answer = _run(lambda: _decide(model_path, request_path, n_gpu_layers, max_prompt_tokens, ubatch, state_cache))
+    settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": max_prompt_tokens, "ubatch": ubatch, "state_cache": state_cache}
+    answer = _run(lambda: _decide(model_path, request_path, image or [], mmproj=mmproj, **settings))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
@@ -522,6 +550,7 @@ def serve(
     body_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request has to send its whole body; then 408.")] = 30.0,
     keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
     state_cache: Annotated[int, _state_cache_option(f"{DEFAULT_STATE_CACHE >> 30}GiB")] = DEFAULT_STATE_CACHE,
+    mmproj: Mmproj = None,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
@@ -533,12 +562,19 @@ def serve(
     # Loaded before the port is bound: a file that loading rejects never gets a listening server.
     loaded = _run(
         lambda: load(
-            model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch, state_cache=state_cache
+            model,
+            n_gpu_layers=n_gpu_layers,
+            n_ctx=max_prompt_tokens,
+            n_threads=threads,
+            ubatch=ubatch,
+            state_cache=state_cache,
+            mmproj=mmproj,
         )
     )
     url = f"http://{host}:{port}/v1/systemone"
     name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
-    err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens)", markup=False, highlight=False)
+    images = ", up to 4 images" if loaded.vision is not None else ""
+    err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens{images})", markup=False, highlight=False)
     limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
     run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits)
 

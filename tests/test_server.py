@@ -307,7 +307,17 @@ MALFORMED: dict[str, tuple[bytes | Request, list[Any]]] = {
         _with(lambda r: r["questions"].update(n={"type": "noul", "criteria": {"maybe": "x"}})),
         ["body", "questions", "n", "criteria"],
     ),
-    "an image": (_with(lambda r: r.update(assets={"img": {"type": "image", "data_base64": "AAAA"}})), ["body", "assets"]),
+    # This model is loaded without its vision tower (test_server_images.py has one).
+    "an image": (
+        _with(lambda r: r.update(assets={"img": {"type": "image", "format": "png", "data_base64": "AAAA"}})),
+        ["body", "assets"],
+    ),
+    "an image without its format": (
+        _with(lambda r: r.update(assets={"img": {"type": "image", "data_base64": "AAAA"}})),
+        ["body", "assets", "img", "format"],
+    ),
+    "images": (_with(lambda r: r.update(images=["data:image/png;base64,AAAA"])), ["body", "images"]),
+    "a video": (_with(lambda r: r.update(videos=["data:video/mp4;base64,AAAA"])), ["body", "videos"]),
 }
 
 
@@ -360,7 +370,10 @@ def test_compressed_bodies_are_read_and_bad_ones_are_4xx(client, expected):
     _api_error(client.post("/v1/systemone", content=bomb, headers={"content-encoding": "gzip"}), 413, "request_too_large")
     _api_error(client.post("/v1/systemone", content=b" " * (1 << 20) + b" "), 413, "request_too_large")
     multipart = {"content-type": "multipart/form-data; boundary=x"}
-    _api_error(client.post("/v1/systemone", content=b"--x--", headers=multipart), 415, "invalid_request_error")
+    empty = client.post("/v1/systemone", content=b"--x--\r\n", headers=multipart)  # typesafe-sdk's form, with no parts
+    assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body"], empty.text
+    mixed = {"content-type": "multipart/mixed; boundary=x"}
+    _api_error(client.post("/v1/systemone", content=b"--x--\r\n", headers=mixed), 415, "invalid_request_error")
 
 
 # --- The Workers AI route: the same answers in Cloudflare's envelope ---------------------------------------------

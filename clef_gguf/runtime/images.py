@@ -91,7 +91,7 @@ def image_bytes(value: Any, where: str) -> bytes:
     if isinstance(value, dict) and isinstance(value.get("base64"), str):  # Workers AI's object form
         media = value.get("content_type")
         if not isinstance(media, str) or media.lower() not in MEDIA_TYPES:
-            raise RequestError(f"content_type {media!r} is not an image type this server reads ({_formats()})", where)
+            raise RequestError(f"content_type {media!r} is not an image type clef-gguf reads ({_formats()})", where)
         value = value["base64"]
     if isinstance(value, bytes | bytearray | memoryview):
         data = bytes(value)
@@ -105,7 +105,7 @@ def image_bytes(value: Any, where: str) -> bytes:
         if match:
             media, params = match.group(1).lower(), match.group(2).lower()
             if media and media not in MEDIA_TYPES:
-                raise RequestError(f"media type {media!r} is not an image type this server reads ({_formats()})", where)
+                raise RequestError(f"media type {media!r} is not an image type clef-gguf reads ({_formats()})", where)
             if ";base64" not in params:
                 raise RequestError("a data URL of an image must be base64 (data:image/png;base64,...)", where)
             text = text[match.end() :]
@@ -146,7 +146,7 @@ def open_image(value: Any, where: str) -> Image.Image:
         except RequestError:
             raise
         except UnidentifiedImageError:
-            raise RequestError(f"is not an image in a format this server reads ({_formats()})", where) from None
+            raise RequestError(f"is not an image in a format clef-gguf reads ({_formats()})", where) from None
         except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise RequestError(f"the image could not be decoded: {e}", where) from None
     if min(image.size) < 1:

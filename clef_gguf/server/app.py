@@ -136,9 +136,10 @@ def create_app(
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
     max_pending bounds the requests being read and the requests admitted to decide, each; max_body_bytes
-    (default: from the model's token limit, body.body_limit) bounds a body, raw and decoded."""
+    (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
+    raw and decoded."""
     worker = DecideWorker(model, max_pending)
-    limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else max_body_bytes
+    limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     intake = Intake(model, max_pending, limit, body_timeout_s)
 
     @asynccontextmanager
@@ -201,6 +202,7 @@ def create_app(
             "model": model.name,
             "max_prompt_tokens": model.max_prompt_tokens,
             "ubatch": model.ubatch,
+            "images": model.image_limits is not None,
             "pending": worker.pending,
             "reading": intake.reading,
         }

@@ -29,9 +29,14 @@ BYTES_PER_TOKEN = 16
 DEFAULT_BODY_TIMEOUT_S = 30.0  # to send a whole body: 35 KB/s for the 1 MiB cap of a 65,536-token context
 
 
-def body_limit(max_prompt_tokens: int) -> int:
-    """The largest decoded (and raw) body worth reading for a model with this token limit."""
-    return max_prompt_tokens * BYTES_PER_TOKEN
+# With a vision tower, room for the images on top (Workers AI's: 8 MiB of image files, base64 in JSON, and a
+# request body of at most 13 MiB in all).
+IMAGE_ALLOWANCE = 13 << 20
+
+
+def body_limit(max_prompt_tokens: int, images: bool = False) -> int:
+    """The largest decoded (and raw) body worth reading for a model with this token limit (and images)."""
+    return max_prompt_tokens * BYTES_PER_TOKEN + (IMAGE_ALLOWANCE if images else 0)
 
 
 # A \uD800-\uDFFF escape in the raw bytes is the only way a JSON text yields a surrogate
@@ -100,9 +105,10 @@ async def read(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 def check_media_type(content_type: str | None) -> None:
-    # The SDK sends multipart/form-data only to carry images, which this model cannot see.
-    if content_type and content_type.split(";")[0].strip().lower().startswith("multipart/"):
-        raise ApiError(415, "invalid_request_error", "multipart bodies carry images; this Clef GGUF has no vision tower")
+    # typesafe-sdk sends multipart/form-data to carry images (server/media.py); no client sends another multipart.
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media.startswith("multipart/") and media != "multipart/form-data":
+        raise ApiError(415, "invalid_request_error", f"{media} is not read; images come in multipart/form-data (typesafe-sdk's)")
 
 
 def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:

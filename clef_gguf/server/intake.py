@@ -24,19 +24,11 @@ from typing import Any
 from starlette.requests import Request
 
 from ..errors import PromptTooLongError, RequestError
-from . import body
+from . import body, media
 from .problems import ApiError, Invalid, from_request_error
 from .worker import Model
 
-MEDIA_FIELDS = ("assets", "images", "videos")  # the runtime does not run the vision tower (the mmproj) yet
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
-
-
-def check_media(value: Any) -> None:
-    if isinstance(value, dict):
-        for key in MEDIA_FIELDS:
-            if value.get(key):
-                raise Invalid(["body", key], "images and videos are not supported: this Clef GGUF has no vision tower")
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -63,32 +55,37 @@ class Intake:
         self._small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clef-intake")
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
 
-    def _prepare(self, decoded: bytes) -> Any:
+    def _prepare(self, decoded: bytes, content_type: str | None) -> Any:
         """Parse, validate and tokenize one decoded body, before it waits for the model (a 422 even when the
-        server is busy): the encoded prompt, known to fit the model.
+        server is busy): the encoded prompt, known to fit the model. Its images are decoded and sized here too.
 
         The worker decides on this very prompt: a request is parsed and tokenized once."""
-        value = body.parse(decoded)
-        check_media(value)
+        if media.is_multipart(content_type):  # typesafe-sdk's images: the JSON and the image files in parts
+            parts = media.split_multipart(decoded, content_type or "")
+            value = media.request_of_multipart(parts, body.parse)
+        else:
+            parts, value = {}, body.parse(decoded)
+        value, origins = media.take_assets(value, parts)
         try:
             prompt = self.model.encode(value)
         except RequestError as e:
-            raise from_request_error(e, value) from e
+            raise media.relocate(from_request_error(e, value), origins) from e
         except RecursionError as e:  # a state nested deeper than the prompt renderer recurses
             raise Invalid(["body", "state"], "nested too deeply", "json_invalid") from e
         if len(prompt.tokens) > self.model.max_prompt_tokens:
             raise from_request_error(PromptTooLongError(len(prompt.tokens), self.model.max_prompt_tokens), value)
         return prompt
 
-    def _prepare_large(self, decoded: bytes) -> Any:
+    def _prepare_large(self, decoded: bytes, content_type: str | None) -> Any:
         try:
-            return self._prepare(decoded)
+            return self._prepare(decoded, content_type)
         finally:
             _trim()  # the tokens and the parse of a refused body are garbage by now
 
     async def request(self, request: Request) -> Any:
         """The request of `request`, parsed, validated and encoded; raises ApiError or Invalid."""
-        body.check_media_type(request.headers.get("content-type"))
+        content_type = request.headers.get("content-type")
+        body.check_media_type(content_type)
         if self.reading >= self.max_reading:
             message = f"{self.reading} request bodies are already being read; retry shortly"
             raise ApiError(503, "overloaded_error", message, {"Retry-After": "1"})
@@ -100,9 +97,9 @@ class Intake:
             decoded = body.decode(raw, request.headers.get("content-encoding"), self.limit)
             del raw
             if len(decoded) > LARGE_BODY:
-                future = self._large.submit(self._prepare_large, decoded)
+                future = self._large.submit(self._prepare_large, decoded, content_type)
             else:
-                future = self._small.submit(self._prepare, decoded)
+                future = self._small.submit(self._prepare, decoded, content_type)
             return await asyncio.wrap_future(future)
         finally:
             self.reading -= 1

@@ -62,6 +62,8 @@ def location(field_path: str | None, body: Any) -> Location:
     if not field_path:
         return ["body"]
     head, _, rest = field_path.partition(".")
+    if head == "images" and rest.isdigit():  # images.N: the Nth image
+        return ["body", "images", int(rest)]
     questions = body.get("questions") if isinstance(body, dict) else None
     if head != "questions" or not rest or not isinstance(questions, dict):
         return ["body", *field_path.split(".")]

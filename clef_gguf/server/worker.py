@@ -32,6 +32,7 @@ class Model(Protocol):
     name: str
     path: Path
     ubatch: int  # tokens per physical batch of the prefill
+    image_limits: object | None  # None: no vision tower loaded, requests with images are refused
 
     @property
     def max_prompt_tokens(self) -> int: ...

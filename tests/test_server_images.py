@@ -1,0 +1,217 @@
+"""Images over HTTP: every form the clients send reaches the model as the same images (server/media.py).
+
+A live server over a model loaded with its mmproj; each answer is checked against a direct decide() with
+the same images (the runtime's parity with the reference is tests/test_images.py's).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import httpx2
+import numpy as np
+import pytest
+import typesafe_sdk as ts
+from PIL import Image
+from test_server import TIMEOUT, reuse_apart, start
+
+import clef_gguf
+from clef_gguf.server import create_app
+from clef_gguf.server.body import IMAGE_ALLOWANCE, body_limit
+from clef_gguf.server.workers_ai import PREFIXES, ROUTE
+
+WORKERS_AI = (PREFIXES[0] + ROUTE).replace("{account_id}", "acct").replace("{model_id:path}", "@cf/cloudflare/clef-flash")
+QUESTIONS = {
+    "damaged": {"type": "noul", "instructions": "Is the product damaged?"},
+    "kind": {"type": "choice", "instructions": "What is shown?", "criteria": {"shoe": "a shoe", "box": None, "cup": "a cup"}},
+}
+
+
+def encoded(height: int, width: int, fmt: str, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    return out.getvalue()
+
+
+PNG, JPEG, WEBP = encoded(96, 160, "PNG", 1), encoded(200, 120, "JPEG", 2), encoded(64, 300, "WEBP", 3)
+MEDIA = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+
+
+def data_url(data: bytes, media: str) -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def model(ws) -> Iterator[clef_gguf.ClefModel]:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=4096, mmproj=ws.mmproj("untied_f32", "f32")) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def live(model) -> Iterator[str]:
+    server = start(create_app(model, owns_model=False))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live, timeout=TIMEOUT) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def decide(request: dict[str, Any]) -> dict[str, Any]:
+        return reuse_apart(model.decide(copy.deepcopy(request)))
+
+    return decide
+
+
+def problem(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 422, response.text
+    [detail] = response.json()["detail"]
+    return detail
+
+
+def test_a_model_with_images_reads_image_sized_bodies(model):
+    assert body_limit(model.max_prompt_tokens, images=True) == body_limit(model.max_prompt_tokens) + IMAGE_ALLOWANCE
+
+
+def test_workers_ai_images_in_both_documented_forms(client, expected):
+    request = {"model": "clef-flash", "state": "A parcel photo.", "questions": QUESTIONS}
+    direct = expected({**request, "images": [PNG, JPEG]})
+    as_urls = {**request, "images": [data_url(PNG, "image/png"), data_url(JPEG, "image/jpeg")]}
+    as_objects = {
+        **request,
+        "images": [{"content_type": "image/png", "base64": base64.b64encode(PNG).decode()}, data_url(JPEG, "image/jpg")],
+    }
+    for body in (as_urls, as_objects):
+        assert reuse_apart(client.post("/v1/systemone", json=body).json()) == direct
+        envelope = client.post(WORKERS_AI, json=body).json()
+        assert envelope["success"] and reuse_apart(envelope["result"]) == direct
+    assert direct["usage"]["input_tokens"] > expected(request)["usage"]["input_tokens"]  # the images were read
+
+
+def test_llama_server_image_parts_of_chat_messages(client, expected):
+    text = {"type": "text", "text": "Is this the shoe I ordered?"}
+    image = {"type": "image_url", "image_url": {"url": data_url(WEBP, "image/webp")}}
+    state = [{"role": "user", "content": [text, image]}]
+    want = expected({"state": [{"role": "user", "content": [text]}], "questions": QUESTIONS, "images": [WEBP]})
+    assert reuse_apart(client.post("/v1/systemone", json={"state": state, "questions": QUESTIONS}).json()) == want
+    wrapped = {"state": {"messages": state}, "questions": QUESTIONS}
+    want = expected({"state": {"messages": [{"role": "user", "content": [text]}]}, "questions": QUESTIONS, "images": [WEBP]})
+    assert reuse_apart(client.post("/v1/systemone", json=wrapped).json()) == want
+
+
+def test_the_typesafe_sdk_sends_image_assets_that_reach_the_model(live, expected):
+    sent: list[httpx2.Request] = []
+    questions = {"damaged": ts.Noul(instructions="Is the product damaged?")}
+    # Uncompressed, to read the body it sent; then as it sends by default (zstd past 1 KiB when zstd is importable).
+    for compression in (False, None):
+        http = httpx2.Client(timeout=120, event_hooks={"request": [sent.append]})
+        with ts.TypeSafeClient(base_url=live, api_key="local", http_client=http, compression=compression) as sdk:
+            got = sdk.system_one(
+                state="Compare photo1 with photo2.",
+                questions=questions,
+                assets={"photo1": ts.Image(PNG), "photo2": ts.Image(WEBP)},
+            )
+        want = expected(
+            {
+                "state": "Compare photo1 with photo2.",
+                "questions": {"damaged": {"type": "noul", "instructions": "Is the product damaged?"}},
+                "images": [PNG, WEBP],
+            }
+        )
+        assert got.nouls["damaged"].noul == want["answers"]["damaged"]["noul"]
+        assert got.usage.input_tokens == want["usage"]["input_tokens"]
+    first, second = (r for r in sent if r.method == "POST")
+    assert first.headers["content-type"].startswith("multipart/form-data") and b'name="asset-1"' in first.content
+    assert second.headers.get("content-encoding") == "zstd"  # a compressed multipart body, decoded before it is split
+    # An image placed in the state itself: the SDK's own placeholder, and one asset.
+    with ts.TypeSafeClient(base_url=live, api_key="local") as sdk:
+        got = sdk.system_one(state={"photo": ts.Image(JPEG)}, questions=questions)
+        assert 0 <= got.nouls["damaged"].noul <= 1
+
+
+def test_typesafe_json_assets_with_data_base64(client, expected):
+    assets = {"<a>": {"type": "image", "format": "png", "data_base64": base64.b64encode(PNG).decode()}}
+    body = {"state": "look <a>", "questions": QUESTIONS, "assets": assets}
+    assert reuse_apart(client.post("/v1/systemone", json=body).json()) == expected(
+        {"state": "look <a>", "questions": QUESTIONS, "images": [PNG]}
+    )
+
+
+def multipart(parts: list[tuple[str, str, bytes]], boundary: str = "b0undary") -> tuple[bytes, dict[str, str]]:
+    out = b""
+    for name, media, data in parts:
+        out += (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\nContent-Type: {media}\r\n\r\n'.encode()
+            + data
+            + b"\r\n"
+        )
+    return out + f"--{boundary}--\r\n".encode(), {"content-type": f"multipart/form-data; boundary={boundary}"}
+
+
+def test_bad_images_get_422_naming_the_image(client):
+    request = {"state": "s", "questions": QUESTIONS}
+    png = data_url(PNG, "image/png")
+    cases = {
+        "five images": ({**request, "images": [png] * 5}, ["body", "images"]),
+        "a remote URL": ({**request, "images": [png, "https://example.com/a.png"]}, ["body", "images", 1]),
+        "not base64": ({**request, "images": ["data:image/png;base64,%%%"]}, ["body", "images", 0]),
+        "not an image": ({**request, "images": [data_url(b"hello, world", "image/png")]}, ["body", "images", 0]),
+        "a truncated PNG": ({**request, "images": [data_url(PNG[: len(PNG) // 2], "image/png")]}, ["body", "images", 0]),
+        "a media type": ({**request, "images": [data_url(PNG, "image/svg+xml")]}, ["body", "images", 0]),
+        "a GIF": ({**request, "images": [data_url(encoded(8, 8, "GIF", 4), "image/gif")]}, ["body", "images", 0]),
+        "a bad object": ({**request, "images": [{"content_type": "text/plain", "base64": "AAAA"}]}, ["body", "images", 0]),
+        "an asset": (
+            {**request, "assets": {"pic": {"type": "image", "format": "png", "data_base64": "AAAA"}}},
+            ["body", "assets", "pic"],
+        ),
+        "an asset type": (
+            {**request, "assets": {"clip": {"type": "video", "data_base64": "AAAA"}}},
+            ["body", "assets", "clip", "type"],
+        ),
+        "a video": ({**request, "videos": ["data:video/mp4;base64,AAAA"]}, ["body", "videos"]),
+    }
+    for name, (body, loc) in cases.items():
+        detail = problem(client.post("/v1/systemone", json=body))
+        assert detail["loc"] == loc, (name, detail)
+    over = encoded(1, 1, "PNG", 5) + b"\0" * (4 << 20)  # over 4 MiB: refused unread, a 422 (not a 413)
+    assert problem(client.post("/v1/systemone", json={**request, "images": [data_url(over, "image/png")]}))["loc"] == [
+        "body",
+        "images",
+        0,
+    ]
+
+
+def test_bad_multipart_bodies_get_422(client):
+    good = json.dumps({"state": "s", "questions": QUESTIONS, "assets": {"p": {"type": "image", "part": "asset-0"}}}).encode()
+    cases = {
+        "no request part": ([("asset-0", "image/png", PNG)], ["body", "request"]),
+        "an unclaimed part": (
+            [("request", "application/json", good), ("asset-0", "image/png", PNG), ("asset-1", "image/png", PNG)],
+            ["body", "asset-1"],
+        ),
+        "a missing part": ([("request", "application/json", good)], ["body", "assets", "p", "part"]),
+        "a corrupt image part": (
+            [("request", "application/json", good), ("asset-0", "application/octet-stream", b"\x89PNG junk")],
+            ["body", "assets", "p"],
+        ),
+    }
+    for name, (parts, loc) in cases.items():
+        content, headers = multipart(parts)
+        assert problem(client.post("/v1/systemone", content=content, headers=headers))["loc"] == loc, name
+    content, headers = multipart([("request", "application/json", good), ("asset-0", "application/octet-stream", WEBP)])
+    response = client.post("/v1/systemone", content=content, headers=headers)
+    assert response.status_code == 200, response.text
+    unterminated = content[: content.rindex(b"--b0undary--")]
+    assert problem(client.post("/v1/systemone", content=unterminated, headers=headers))["loc"] == ["body"]
