@@ -109,10 +109,11 @@ def image_bytes(value: Any, where: str) -> bytes:
             if ";base64" not in params:
                 raise RequestError("a data URL of an image must be base64 (data:image/png;base64,...)", where)
             text = text[match.end() :]
+        text = re.sub(r"\s+", "", text)  # base64 in lines (MIME's 76 columns): the line breaks count for nothing
         if len(text) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
             raise RequestError(f"the image is over the limit of {MAX_IMAGE_BYTES >> 20} MiB", where)
         try:
-            data = base64.b64decode(re.sub(r"\s+", "", text), validate=True)
+            data = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
             raise RequestError("is neither a data URL nor base64 of an image", where) from None
     else:
