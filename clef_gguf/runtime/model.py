@@ -15,7 +15,7 @@ from ..errors import ComputeError, ModelFileError, PromptTooLongError
 from ..format import vision as V
 from ..format.hparams import VisionDescription
 from ..llama.backbone import Backbone, prompt_positions
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, DEFAULT_UBATCH
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
 from .answers import response
@@ -53,9 +53,7 @@ class ClefModel:
         mmproj: str | Path | None = None,
     ) -> None:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
-        if ubatch is None:  # the default: ubatches of DEFAULT_UBATCH, or the whole prompt when the limit is smaller
-            ubatch = min(DEFAULT_UBATCH, max_prompt_tokens)
-        self.ubatch = ubatch
+        self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
         self.path = Path(path)
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
@@ -69,7 +67,7 @@ class ClefModel:
                 max_prompt_tokens=max_prompt_tokens,
                 n_threads=n_threads,
                 nfc=d.nfc,
-                ubatch=ubatch,
+                ubatch=self.ubatch,
             )
             stack.callback(self.backbone.close)
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
