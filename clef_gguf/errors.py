@@ -75,6 +75,10 @@ class RequestError(ClefError):
         self.field = field
         self.reason = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        # Rebuilt from its parts, not its formatted message, when it crosses processes (a Ray Serve replica's).
+        return type(self), (self.reason, self.field)
+
 
 class PromptTooLongError(RequestError):
     """The prompt needs more tokens than the context was sized for."""
@@ -87,3 +91,6 @@ class PromptTooLongError(RequestError):
         )
         self.n_tokens = n_tokens
         self.limit = limit
+
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:  # type: ignore[override]
+        return type(self), (self.n_tokens, self.limit)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import llama_cpp as L
 import pytest
 
 import clef_gguf
 from clef_gguf import PromptTooLongError, RequestError
-from clef_gguf.testing.request_suite import mixed_request
+from clef_gguf.runtime.encoder import PromptEncoder
+from clef_gguf.testing.request_suite import long_state_request, mixed_request
 
 
 def _evaluated_tokens(model: clef_gguf.ClefModel) -> int:
@@ -93,3 +95,28 @@ def test_a_valid_request_is_not_modified(ws):
     before = copy.deepcopy(request)
     ws.model("untied_f32", "f32").decide(request)
     assert request == before
+
+
+def test_request_errors_keep_their_parts_across_processes():
+    # A Ray Serve replica's error reaches the ingress pickled: it must map to the same HTTP error there.
+    for error in (RequestError("must be a list of 2 to 10 levels", "questions.q.criteria"), PromptTooLongError(70000, 65536)):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert (again.field, again.reason) == (error.field, error.reason)
+    assert pickle.loads(pickle.dumps(PromptTooLongError(70000, 65536))).limit == 65536
+
+
+def test_the_prompt_encoder_encodes_as_the_model_without_its_weights(ws):
+    # What the Ray Serve ingress encodes, a replica's ClefModel decides: the very prompt ClefModel.encode makes.
+    path = ws.gguf("untied_f32", "f32")
+    model = ws.model("untied_f32", "f32")
+    encoder = PromptEncoder(path, max_prompt_tokens=model.max_prompt_tokens)
+    try:
+        for request in (mixed_request(), long_state_request(paragraphs=3)):
+            assert encoder.encode(request) == model.encode(request)
+        assert (encoder.name, encoder.max_prompt_tokens) == (model.name, model.max_prompt_tokens)
+        with pytest.raises(RequestError, match="questions"):
+            encoder.encode({"state": "s"})
+    finally:
+        encoder.close()
+        encoder.close()  # a second close does nothing
