@@ -65,6 +65,10 @@ class SettingsError(ClefError, ValueError):
     exit_code = 2
 
 
+class DeploymentError(ClefError):
+    """A Ray Serve application could not be deployed: a replica failed to start (its reason in the message)."""
+
+
 class RequestError(ClefError):
     """A decision request is invalid. `field` names where, e.g. questions.q1.criteria."""
 

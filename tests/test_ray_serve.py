@@ -1,0 +1,264 @@
+"""`clef-gguf serve --ray`: the plain server's app on Ray Serve, held to the plain server.
+
+This module starts a local Ray cluster on loopback (Ray's single-node mode: testing/ray_cluster.py) and
+runs `clef-gguf serve --ray --replicas 2` on it as a subprocess (RAY_ADDRESS), as an operator would; a
+plain `clef-gguf serve` of the same demo model is the reference. Checked: the same answers, byte for
+byte; the released clients (test_clients.py's own tests, unchanged) against the Ray endpoint; the same
+4xx for bad requests; a replica's process killed under load loses no request its client did not see
+fail with a retryable 503, and the replica comes back; the documented config file deploys with
+`serve run`, its API key and autoscaling included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clef_gguf.server.ray_local import loopback_only
+
+loopback_only()  # before ray is imported: the cluster this module starts listens on 127.0.0.1 only
+pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
+
+import yaml  # noqa: E402  (Ray's own dependency, for `serve run` configs)
+from live_server import free_port, served  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve.schema import ApplicationStatus  # noqa: E402
+
+# The released clients' own tests, collected here too: with this module's `demo` fixture, against the Ray endpoint.
+from test_clients import (  # noqa: E402, F401
+    test_clef_compactor_scores_64_chunks_in_one_request,
+    test_clef_evals_judges_a_choice_and_evaluates_a_set,
+    test_clef_rag_self_hosted_asks_about_a_state_of_more_than_20k_tokens,
+    test_clef_router_routes_through_its_base_url,
+    test_typesafe_sdk_parses_every_answer_type_and_gets_422_for_a_null_level,
+    workers_ai_env,
+)
+from test_server import MALFORMED, WORKERS_AI_PATHS  # noqa: E402
+
+import clef_gguf  # noqa: E402
+from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
+from clef_gguf.errors import ModelFileError  # noqa: E402
+from clef_gguf.server.ray_serve import APP_NAME  # noqa: E402
+from clef_gguf.testing import ray_cluster  # noqa: E402
+from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 300.0
+DEPLOY_TIMEOUT_S = 300  # a Ray worker process per replica, on a 2-core machine shared with other jobs
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    # 4 CPUs for Ray to reserve: two replicas of one thread, and room to start a replacement before the
+    # controller has counted the dead one out (the machine's cores are shared all the same).
+    address = ray_cluster.start(num_cpus=4)
+    yield address
+    ray_cluster.ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("ray") / "serve.log"
+    args = ("--ray", "--replicas", "2")
+    with served(DEMO_MODEL, *args, env={"RAY_ADDRESS": cluster}, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def plain_url() -> Iterator[str]:
+    with served(DEMO_MODEL) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def demo(ray_url: str) -> str:
+    """test_clients.py's fixture, here the Ray endpoint: its client tests run against it unchanged."""
+    return ray_url
+
+
+def replica_states() -> dict[str, int]:
+    return {str(state): n for state, n in serve.status().applications[APP_NAME].deployments["ClefReplica"].replica_states.items()}
+
+
+def post(url: str, path: str, content: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> httpx.Response:
+    headers = {"content-type": "application/json", **(headers or {})}
+    return httpx.request(method, f"{url}{path}", content=content, headers=headers, timeout=TIMEOUT)
+
+
+def same_response(ray: httpx.Response, plain: httpx.Response) -> None:
+    assert (ray.status_code, ray.content) == (plain.status_code, plain.content), (ray.text, plain.text)
+    for header in ("content-type", "retry-after", "www-authenticate"):
+        assert ray.headers.get(header) == plain.headers.get(header), header
+
+
+# --- The same answers --------------------------------------------------------------------------------------------
+def test_two_replicas_answer_as_the_plain_server(ray_url, plain_url):
+    assert replica_states() == {"RUNNING": 2}
+    bodies = [DEMO_REQUEST.read_bytes()] + [json.dumps(r, ensure_ascii=False).encode() for r in all_requests().values()]
+    paths = ["/v1/systemone", WORKERS_AI_PATHS[-1]]
+    want = {(path, body): post(plain_url, path, body) for path in paths for body in bodies}
+    # From 8 threads at once, so that both replicas decide (each answers as one model, first come first served).
+    with ThreadPoolExecutor(8) as pool:
+        got = dict(zip(want, pool.map(lambda key: post(ray_url, *key), want), strict=True))
+    for key, plain in want.items():
+        assert plain.status_code == 200
+        same_response(got[key], plain)
+        assert "decide;dur=" in got[key].headers["server-timing"]
+    for url in (ray_url, plain_url):  # the same model listed, the same health fields
+        assert httpx.get(f"{url}/v1/models").json() == httpx.get(f"{plain_url}/v1/models").json()
+    assert httpx.get(f"{ray_url}/health").json() | {"pending": 0, "reading": 0} == httpx.get(f"{plain_url}/health").json()
+
+
+# --- The same errors -------------------------------------------------------------------------------------------------
+def _bad_requests() -> dict[str, tuple[str, str, bytes, dict[str, str]]]:
+    """name -> (method, path, body, headers) of requests the plain server refuses with a 4xx."""
+    raw = json.dumps(mixed_request()).encode()
+    cases = {
+        f"malformed: {name}": ("POST", "/v1/systemone", body if isinstance(body, bytes) else json.dumps(body).encode(), {})
+        for name, (body, _) in MALFORMED.items()
+    }
+    too_long = json.dumps(long_state_request(paragraphs=420)).encode()  # over the 65,536-token context: 413 from the intake
+    cases |= {
+        "prompt too long": ("POST", "/v1/systemone", too_long, {}),
+        "prompt too long, Workers AI": ("POST", WORKERS_AI_PATHS[0], too_long, {}),
+        "body too large": ("POST", "/v1/systemone", b" " * (1 << 20) + b" ", {}),
+        "unknown encoding": ("POST", "/v1/systemone", raw, {"content-encoding": "br"}),
+        "multipart": ("POST", "/v1/systemone", b"--x--", {"content-type": "multipart/form-data; boundary=x"}),
+        "null level, Workers AI": ("POST", WORKERS_AI_PATHS[1], json.dumps(MALFORMED["score level null"][0]).encode(), {}),
+        "unknown Workers AI model": ("POST", "/client/v4/accounts/a/ai/run/@cf/meta/llama-3.1-8b-instruct", raw, {}),
+        "unknown route": ("GET", "/v1/nothing", b"", {}),
+        "wrong method": ("GET", "/v1/systemone", b"", {}),
+    }
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_bad_requests()))
+def test_a_bad_request_gets_the_plain_servers_4xx(ray_url, plain_url, name):
+    method, path, body, headers = _bad_requests()[name]
+    ray, plain = (post(url, path, body, headers, method) for url in (ray_url, plain_url))
+    assert 400 <= plain.status_code < 500
+    same_response(ray, plain)
+
+
+# --- A replica lost under load ---------------------------------------------------------------------------------------
+def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
+    body = DEMO_REQUEST.read_bytes()
+    want = post(plain_url, "/v1/systemone", body).content
+    before = ray_cluster.replica_pids()["ClefReplica"]
+    assert len(before) == 2
+    attempts: list[tuple[int, str | None, bytes]] = []  # status, Retry-After, body of every attempt
+    answered: list[bytes] = []
+    lock = threading.Lock()
+    tickets = iter(range(200))
+    killed = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=ray_url, timeout=TIMEOUT) as http:
+            while next(tickets, None) is not None:  # next() on a shared iterator is atomic under the GIL
+                for _ in range(60):  # what a client does with a 503 and Retry-After: wait, then try again
+                    response = http.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
+                    with lock:
+                        attempts.append((response.status_code, response.headers.get("retry-after"), response.content))
+                    if response.status_code != 503:
+                        break
+                    time.sleep(float(response.headers.get("retry-after", "1")))
+                with lock:
+                    answered.append(response.content)
+                    if len(answered) == 40:
+                        killed.set()
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    assert killed.wait(TIMEOUT), "the load did not start"
+    victim = before[0]
+    os.kill(victim, signal.SIGKILL)  # the process deciding, mid-load: no chance to drain
+    for thread in threads:
+        thread.join(TIMEOUT)
+    statuses = [status for status, _, _ in attempts]
+    refused = [(retry_after, json.loads(content)) for status, retry_after, content in attempts if status == 503]
+    # Every attempt either answered, or failed retryably: a 503 with Retry-After, in our JSON (never Ray's 500).
+    assert set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert all(retry_after == "1" and problem["detail"]["error_type"] == "overloaded_error" for retry_after, problem in refused)
+    # ... and after the client's retries, all 200 requests were answered, each as the plain server answers it.
+    assert len(answered) == 200 and set(answered) == {want}
+    # The decisions the replica held when it died are the 503s: it had some (4 clients, 2 replicas).
+    assert refused, f"no request was lost with replica {victim}: the kill did not land mid-decision ({len(attempts)} attempts)"
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    while replica_states() != {"RUNNING": 2}:  # Ray's controller replaces the dead replica
+        assert time.monotonic() < deadline, replica_states()
+        time.sleep(0.5)
+    after = ray_cluster.replica_pids()["ClefReplica"]
+    assert len(after) == 2 and victim not in after
+    assert post(ray_url, "/v1/systemone", body).content == want
+
+
+# --- `serve run` with the documented config file ---------------------------------------------------------------------
+def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(cluster, ray_url, tmp_path):
+    """Last: it replaces the application the CLI deployed (same name, same route)."""
+    config = yaml.safe_load((ROOT / "examples/ray-serve.yaml").read_text())
+    [application] = config["applications"]
+    assert application["import_path"] == "clef_gguf.server.ray_serve:app_builder"
+    args = application["args"]
+    args.pop("replicas")
+    args |= {"model": str(DEMO_MODEL), "autoscale": "1:2", "threads": 1, "gpus": 0, "n_gpu_layers": 0, "api_key": "s3cret"}
+    path = tmp_path / "ray-serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", str(path)]
+    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    body = DEMO_REQUEST.read_bytes()
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    # Until the keyed application has replaced the CLI's, ingress and replicas (now autoscaled) alike.
+    while (
+        post(ray_url, "/v1/systemone", body).status_code != 401
+        or serve.status().applications[APP_NAME].status != ApplicationStatus.RUNNING
+    ):
+        assert time.monotonic() < deadline, serve.status().applications[APP_NAME]
+        time.sleep(0.5)
+    assert 1 <= replica_states().get("RUNNING", 0) <= 2
+    with served(DEMO_MODEL, "--api-key", "s3cret") as (plain_url, _):
+        for key in (None, "wrong", "s3cret"):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            for route in ("/v1/systemone", WORKERS_AI_PATHS[0]):
+                same_response(post(ray_url, route, body, headers), post(plain_url, route, body, headers))
+        assert httpx.get(f"{ray_url}/health").status_code == 200  # unauthenticated, for probes
+
+
+# --- The command's own refusals (no cluster needed) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replicas", "2"], "--replicas and --autoscale need --ray"),
+        (["--ray", "--replicas", "2", "--autoscale", "1:2"], "exclude each other"),
+        (["--ray", "--autoscale", "3:1"], "1 <= MIN <= MAX"),
+        (["--ray", "--autoscale", "two"], "MIN:MAX"),
+    ],
+)
+def test_serve_refuses_ray_options_that_cannot_work(args, message):
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--port", str(free_port()), *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_serve_on_ray_refuses_a_file_that_is_not_a_clef_model(tmp_path):
+    bad = tmp_path / "random.gguf"
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelFileError) as refused:  # what loading (validate) says of the file
+        clef_gguf.load(bad)
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(bad), "--ray", "--port", str(free_port())]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    # validate's verdict and exit code, before any Ray process starts
+    assert run.returncode == refused.value.exit_code and str(refused.value) in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "Ray" not in run.stderr
