@@ -25,9 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clef_gguf.server.ray_local import loopback_only
+from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
 
-loopback_only()  # before ray is imported: the cluster this module starts listens on 127.0.0.1 only
 pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
 
 import yaml  # noqa: E402  (Ray's own dependency, for `serve run` configs)
@@ -50,7 +49,6 @@ import clef_gguf  # noqa: E402
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
 from clef_gguf.errors import ModelFileError  # noqa: E402
 from clef_gguf.server.ray_serve import APP_NAME  # noqa: E402
-from clef_gguf.testing import ray_cluster  # noqa: E402
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,9 +60,8 @@ DEPLOY_TIMEOUT_S = 300  # a Ray worker process per replica, on a 2-core machine 
 def cluster() -> Iterator[str]:
     # 4 CPUs for Ray to reserve: two replicas of one thread, and room to start a replacement before the
     # controller has counted the dead one out (the machine's cores are shared all the same).
-    address = ray_cluster.start(num_cpus=4)
-    yield address
-    ray_cluster.ray.shutdown()
+    with ray_cluster.local_cluster(num_cpus=4) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +193,12 @@ def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
     # The decisions the replica held when it died are the 503s: it had some (4 clients, 2 replicas).
     assert refused, f"no request was lost with replica {victim}: the kill did not land mid-decision ({len(attempts)} attempts)"
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-    while replica_states() != {"RUNNING": 2}:  # Ray's controller replaces the dead replica
-        assert time.monotonic() < deadline, replica_states()
+    while True:  # Ray's controller replaces the dead replica
+        after = ray_cluster.replica_pids().get("ClefReplica", [])
+        if replica_states() == {"RUNNING": 2} and len(after) == 2 and victim not in after:
+            break
+        assert time.monotonic() < deadline, (replica_states(), after)
         time.sleep(0.5)
-    after = ray_cluster.replica_pids()["ClefReplica"]
-    assert len(after) == 2 and victim not in after
     assert post(ray_url, "/v1/systemone", body).content == want
 
 

@@ -143,18 +143,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = {"demo": DEMO_MODEL, "larger": larger_fixture(Path(tmp)) if "larger" in args.models else DEMO_MODEL}
         # Two replicas of one CPU each, and the ingress with none (it reads and tokenizes, on the cores left).
-        ray_cluster.start(num_cpus=2)
-        port = free_port()
-        serve.start(http_options={"host": HOST, "port": port})
-        try:
-            for name in args.models:
-                started = time.perf_counter()
-                reports.append(bench_model(name, models[name], port, body, args.rounds, args.requests))
-                reports[-1]["seconds"] = round(time.perf_counter() - started)
-                serve.delete(APP_NAME)
-        finally:
-            serve.shutdown()
-            ray_cluster.ray.shutdown()
+        with ray_cluster.local_cluster(num_cpus=2):
+            port = free_port()
+            serve.start(http_options={"host": HOST, "port": port})
+            try:
+                for name in args.models:
+                    started = time.perf_counter()
+                    reports.append(bench_model(name, models[name], port, body, args.rounds, args.requests))
+                    reports[-1]["seconds"] = round(time.perf_counter() - started)
+                    serve.delete(APP_NAME)
+            finally:
+                serve.shutdown()
     report = {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(), "clients": CLIENTS, "models": reports}
     print(json.dumps(report, indent=2))
     if args.json:

@@ -50,13 +50,6 @@ from .worker import DecideWorker, Decision, Prompt, overloaded, render
 
 APP_NAME = "clef-gguf"
 API_KEY_ENV = "CLEF_GGUF_API_KEY"
-# How many decisions Ray hands a replica at once: they wait there in a DecideWorker (one thread, first come
-# first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
-# choices). Not 1, though a model decides one at a time: requests the router cannot place wait in it, each
-# probing the replicas' queue lengths again and again, and that probing took more CPU than the decisions
-# (tools/bench_ray.py, demo model, 1 replica at 16 clients: 5 requests/s at 1, against 18 at 1 client). At
-# the ingress's own bound (max_queue), no request ever waits in the router. A replica that dies takes its
-# queue with it: each of those requests gets a 503 with Retry-After.
 # Autoscaling aims at one decision running and one waiting per replica (Ray counts both): more requests in
 # flight than that add a replica, up to MAX.
 AUTOSCALE_TARGET_ONGOING = 2
@@ -200,6 +193,13 @@ def build_app(settings: RaySettings) -> serve.Application:
     quiet = {"enable_access_log": False}
     # Each deployment is bound with only the settings it uses: a change of scale alone then changes no replica's
     # arguments, and Ray adds or removes replicas instead of replacing them all.
+    # max_ongoing_requests, the decisions Ray hands a replica at once: they wait there in a DecideWorker (one thread, first come
+    # first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
+    # choices). Not 1, though a model decides one at a time: requests the router cannot place wait in it, each
+    # probing the replicas' queue lengths again and again, and that probing took more CPU than the decisions
+    # (demo model, 1 replica, 16 clients: 5.2 requests/s with 1, 24 with max_queue; py-spy: the ingress busy in
+    # RunningReplica.get_queue_len). At the ingress's own bound (max_queue), no request waits in the router. A
+    # replica that dies takes its queue with it: each of those requests gets a 503 with Retry-After.
     replicas = ClefReplica.options(
         max_ongoing_requests=s.max_queue,
         ray_actor_options={"num_cpus": s.threads, "num_gpus": s.gpus},
