@@ -150,7 +150,10 @@ def test_a_bad_request_gets_the_plain_servers_4xx(ray_url, plain_url, name):
 
 # --- A replica lost under load ---------------------------------------------------------------------------------------
 def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
-    body = DEMO_REQUEST.read_bytes()
+    # About 1,450 tokens, 120 ms a decision on the demo model: with 4 clients each replica holds one or two
+    # decisions nearly all the time (with the 397-token demo request, a third of the time none), so the kill
+    # lands mid-decision.
+    body = json.dumps(long_state_request(paragraphs=6)).encode()
     want = post(plain_url, "/v1/systemone", body).content
     before = ray_cluster.replica_pids()["ClefReplica"]
     assert len(before) == 2
@@ -260,3 +263,26 @@ def test_serve_on_ray_refuses_a_file_that_is_not_a_clef_model(tmp_path):
     # validate's verdict and exit code, before any Ray process starts
     assert run.returncode == refused.value.exit_code and str(refused.value) in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "Ray" not in run.stderr
+
+
+# --- Readiness (last: its failed deployment deletes the application) -----------------------------------------------
+def test_a_replica_that_cannot_answer_never_serves_and_the_command_says_why(cluster):
+    # A context too small for the probe decision: the model loads, but cannot answer one, so its replica never
+    # reports healthy; Ray gives up after its retries and the command exits with the replica's own error.
+    command = [
+        sys.executable,
+        "-m",
+        "clef_gguf.cli",
+        "serve",
+        str(DEMO_MODEL),
+        "--ray",
+        "--ctx",
+        "16",
+        "--port",
+        str(free_port()),
+    ]
+    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 1, run.stderr[-2000:]
+    [line] = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert "ClefReplica: " in line and "PromptTooLongError" in line and "limit of 16 tokens" in line, line
+    assert "serving" not in run.stderr
