@@ -1,13 +1,15 @@
 """Ray Serve (`clef-gguf serve --ray`'s application) with 1 and 2 model replicas, against the plain server.
 
     python tools/bench_ray.py                          # the demo model and a larger fixture (hidden 256, 8 layers)
-    python tools/bench_ray.py --rounds 3 --requests 300 --json ray.json
+    python tools/bench_ray.py --rounds 3 --requests 300 --cases demo larger --json ray.json
 
 A local Ray cluster on loopback (Ray's single-node mode), started here, serves build_app's application (the
 one `clef-gguf serve --ray` and `serve run` deploy) on 127.0.0.1, each replica with one llama.cpp thread
 (and one CPU reserved by Ray). For each model, rounds alternate 1 and 2 replicas (a redeploy scales the
 same application); each round sends `requests` requests from 16 client threads, each on its own keep-alive
-connection (load_test.py's run_level), then `requests // 4` from 1 client. Reported: medians over the
+connection (load_test.py's run_level), then `requests // 4` from 1 client. Cases: the demo request (397
+tokens) on both models, and a 1,450-token request on the larger one (a quarter as many requests), where a
+decision outweighs what Ray adds to each request. Reported: medians over the
 rounds of throughput and p50/p99 latency, the ratio of 2 replicas' throughput to 1's (of the medians, and
 round by round: each pair ran back to back, under the most similar machine load), the 1-minute load
 average after each measurement, and the resident memory of each replica process, of the ingress and of
@@ -41,10 +43,19 @@ import clef_gguf
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.request_suite import long_state_request
 
 CLIENTS = 16
 CTX = 4096  # the requests are a few hundred tokens: a small KV cache keeps replicas small and quick to start
 LARGER = ReleaseSpec(seed=5, hidden=256, intermediate=512, layers=8, head_width=64)
+
+
+# case -> model, request body, share of --requests (long decisions: fewer requests, a similar duration)
+CASES: dict[str, tuple[str, bytes, float]] = {
+    "demo": ("demo", DEMO_REQUEST.read_bytes(), 1.0),  # 397 tokens
+    "larger": ("larger", DEMO_REQUEST.read_bytes(), 1.0),
+    "larger-long": ("larger", json.dumps(long_state_request(paragraphs=6)).encode(), 0.25),  # about 1,450 tokens
+}
 
 
 def larger_fixture(root: Path) -> Path:
@@ -135,21 +146,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="alternations of 1 and 2 replicas per model")
     parser.add_argument("--requests", type=int, default=300, help="requests per measurement at 16 clients")
-    parser.add_argument("--models", nargs="+", default=["demo", "larger"], choices=["demo", "larger"])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args()
-    body = DEMO_REQUEST.read_bytes()
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"demo": DEMO_MODEL, "larger": larger_fixture(Path(tmp)) if "larger" in args.models else DEMO_MODEL}
+        models = {"demo": DEMO_MODEL}
+        if any(CASES[case][0] == "larger" for case in args.cases):
+            models["larger"] = larger_fixture(Path(tmp))
         # Two replicas of one CPU each, and the ingress with none (it reads and tokenizes, on the cores left).
         with ray_cluster.local_cluster(num_cpus=2):
             port = free_port()
             serve.start(http_options={"host": HOST, "port": port})
             try:
-                for name in args.models:
+                for case in args.cases:
+                    model, body, share = CASES[case]
                     started = time.perf_counter()
-                    reports.append(bench_model(name, models[name], port, body, args.rounds, args.requests))
+                    requests = max(40, round(args.requests * share))
+                    reports.append(bench_model(case, models[model], port, body, args.rounds, requests))
                     reports[-1]["seconds"] = round(time.perf_counter() - started)
                     serve.delete(APP_NAME)
             finally:
