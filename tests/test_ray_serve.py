@@ -6,7 +6,8 @@ plain `clef-gguf serve` of the same demo model is the reference. Checked: the sa
 byte; the released clients (test_clients.py's own tests, unchanged) against the Ray endpoint; the same
 4xx for bad requests; a replica's process killed under load loses no request its client did not see
 fail with a retryable 503, and the replica comes back; the documented config file deploys with
-`serve run`, its API key and autoscaling included.
+`serve run`, its API key and autoscaling included; a replica that cannot answer a decision never
+becomes ready.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
 
@@ -48,7 +50,7 @@ from test_server import MALFORMED, WORKERS_AI_PATHS  # noqa: E402
 import clef_gguf  # noqa: E402
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
 from clef_gguf.errors import ModelFileError  # noqa: E402
-from clef_gguf.server.ray_serve import APP_NAME  # noqa: E402
+from clef_gguf.server.ray_serve import APP_NAME, settings_from_args  # noqa: E402
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,6 +265,26 @@ def test_serve_on_ray_refuses_a_file_that_is_not_a_clef_model(tmp_path):
     # validate's verdict and exit code, before any Ray process starts
     assert run.returncode == refused.value.exit_code and str(refused.value) in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "Ray" not in run.stderr
+
+
+def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("CLEF_GGUF_API_KEY", raising=False)
+    settings = settings_from_args({"model": str(DEMO_MODEL), "autoscale": "1:4", "threads": 2, "gpus": 0.5})
+    assert (settings.autoscale, settings.threads, settings.gpus, settings.api_key) == ((1, 4), 2, 0.5, None)
+    monkeypatch.setenv("CLEF_GGUF_API_KEY", "from-env")
+    assert settings_from_args({"model": "m.gguf"}).api_key == "from-env"
+    assert settings_from_args({"model": "m.gguf", "api_key": "given"}).api_key == "given"
+    for bad, why in [
+        ({"model": "m.gguf", "replica": 2}, "Extra inputs are not permitted"),  # a typo is refused, not ignored
+        ({"model": "m.gguf", "autoscale": "4:1"}, "1 <= MIN <= MAX"),
+        ({"model": "m.gguf", "api_key": "has space"}, "visible ASCII"),
+        ({"model": "m.gguf", "threads": 0}, "greater than or equal to 1"),
+    ]:
+        with pytest.raises(ValidationError, match=why):
+            settings_from_args(bad)
+    monkeypatch.setenv("CLEF_GGUF_API_KEY", "")
+    with pytest.raises(ValidationError, match="empty"):
+        settings_from_args({"model": "m.gguf"})
 
 
 # --- Readiness (last: its failed deployment deletes the application) -----------------------------------------------

@@ -223,12 +223,17 @@ def build_app(settings: RaySettings) -> serve.Application:
     return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, **app)
 
 
-def app_builder(args: dict[str, Any]) -> serve.Application:
-    """`serve run`'s entry (import_path: clef_gguf.server.ray_serve:app_builder): the config's `args` are
-    RaySettings' fields; without api_key, CLEF_GGUF_API_KEY in the environment sets it, as for `clef-gguf serve`."""
+def settings_from_args(args: dict[str, Any]) -> RaySettings:
+    """A config file's `args`: RaySettings' fields (others refused); without api_key, CLEF_GGUF_API_KEY in the
+    environment sets it, as for `clef-gguf serve` (an empty one is refused, not read as no key)."""
     if "api_key" not in args and API_KEY_ENV in os.environ:
         args = {**args, "api_key": os.environ[API_KEY_ENV]}
-    return build_app(RaySettings.model_validate(args))
+    return RaySettings.model_validate(args)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """`serve run`'s entry (import_path: clef_gguf.server.ray_serve:app_builder)."""
+    return build_app(settings_from_args(args))
 
 
 class _Stopped(Exception):
@@ -261,7 +266,10 @@ def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, add
     if local:
         ray.init(address="local", include_dashboard=False, log_to_driver=True)
     else:
-        ray.init(address=address, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as e:
+            raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
