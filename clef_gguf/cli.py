@@ -543,7 +543,10 @@ def serve(
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
     threads: Annotated[
         int | None,
-        typer.Option(help="llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica).", show_default=False),
+        typer.Option(
+            help="llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica).",
+            show_default=False,
+        ),
     ] = None,
     header_timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
@@ -581,6 +584,7 @@ def serve(
     _check_ubatch(ubatch, max_prompt_tokens)
     if on_ray:
         ray_options = {"threads": threads or 1, "gpus": gpus_per_replica, "n_gpu_layers": n_gpu_layers, "ubatch": ubatch}
+        ray_options |= {"state_cache": state_cache}
         ray_options |= {"max_prompt_tokens": max_prompt_tokens, "api_key": api_key, "max_queue": max_queue}
         ray_options |= {"body_timeout": body_timeout, "drain_timeout": drain_timeout}
         _serve_on_ray(model, replicas, autoscale, ray_options, host=host, port=port, keep_alive=keep_alive, address=ray_address)

@@ -38,7 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import DeploymentStatus
 
 from ..errors import DeploymentError
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
@@ -77,6 +77,7 @@ class RaySettings(BaseModel):
     n_gpu_layers: int = 0
     max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
     ubatch: int | None = Field(None, ge=1)
+    state_cache: int = Field(DEFAULT_STATE_CACHE, ge=0)  # bytes per replica: each replica keeps its own states
     api_key: str | None = None
     max_queue: int = Field(DEFAULT_MAX_PENDING, ge=1)
     body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
@@ -132,7 +133,7 @@ class ReplicaDecider:
         finished = time.perf_counter()
         # Queued: in the replica's DecideWorker, in Ray's router and on the way there and back.
         queued = max(decision.queued_s, finished - submitted - decision.decide_s)
-        return Decision(decision.body, queued, decision.decide_s, finished)
+        return Decision(decision.body, queued, decision.decide_s, finished, decision.cached_tokens)
 
     async def close(self) -> None:
         """Nothing to wait for here: Ray drains the replicas (graceful_shutdown_timeout_s)."""
@@ -143,9 +144,19 @@ class ClefReplica:
     """One loaded model, deciding on the plain server's DecideWorker; healthy once it has answered a decision."""
 
     def __init__(
-        self, model: str, *, n_gpu_layers: int, max_prompt_tokens: int, threads: int, ubatch: int | None, queue: int
+        self,
+        model: str,
+        *,
+        n_gpu_layers: int,
+        max_prompt_tokens: int,
+        threads: int,
+        ubatch: int | None,
+        state_cache: int,
+        queue: int,
     ) -> None:
-        self.model: ClefModel = load(model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch)
+        self.model: ClefModel = load(
+            model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch, state_cache=state_cache
+        )
         self.worker = DecideWorker(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
@@ -212,6 +223,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         max_prompt_tokens=s.max_prompt_tokens,
         threads=s.threads,
         ubatch=s.ubatch,
+        state_cache=s.state_cache,
         queue=s.max_queue,
     )
     ingress = ClefIngress.options(
