@@ -584,7 +584,7 @@ def serve(
     _check_ubatch(ubatch, max_prompt_tokens)
     if on_ray:
         ray_options = {"threads": threads or 1, "gpus": gpus_per_replica, "n_gpu_layers": n_gpu_layers, "ubatch": ubatch}
-        ray_options |= {"state_cache": state_cache}
+        ray_options |= {"state_cache": state_cache, "mmproj": None if mmproj is None else str(mmproj.resolve())}
         ray_options |= {"max_prompt_tokens": max_prompt_tokens, "api_key": api_key, "max_queue": max_queue}
         ray_options |= {"body_timeout": body_timeout, "drain_timeout": drain_timeout}
         _serve_on_ray(model, replicas, autoscale, ray_options, host=host, port=port, keep_alive=keep_alive, address=ray_address)
@@ -612,6 +612,19 @@ def serve(
     run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits)
 
 
+def _check_files(model: Path, mmproj: Path | None) -> None:
+    """The header checks `serve` runs at load: the model's, and the mmproj's with its pairing."""
+    from .check.pair import open_vision
+    from .check.validate import open_validated
+
+    validated = open_validated(model)
+    try:
+        if mmproj is not None:
+            open_vision(validated.file.header, mmproj)
+    finally:
+        validated.close()
+
+
 def _serve_on_ray(
     model: Path,
     replicas: int | None,
@@ -624,13 +637,11 @@ def _serve_on_ray(
     address: str | None,
 ) -> None:
     """`serve --ray`: the same app on Ray Serve (server/ray_serve.py), its decisions on model replicas."""
-    from .check.validate import open_validated
-
     if replicas is not None and autoscale is not None:
         _error("--replicas and --autoscale exclude each other")
         raise typer.Exit(2)
     # The header check `serve` runs before binding, here before any Ray process starts: the same refusals and exit codes.
-    _run(lambda: open_validated(model).close())
+    _run(lambda: _check_files(model, options["mmproj"] and Path(options["mmproj"])))
     if address is None:
         from .server.ray_local import loopback_only
 

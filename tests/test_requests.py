@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 
 import llama_cpp as L
+import numpy as np
 import pytest
+from PIL import Image
 
 import clef_gguf
 from clef_gguf import PromptTooLongError, RequestError
@@ -120,3 +123,24 @@ def test_the_prompt_encoder_encodes_as_the_model_without_its_weights(ws):
     finally:
         encoder.close()
         encoder.close()  # a second close does nothing
+
+
+def test_the_prompt_encoder_sizes_images_as_the_model(ws, tmp_path):
+    path, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
+    image = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 200, 3), dtype=np.uint8)).save(image, "PNG")
+    request = {**mixed_request(), "images": [image.getvalue()]}
+    with clef_gguf.load(path, n_ctx=4096, mmproj=mmproj, state_cache=0) as model:
+        encoder = PromptEncoder(path, max_prompt_tokens=4096, mmproj=mmproj)
+        try:
+            encoded = encoder.encode(request)
+            assert encoded == model.encode(request) and len(encoded.images) == 1
+            assert encoder.image_limits == model.image_limits
+        finally:
+            encoder.close()
+    without = PromptEncoder(path, max_prompt_tokens=4096)
+    try:
+        with pytest.raises(RequestError, match="mmproj"):
+            without.encode(request)
+    finally:
+        without.close()

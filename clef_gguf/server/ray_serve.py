@@ -78,6 +78,7 @@ class RaySettings(BaseModel):
     max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
     ubatch: int | None = Field(None, ge=1)
     state_cache: int = Field(DEFAULT_STATE_CACHE, ge=0)  # bytes per replica: each replica keeps its own states
+    mmproj: str | None = None  # the vision tower's path, the same on every node (as the model's)
     api_key: str | None = None
     max_queue: int = Field(DEFAULT_MAX_PENDING, ge=1)
     body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
@@ -152,10 +153,17 @@ class ClefReplica:
         threads: int,
         ubatch: int | None,
         state_cache: int,
+        mmproj: str | None,
         queue: int,
     ) -> None:
         self.model: ClefModel = load(
-            model, n_gpu_layers=n_gpu_layers, n_ctx=max_prompt_tokens, n_threads=threads, ubatch=ubatch, state_cache=state_cache
+            model,
+            n_gpu_layers=n_gpu_layers,
+            n_ctx=max_prompt_tokens,
+            n_threads=threads,
+            ubatch=ubatch,
+            state_cache=state_cache,
+            mmproj=mmproj,
         )
         self.worker = DecideWorker(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
@@ -181,8 +189,17 @@ class ClefReplica:
 class ClefIngress:
     """create_app over the file's PromptEncoder, deciding on the replicas (ReplicaDecider)."""
 
-    def __init__(self, replicas: DeploymentHandle, model: str, *, max_prompt_tokens: int, ubatch: int | None, **app: Any) -> None:
-        self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch)
+    def __init__(
+        self,
+        replicas: DeploymentHandle,
+        model: str,
+        *,
+        max_prompt_tokens: int,
+        ubatch: int | None,
+        mmproj: str | None,
+        **app: Any,
+    ) -> None:
+        self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj)
         self.decider = ReplicaDecider(replicas, app["max_pending"])
         self.app_options = app  # create_app's api_key, max_pending and body_timeout_s (`app` is Ray's)
 
@@ -224,6 +241,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         threads=s.threads,
         ubatch=s.ubatch,
         state_cache=s.state_cache,
+        mmproj=s.mmproj,
         queue=s.max_queue,
     )
     ingress = ClefIngress.options(
@@ -232,7 +250,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         logging_config=quiet,
     )
     app = {"api_key": s.api_key, "max_pending": s.max_queue, "body_timeout_s": s.body_timeout}
-    return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, **app)
+    return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, mmproj=s.mmproj, **app)
 
 
 def settings_from_args(args: dict[str, Any]) -> RaySettings:
