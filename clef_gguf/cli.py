@@ -513,11 +513,12 @@ def _api_key(value: str | None) -> str | None:
         return None
     if not value:
         raise typer.BadParameter("the key is empty; omit --api-key (and CLEF_GGUF_API_KEY) to serve without a key")
-    if not all("!" <= c <= "~" for c in value):
-        # HTTP carries header values as bytes that clients encode differently (latin-1, UTF-8): only
-        # visible ASCII reaches the server as the client sent it.
-        raise typer.BadParameter("the key must be visible ASCII characters (no spaces, no control or non-ASCII characters)")
-    return value
+    from .server.app import check_api_key
+
+    try:
+        return check_api_key(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()
@@ -542,7 +543,10 @@ def serve(
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
     threads: Annotated[
         int | None,
-        typer.Option(help="llama.cpp CPU threads (default: the physical cores this process may use).", show_default=False),
+        typer.Option(
+            help="llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica).",
+            show_default=False,
+        ),
     ] = None,
     header_timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
@@ -551,6 +555,25 @@ def serve(
     keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
     state_cache: Annotated[int, _state_cache_option(f"{DEFAULT_STATE_CACHE >> 30}GiB")] = DEFAULT_STATE_CACHE,
     mmproj: Mmproj = None,
+    on_ray: Annotated[
+        bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
+    ] = False,
+    replicas: Annotated[
+        int | None, typer.Option(min=1, help="With --ray: model replicas (default 1).", show_default=False)
+    ] = None,
+    autoscale: Annotated[
+        str | None,
+        typer.Option(metavar="MIN:MAX", help="With --ray: autoscale between MIN and MAX replicas.", show_default=False),
+    ] = None,
+    gpus_per_replica: Annotated[float, typer.Option(min=0, help="With --ray: GPUs Ray reserves per replica.")] = 0.0,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            help="With --ray: the Ray cluster to deploy on (default: a local one, started here, on loopback).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
@@ -559,6 +582,16 @@ def serve(
     from .server import serve as run_server
 
     _check_ubatch(ubatch, max_prompt_tokens)
+    if on_ray:
+        ray_options = {"threads": threads or 1, "gpus": gpus_per_replica, "n_gpu_layers": n_gpu_layers, "ubatch": ubatch}
+        ray_options |= {"state_cache": state_cache, "mmproj": None if mmproj is None else str(mmproj.resolve())}
+        ray_options |= {"max_prompt_tokens": max_prompt_tokens, "api_key": api_key, "max_queue": max_queue}
+        ray_options |= {"body_timeout": body_timeout, "drain_timeout": drain_timeout}
+        _serve_on_ray(model, replicas, autoscale, ray_options, host=host, port=port, keep_alive=keep_alive, address=ray_address)
+        return
+    if replicas is not None or autoscale is not None:
+        _error("--replicas and --autoscale need --ray")
+        raise typer.Exit(2)
     # Loaded before the port is bound: a file that loading rejects never gets a listening server.
     loaded = _run(
         lambda: load(
@@ -577,6 +610,58 @@ def serve(
     err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens{images})", markup=False, highlight=False)
     limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
     run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits)
+
+
+def _check_files(model: Path, mmproj: Path | None) -> None:
+    """The header checks `serve` runs at load: the model's, and the mmproj's with its pairing."""
+    from .check.pair import open_vision
+    from .check.validate import open_validated
+
+    validated = open_validated(model)
+    try:
+        if mmproj is not None:
+            open_vision(validated.file.header, mmproj)
+    finally:
+        validated.close()
+
+
+def _serve_on_ray(
+    model: Path,
+    replicas: int | None,
+    autoscale: str | None,
+    options: dict[str, Any],
+    *,
+    host: str,
+    port: int,
+    keep_alive: float,
+    address: str | None,
+) -> None:
+    """`serve --ray`: the same app on Ray Serve (server/ray_serve.py), its decisions on model replicas."""
+    if replicas is not None and autoscale is not None:
+        _error("--replicas and --autoscale exclude each other")
+        raise typer.Exit(2)
+    # The header check `serve` runs before binding, here before any Ray process starts: the same refusals and exit codes.
+    _run(lambda: _check_files(model, options["mmproj"] and Path(options["mmproj"])))
+    if address is None:
+        from .server.ray_local import loopback_only
+
+        loopback_only()  # the cluster started here listens on 127.0.0.1 only; before ray is imported
+    try:
+        from .server import ray_serve
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "ray":
+            raise
+        _error("serve --ray needs Ray Serve: pip install 'clef-gguf[ray]'")
+        raise typer.Exit(2) from None
+    from pydantic import ValidationError
+
+    try:
+        scaling = {"replicas": replicas or 1} if autoscale is None else {"autoscale": autoscale}
+        settings = ray_serve.RaySettings(model=str(model.resolve()), **scaling, **options)
+    except ValidationError as e:
+        _error("; ".join(error["msg"] for error in e.errors()))
+        raise typer.Exit(2) from None
+    _run(lambda: ray_serve.run(settings, host=host, port=port, keep_alive_s=keep_alive, address=address))
 
 
 def main() -> None:

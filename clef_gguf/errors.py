@@ -65,6 +65,10 @@ class SettingsError(ClefError, ValueError):
     exit_code = 2
 
 
+class DeploymentError(ClefError):
+    """A Ray Serve application could not be deployed: a replica failed to start (its reason in the message)."""
+
+
 class RequestError(ClefError):
     """A decision request is invalid. `field` names where, e.g. questions.q1.criteria."""
 
@@ -74,6 +78,10 @@ class RequestError(ClefError):
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
         self.reason = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        # Rebuilt from its parts, not its formatted message, when it crosses processes (a Ray Serve replica's).
+        return type(self), (self.reason, self.field)
 
 
 class PromptTooLongError(RequestError):
@@ -87,3 +95,6 @@ class PromptTooLongError(RequestError):
         )
         self.n_tokens = n_tokens
         self.limit = limit
+
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:  # type: ignore[override]
+        return type(self), (self.n_tokens, self.limit)

@@ -3,6 +3,7 @@ its exit codes, its signals) rather than an app in the test process."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -21,21 +22,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_process(model: Path, port: int, *args: str) -> subprocess.Popen[str]:
+def serve_process(
+    model: Path, port: int, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen[str]:
+    """`clef-gguf serve` as a subprocess; env adds to this process's environment; output piped, or appended to log
+    (for a server that writes more than a pipe holds before anyone reads it: Ray's logs)."""
     # One llama.cpp thread: on a shared machine, more threads than free cores make every decode wait at barriers.
     command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(model), "--port", str(port), "--threads", "1", *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environment = {**os.environ, **env} if env else None
+    if log is None:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    with log.open("a") as output:  # the child keeps its own descriptor
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True, env=environment)
 
 
-def wait_healthy(process: subprocess.Popen[str], url: str) -> None:
-    deadline = time.monotonic() + 120
+def wait_healthy(process: subprocess.Popen[str], url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[1]
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)  # not up yet, or (Ray's proxy, before the application is deployed) not ours yet
     raise AssertionError("the server did not answer /health")
 
 
@@ -47,13 +57,15 @@ def rss_bytes(pid: int) -> int:
 
 
 @contextmanager
-def served(model: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def served(
+    model: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None, timeout_s: float = 120
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """A running `clef-gguf serve MODEL ARGS...` (its own defaults for everything not in ARGS): its URL and process."""
     port = free_port()
-    process = serve_process(model, port, *args)
+    process = serve_process(model, port, *args, env=env, log=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(process, url)
+        wait_healthy(process, url, timeout_s)
         yield url, process
     finally:
         if process.poll() is None:

@@ -7,6 +7,8 @@ ones too) with `ast`, so it imports nothing and runs in milliseconds.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,3 +102,11 @@ def test_the_check_reports_an_upward_import(tmp_path: Path) -> None:
     (tmp_path / "clef_gguf/format/fine.py").write_text("from .. import errors\n")
     (tmp_path / "clef_gguf/format/bad.py").write_text("def f():\n    from ..runtime import model\n")
     assert upward_imports(tmp_path) == ["clef_gguf/format/bad.py:2 (format) imports clef_gguf.runtime.model (runtime)"]
+
+
+def test_the_plain_server_never_imports_ray():
+    # Ray Serve is an optional extra (server/ray_serve.py, `serve --ray`): what `clef-gguf serve` imports must not load it.
+    code = "import sys, clef_gguf.cli, clef_gguf.server, clef_gguf.server.ray_local\n"
+    code += "print([m for m in sys.modules if m.split('.')[0] == 'ray'])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr)

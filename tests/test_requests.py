@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import llama_cpp as L
+import numpy as np
 import pytest
+from PIL import Image
 
 import clef_gguf
 from clef_gguf import PromptTooLongError, RequestError
-from clef_gguf.testing.request_suite import mixed_request
+from clef_gguf.runtime.encoder import PromptEncoder
+from clef_gguf.testing.request_suite import long_state_request, mixed_request
 
 
 def _evaluated_tokens(model: clef_gguf.ClefModel) -> int:
@@ -93,3 +98,49 @@ def test_a_valid_request_is_not_modified(ws):
     before = copy.deepcopy(request)
     ws.model("untied_f32", "f32").decide(request)
     assert request == before
+
+
+def test_request_errors_keep_their_parts_across_processes():
+    # A Ray Serve replica's error reaches the ingress pickled: it must map to the same HTTP error there.
+    for error in (RequestError("must be a list of 2 to 10 levels", "questions.q.criteria"), PromptTooLongError(70000, 65536)):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert (again.field, again.reason) == (error.field, error.reason)
+    assert pickle.loads(pickle.dumps(PromptTooLongError(70000, 65536))).limit == 65536
+
+
+def test_the_prompt_encoder_encodes_as_the_model_without_its_weights(ws):
+    # What the Ray Serve ingress encodes, a replica's ClefModel decides: the very prompt ClefModel.encode makes.
+    path = ws.gguf("untied_f32", "f32")
+    model = ws.model("untied_f32", "f32")
+    encoder = PromptEncoder(path, max_prompt_tokens=model.max_prompt_tokens)
+    try:
+        for request in (mixed_request(), long_state_request(paragraphs=3)):
+            assert encoder.encode(request) == model.encode(request)
+        assert (encoder.name, encoder.max_prompt_tokens) == (model.name, model.max_prompt_tokens)
+        with pytest.raises(RequestError, match="questions"):
+            encoder.encode({"state": "s"})
+    finally:
+        encoder.close()
+        encoder.close()  # a second close does nothing
+
+
+def test_the_prompt_encoder_sizes_images_as_the_model(ws, tmp_path):
+    path, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
+    image = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 200, 3), dtype=np.uint8)).save(image, "PNG")
+    request = {**mixed_request(), "images": [image.getvalue()]}
+    with clef_gguf.load(path, n_ctx=4096, mmproj=mmproj, state_cache=0) as model:
+        encoder = PromptEncoder(path, max_prompt_tokens=4096, mmproj=mmproj)
+        try:
+            encoded = encoder.encode(request)
+            assert encoded == model.encode(request) and len(encoded.images) == 1
+            assert encoder.image_limits == model.image_limits
+        finally:
+            encoder.close()
+    without = PromptEncoder(path, max_prompt_tokens=4096)
+    try:
+        with pytest.raises(RequestError, match="mmproj"):
+            without.encode(request)
+    finally:
+        without.close()

@@ -1,7 +1,8 @@
 """The Qwen3.5 backbone on stock llama.cpp (llama-cpp-python's libllama).
 
 Two llama.cpp models over the same Clef file (llama/qwen35_view.py):
-  * the full view, vocabulary only: llama.cpp's tokenizer for the prompt;
+  * the full view, vocabulary only: llama.cpp's tokenizer for the prompt (Vocabulary, which
+    also tokenizes where no weights are loaded: the Ray Serve ingress);
   * the lean view, for compute: its LM head is tied to 258 rows, so llama.cpp does
     not compute (nor reserve a buffer for) n_vocab logits per token that nobody
     reads - on Clef-flash that is 4 GiB of compute buffer at 4096 tokens. It is fed
@@ -114,6 +115,34 @@ class _EmbeddingBatch:
         )
 
 
+class Vocabulary:
+    """llama.cpp's tokenizer of a Clef file: the full view loaded vocabulary only, no weights. Thread-safe."""
+
+    def __init__(self, f: GGUFFile, *, nfc: bool = True) -> None:
+        llama_log.init_backend()
+        self.nfc = nfc
+        self.model = _load(f, lean=False, vocab_only=True)
+        self.vocab = L.llama_model_get_vocab(self.model)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens parsed, as the reference's tokenizer(text, add_special_tokens=False)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        raw = text.encode("utf-8")
+        capacity = len(raw) + 16
+        tokens = (L.llama_token * capacity)()
+        n = L.llama_tokenize(self.vocab, raw, len(raw), tokens, capacity, False, True)
+        if n < 0:
+            raise ComputeError(f"llama.cpp's tokenizer failed ({n}): a byte-level BPE never yields more tokens than bytes")
+        return tokens[:n]
+
+    def close(self) -> None:
+        """Free the vocabulary's model; a second close does nothing."""
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = self.vocab = None
+
+
 class Backbone:
     """A loaded backbone and its context. Not thread-safe: one decode at a time."""
 
@@ -137,11 +166,9 @@ class Backbone:
             )
         llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
-        self.nfc = nfc
         with ExitStack() as stack:  # a failure at any stage frees what the earlier ones made
-            self.vocab_model = _load(f, lean=False, vocab_only=True)
-            stack.callback(L.llama_model_free, self.vocab_model)
-            self.vocab = L.llama_model_get_vocab(self.vocab_model)
+            self.vocabulary = Vocabulary(f, nfc=nfc)
+            stack.callback(self.vocabulary.close)
             self.model = _load(f, lean=True, n_gpu_layers=n_gpu_layers)
             stack.callback(L.llama_model_free, self.model)
             self.n_embd = L.llama_model_n_embd(self.model)
@@ -166,16 +193,7 @@ class Backbone:
             self._resources = stack.pop_all()
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of `text`, special tokens parsed, as the reference's tokenizer(text, add_special_tokens=False)."""
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
-        raw = text.encode("utf-8")
-        capacity = len(raw) + 16
-        tokens = (L.llama_token * capacity)()
-        n = L.llama_tokenize(self.vocab, raw, len(raw), tokens, capacity, False, True)
-        if n < 0:
-            raise ComputeError(f"llama.cpp's tokenizer failed ({n}): a byte-level BPE never yields more tokens than bytes")
-        return tokens[:n]
+        return self.vocabulary.tokenize(text)
 
     def hidden_states(self, tokens: Sequence[int], copy: bool = True) -> np.ndarray:
         """(len(tokens), n_embd) final hidden states of one prompt, in one llama_decode call.

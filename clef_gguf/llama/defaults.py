@@ -10,3 +10,8 @@ DEFAULT_MAX_PROMPT_TOKENS = 65536
 DEFAULT_UBATCH = 1024
 # Host memory for the state cache (runtime/state_cache.py): two 8k-token states of Clef-flash.
 DEFAULT_STATE_CACHE = 1 << 30
+
+
+def default_ubatch(max_prompt_tokens: int) -> int:
+    """The ubatch when none is given: DEFAULT_UBATCH, or the whole prompt when the limit is smaller."""
+    return min(DEFAULT_UBATCH, max_prompt_tokens)

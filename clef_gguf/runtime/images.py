@@ -25,13 +25,15 @@ import io
 import math
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import RequestError
+from ..format import vision as V
+from ..format.hparams import VisionDescription
 
 # Workers AI's documented limits for Clef (its `images` field): 4 images, each at most 4 MiB and 16 megapixels,
 # 8 MiB of image files in all; PNG, JPEG or WebP. A larger image is refused before it is decoded.
@@ -55,11 +57,27 @@ class ImageLimits:
     max_pixels: int
 
 
+# An mmproj without clef-gguf's pixel limits (llama.cpp's converter writes none) gets what llama.cpp applies to
+# Qwen-VL towers then: 8 to 4096 image tokens (clip.cpp). `clef-gguf convert` writes the release's own.
+MTMD_DEFAULT_TOKENS = (8, 4096)
+
+
+def image_limits(d: VisionDescription) -> ImageLimits:
+    """The image limits of a validated mmproj: its pixel limits, or llama.cpp's defaults."""
+    per_token = V.pixels_per_token(d.shape.patch_size)
+    low, high = MTMD_DEFAULT_TOKENS
+    return ImageLimits(
+        d.shape.patch_size * V.MERGE_SIZE,
+        d.min_pixels if d.min_pixels is not None else low * per_token,
+        d.max_pixels if d.max_pixels is not None else high * per_token,
+    )
+
+
 @dataclass(frozen=True)
 class PreparedImage:
     """An image at the size the tower sees it: (ny * factor, nx * factor, 3) uint8 RGB."""
 
-    pixels: np.ndarray
+    pixels: np.ndarray = field(compare=False)  # (the digest compares them)
     nx: int  # image tokens per row
     ny: int  # rows
     digest: bytes  # of the pixels and their shape: the state cache's key for this image

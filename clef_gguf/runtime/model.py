@@ -11,33 +11,18 @@ import numpy as np
 
 from ..check.pair import open_vision
 from ..check.validate import open_validated
-from ..errors import ComputeError, ModelFileError, PromptTooLongError
-from ..format import vision as V
-from ..format.hparams import VisionDescription
+from ..errors import ComputeError, PromptTooLongError
 from ..llama.backbone import Backbone, prompt_positions
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, DEFAULT_UBATCH
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
 from .answers import response
-from .images import ImageLimits
+from .images import ImageLimits, image_limits
 from .prompt import EncodedPrompt, encode, parse_request
 from .state_cache import Entry, StateCache, entry_bytes, prefix_key, split_at_prefix
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
-# An mmproj without clef-gguf's pixel limits (llama.cpp's converter writes none) gets what llama.cpp applies to
-# Qwen-VL towers then: 8 to 4096 image tokens (clip.cpp). `clef-gguf convert` writes the release's own.
-MTMD_DEFAULT_TOKENS = (8, 4096)
-
-
-def image_limits(d: VisionDescription) -> ImageLimits:
-    per_token = V.pixels_per_token(d.shape.patch_size)
-    low, high = MTMD_DEFAULT_TOKENS
-    return ImageLimits(
-        d.shape.patch_size * V.MERGE_SIZE,
-        d.min_pixels if d.min_pixels is not None else low * per_token,
-        d.max_pixels if d.max_pixels is not None else high * per_token,
-    )
 
 
 class ClefModel:
@@ -53,9 +38,7 @@ class ClefModel:
         mmproj: str | Path | None = None,
     ) -> None:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
-        if ubatch is None:  # the default: ubatches of DEFAULT_UBATCH, or the whole prompt when the limit is smaller
-            ubatch = min(DEFAULT_UBATCH, max_prompt_tokens)
-        self.ubatch = ubatch
+        self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
         self.path = Path(path)
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
@@ -69,7 +52,7 @@ class ClefModel:
                 max_prompt_tokens=max_prompt_tokens,
                 n_threads=n_threads,
                 nfc=d.nfc,
-                ubatch=ubatch,
+                ubatch=self.ubatch,
             )
             stack.callback(self.backbone.close)
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
@@ -93,10 +76,7 @@ class ClefModel:
 
     def _load_vision(self, mmproj: Path, gpu: bool, n_threads: int | None) -> tuple[VisionEncoder, ImageLimits]:
         """The vision tower, validated and paired with this model, in libmtmd over the lean backbone."""
-        if not mmproj.is_file():
-            raise ModelFileError(f"{mmproj}: no such mmproj file")
-        d = open_vision(self.file.header, mmproj)
-        limits = image_limits(d)
+        limits = image_limits(open_vision(self.file.header, mmproj))
         per_token = limits.factor**2
         # mtmd's own token limits around the runtime's: it then takes every image runtime/images.py sized unresized.
         tokens = (max(1, limits.min_pixels // per_token), -(-limits.max_pixels // per_token))

@@ -21,7 +21,7 @@ from . import workers_ai
 from .body import DEFAULT_BODY_TIMEOUT_S, body_limit
 from .intake import Intake
 from .problems import ApiError, Invalid, from_request_error, json_bytes
-from .worker import DecideWorker, Model
+from .worker import Decider, DecideWorker, Encoder, Model
 
 DEFAULT_MAX_PENDING = 64
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
@@ -41,6 +41,17 @@ def render_problem(path: str, problem: ApiError | Invalid) -> tuple[int, dict[st
     return status, _headers(headers), json_bytes(body)
 
 
+def check_api_key(key: str) -> str:
+    """The key, if a client can send it as it is: raises ValueError for an empty one (which would turn
+    authentication off unnoticed) and for any but visible ASCII characters (HTTP carries header values as
+    bytes that clients encode differently: latin-1, UTF-8)."""
+    if not key:
+        raise ValueError("the key is empty; give none to serve without a key")
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError("the key must be visible ASCII characters (no spaces, no control or non-ASCII characters)")
+    return key
+
+
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     expected = api_key.encode()
 
@@ -54,7 +65,7 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def _models_listing(model: Model) -> dict[str, Any]:
+def _models_listing(model: Encoder) -> dict[str, Any]:
     # A local file has no release date: the date its GGUF was written is the honest stand-in.
     written = dt.datetime.fromtimestamp(model.path.stat().st_mtime, dt.timezone.utc).date().isoformat()
     limit = model.max_prompt_tokens
@@ -125,20 +136,27 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(
-    model: Model,
+    model: Encoder,
     *,
     api_key: str | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
     max_body_bytes: int | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     owns_model: bool = True,
+    decider: Decider | None = None,
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
     max_pending bounds the requests being read and the requests admitted to decide, each; max_body_bytes
     (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
-    raw and decoded."""
-    worker = DecideWorker(model, max_pending)
+    raw and decoded. Decisions are model.decide's on one worker thread (DecideWorker) unless a decider is
+    given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
+    model that only encodes."""
+    if decider is None:
+        if not isinstance(model, Model):
+            raise TypeError(f"{type(model).__name__} cannot decide: pass a decider")
+        decider = DecideWorker(model, max_pending)
+    worker = decider
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     intake = Intake(model, max_pending, limit, body_timeout_s)
 

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from ..errors import PromptTooLongError, RequestError
 from . import body, media
 from .problems import ApiError, Invalid, from_request_error
-from .worker import Model
+from .worker import Encoder
 
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
 
@@ -46,7 +46,7 @@ _trim = _malloc_trim()
 
 
 class Intake:
-    def __init__(self, model: Model, max_reading: int, limit: int, timeout_s: float) -> None:
+    def __init__(self, model: Encoder, max_reading: int, limit: int, timeout_s: float) -> None:
         self.model = model
         self.max_reading = max_reading
         self.limit = limit  # bytes, raw and decoded

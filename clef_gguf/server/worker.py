@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from .problems import ApiError
 
@@ -26,8 +26,8 @@ class Prompt(Protocol):
     def tokens(self) -> list[int]: ...
 
 
-class Model(Protocol):
-    """What the server uses of a ClefModel."""
+class Encoder(Protocol):
+    """What the app and its intake use of a ClefModel: a runtime.encoder.PromptEncoder is one too."""
 
     name: str
     path: Path
@@ -39,9 +39,14 @@ class Model(Protocol):
 
     def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
 
-    def decide(self, request: Prompt) -> dict[str, Any]: ...  # on a prompt encode returned
-
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Model(Encoder, Protocol):
+    """What the server uses of a ClefModel that decides in this process."""
+
+    def decide(self, request: Prompt) -> dict[str, Any]: ...  # on a prompt encode returned
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,21 @@ class Decision:
 def render(response: dict[str, Any]) -> bytes:
     # allow_nan=False: a NaN can never reach a client as the invalid token NaN.
     return json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def overloaded(pending: int) -> ApiError:
+    return ApiError(503, "overloaded_error", f"{pending} requests are already waiting; retry shortly", {"Retry-After": "1"})
+
+
+class Decider(Protocol):
+    """How the app has prompts decided: DecideWorker here, or server/ray_serve.py's replicas."""
+
+    @property
+    def pending(self) -> int: ...  # admitted and not yet answered
+
+    async def decide(self, request: Prompt) -> Decision: ...  # raises ApiError 503 when max_pending are admitted
+
+    async def close(self) -> None: ...
 
 
 class DecideWorker:
@@ -75,9 +95,7 @@ class DecideWorker:
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_pending:
-            raise ApiError(
-                503, "overloaded_error", f"{self.pending} requests are already waiting; retry shortly", {"Retry-After": "1"}
-            )
+            raise overloaded(self.pending)
         self.pending += 1
         try:
             # A cancelled wait (client gone, drain timeout) cancels the job if it has not started.

@@ -1,0 +1,326 @@
+"""clef-gguf on Ray Serve: the `clef-gguf serve` app, its decisions made by model replicas.
+
+Two deployments, from the server's own code:
+  * ClefIngress runs create_app, the plain server's FastAPI app, over a PromptEncoder (the file's
+    vocabulary, no weights): bodies are read, validated and tokenized there exactly as `clef-gguf
+    serve` does it (intake.py), so every refusal is the plain server's own (same statuses, same
+    bodies, a prompt over the limit included) and no replica is ever busy with a request it would
+    refuse. Its decider hands each prompt to a replica through a DeploymentHandle.
+  * ClefReplica holds one loaded ClefModel, with its own llama.cpp threads (= its num_cpus) and GPU
+    share (num_gpus), and decides one prompt at a time.
+
+Why our own ingress in front of the replicas rather than the replicas behind Ray's HTTP proxy: when a
+replica's process dies mid-request, Ray's proxy answers 500 (serve/_private/http_util.py,
+get_http_response_status: a RayActorError is a 500), which no client retries. Here a decision lost
+with its replica is our JSON 503 with Retry-After, which clients retry (typesafe-sdk honours it), and
+requests not yet handed to a replica are routed to the others by Ray's router itself.
+
+Run it with `clef-gguf serve --ray`, or `serve run` a config file whose import path is
+clef_gguf.server.ray_serve:app_builder (examples/ray-serve.yaml).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from contextlib import suppress
+from typing import Any
+
+import ray
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import DeploymentStatus
+
+from ..errors import DeploymentError
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE
+from ..runtime.encoder import PromptEncoder
+from ..runtime.model import PROBE, ClefModel, load
+from ..runtime.prompt import EncodedPrompt
+from .app import DEFAULT_MAX_PENDING, check_api_key, create_app
+from .body import DEFAULT_BODY_TIMEOUT_S
+from .problems import ApiError
+from .run import DEFAULT_DRAIN_TIMEOUT_S
+from .worker import DecideWorker, Decision, Prompt, overloaded, render
+
+APP_NAME = "clef-gguf"
+API_KEY_ENV = "CLEF_GGUF_API_KEY"
+# Autoscaling aims at one decision running and one waiting per replica (Ray counts both): more requests in
+# flight than that add a replica, up to MAX.
+AUTOSCALE_TARGET_ONGOING = 2
+# The ingress admits (as the plain server does) max_queue bodies being read and max_queue decisions; Ray's
+# own slots must not bind first, or requests past them would wait in Ray's proxy instead of getting our 503.
+INGRESS_HEADROOM = 16  # requests being refused, /health and /v1/models, on top of the two bounds
+# Where Ray reports a replica (or its node) gone or unreachable, or no replica able to take a request.
+REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, DeploymentUnavailableError, ReplicaUnavailableError)
+
+
+class ReplicaNotReady(RuntimeError):
+    """A replica's health check before its model answered its probe decision."""
+
+
+class RaySettings(BaseModel):
+    """The application's arguments: `clef-gguf serve --ray`'s options, or the `args` of a `serve run` config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str  # the GGUF's path, the same on every node that runs a replica or the ingress
+    replicas: int = Field(1, ge=1)
+    autoscale: tuple[int, int] | None = None  # (MIN, MAX) replicas, from "MIN:MAX"; replaces replicas
+    threads: int = Field(1, ge=1)  # llama.cpp threads per replica, and the CPUs Ray reserves for it
+    gpus: float = Field(0.0, ge=0)  # GPUs Ray reserves per replica: 1 gives each a GPU of its own
+    n_gpu_layers: int = 0
+    max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
+    ubatch: int | None = Field(None, ge=1)
+    state_cache: int = Field(DEFAULT_STATE_CACHE, ge=0)  # bytes per replica: each replica keeps its own states
+    mmproj: str | None = None  # the vision tower's path, the same on every node (as the model's)
+    api_key: str | None = None
+    max_queue: int = Field(DEFAULT_MAX_PENDING, ge=1)
+    body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
+    drain_timeout: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+
+    @field_validator("autoscale", mode="before")
+    @classmethod
+    def _min_max(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            low, sep, high = value.partition(":")
+            if not sep or not low.isdigit() or not high.isdigit():
+                raise ValueError(f"autoscale is MIN:MAX (two whole numbers), not {value!r}")
+            value = (int(low), int(high))
+        if value is not None and not 1 <= value[0] <= value[1]:
+            raise ValueError(f"autoscale needs 1 <= MIN <= MAX, not {value[0]}:{value[1]}")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, value: str | None) -> str | None:
+        return None if value is None else check_api_key(value)
+
+
+class ReplicaDecider:
+    """The ingress's decider (worker.Decider): each prompt to a model replica, as many at once as admitted.
+
+    The plain server's DecideWorker runs decide on one thread; here a decision is a remote call, and with
+    max_pending of them in flight every replica has work, the rest waiting in the replicas' own queues."""
+
+    def __init__(self, replicas: DeploymentHandle, max_pending: int) -> None:
+        self._replicas = replicas
+        self.max_pending = max_pending
+        self.pending = 0  # admitted and not yet answered; touched on the event loop only
+
+    async def decide(self, request: Prompt) -> Decision:
+        if self.pending >= self.max_pending:
+            raise overloaded(self.pending)
+        self.pending += 1
+        submitted = time.perf_counter()
+        try:
+            decision: Decision = await self._replicas.decide.remote(request)
+        except (*REPLICA_LOST, BackPressureError) as e:
+            # The request may have been decided by a replica that died before it answered: deciding is a
+            # pure function of the prompt, so the client's retry is safe, and it is the client's to make (a
+            # prompt that crashed one replica would crash each it was retried on here).
+            message = f"the model replica deciding this request was lost or none is available ({type(e).__name__}); retry"
+            raise ApiError(503, "overloaded_error", message, {"Retry-After": "1"}) from e
+        except RayTaskError as e:
+            # The replica's own error, as decide raised it there: the app maps it as the plain server does.
+            raise e.cause from None
+        finally:
+            self.pending -= 1
+        finished = time.perf_counter()
+        # Queued: in the replica's DecideWorker, in Ray's router and on the way there and back.
+        queued = max(decision.queued_s, finished - submitted - decision.decide_s)
+        return Decision(decision.body, queued, decision.decide_s, finished, decision.cached_tokens)
+
+    async def close(self) -> None:
+        """Nothing to wait for here: Ray drains the replicas (graceful_shutdown_timeout_s)."""
+
+
+@serve.deployment(name="ClefReplica")
+class ClefReplica:
+    """One loaded model, deciding on the plain server's DecideWorker; healthy once it has answered a decision."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        n_gpu_layers: int,
+        max_prompt_tokens: int,
+        threads: int,
+        ubatch: int | None,
+        state_cache: int,
+        mmproj: str | None,
+        queue: int,
+    ) -> None:
+        self.model: ClefModel = load(
+            model,
+            n_gpu_layers=n_gpu_layers,
+            n_ctx=max_prompt_tokens,
+            n_threads=threads,
+            ubatch=ubatch,
+            state_cache=state_cache,
+            mmproj=mmproj,
+        )
+        self.worker = DecideWorker(self.model, queue)
+        # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
+        # a first check_health right after this constructor, and routes nothing to the replica before it passes).
+        self.probe_answer: bytes | None = None
+        self.probe_answer = render(self.model.decide(self.model.encode(PROBE)))
+        # The model is not closed in a destructor: Ray may end the process while a decision still runs on
+        # the worker's thread (past graceful_shutdown_timeout_s), and the process's exit frees it anyway.
+
+    async def decide(self, prompt: EncodedPrompt) -> Decision:
+        """The decision of a prompt the ingress encoded: its response JSON, time queued here and deciding."""
+        return await self.worker.decide(prompt)
+
+    def check_health(self) -> None:
+        # No decision here: one would wait on the model's lock behind a long prompt, and a check that times out
+        # (health_check_timeout_s) gets a busy, healthy replica replaced.
+        if self.probe_answer is None:
+            raise ReplicaNotReady("the model has not answered its probe decision")
+
+
+@serve.deployment(name="ClefIngress", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class ClefIngress:
+    """create_app over the file's PromptEncoder, deciding on the replicas (ReplicaDecider)."""
+
+    def __init__(
+        self,
+        replicas: DeploymentHandle,
+        model: str,
+        *,
+        max_prompt_tokens: int,
+        ubatch: int | None,
+        mmproj: str | None,
+        **app: Any,
+    ) -> None:
+        self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj)
+        self.decider = ReplicaDecider(replicas, app["max_pending"])
+        self.app_options = app  # create_app's api_key, max_pending and body_timeout_s (`app` is Ray's)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
+        return create_app(self.encoder, decider=self.decider, **self.app_options)
+
+
+def build_app(settings: RaySettings) -> serve.Application:
+    """The application: the ingress over the model replicas, sized and scaled by `settings`."""
+    s = settings
+    if s.autoscale is None:
+        scaling: dict[str, Any] = {"num_replicas": s.replicas}
+    else:
+        low, high = s.autoscale
+        scaling = {
+            "autoscaling_config": {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": AUTOSCALE_TARGET_ONGOING}
+        }
+    # No access log line per request: at the demo model's 25 ms decisions, Ray's logging is a visible share of a core.
+    quiet = {"enable_access_log": False}
+    # Each deployment is bound with only the settings it uses: a change of scale alone then changes no replica's
+    # arguments, and Ray adds or removes replicas instead of replacing them all.
+    # max_ongoing_requests, the decisions Ray hands a replica at once: they wait there in a DecideWorker (one thread, first come
+    # first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
+    # choices). Not 1, though a model decides one at a time: requests the router cannot place wait in it, each
+    # probing the replicas' queue lengths again and again, and that probing took more CPU than the decisions
+    # (demo model, 1 replica, 16 clients: 5.2 requests/s with 1, 24 with max_queue; py-spy: the ingress busy in
+    # RunningReplica.get_queue_len). At the ingress's own bound (max_queue), no request waits in the router. A
+    # replica that dies takes its queue with it: each of those requests gets a 503 with Retry-After.
+    replicas = ClefReplica.options(
+        max_ongoing_requests=s.max_queue,
+        ray_actor_options={"num_cpus": s.threads, "num_gpus": s.gpus},
+        graceful_shutdown_timeout_s=s.drain_timeout,
+        logging_config=quiet,
+        **scaling,
+    ).bind(
+        s.model,
+        n_gpu_layers=s.n_gpu_layers,
+        max_prompt_tokens=s.max_prompt_tokens,
+        threads=s.threads,
+        ubatch=s.ubatch,
+        state_cache=s.state_cache,
+        mmproj=s.mmproj,
+        queue=s.max_queue,
+    )
+    ingress = ClefIngress.options(
+        max_ongoing_requests=2 * s.max_queue + INGRESS_HEADROOM,
+        graceful_shutdown_timeout_s=s.drain_timeout,
+        logging_config=quiet,
+    )
+    app = {"api_key": s.api_key, "max_pending": s.max_queue, "body_timeout_s": s.body_timeout}
+    return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, mmproj=s.mmproj, **app)
+
+
+def settings_from_args(args: dict[str, Any]) -> RaySettings:
+    """A config file's `args`: RaySettings' fields (others refused); without api_key, CLEF_GGUF_API_KEY in the
+    environment sets it, as for `clef-gguf serve` (an empty one is refused, not read as no key)."""
+    if "api_key" not in args and API_KEY_ENV in os.environ:
+        args = {**args, "api_key": os.environ[API_KEY_ENV]}
+    return RaySettings.model_validate(args)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """`serve run`'s entry (import_path: clef_gguf.server.ray_serve:app_builder)."""
+    return build_app(settings_from_args(args))
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT while `clef-gguf serve --ray` deploys or serves."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _why_not_deployed(error: RuntimeError) -> str:
+    """Ray's reason, from the deployments' status: a replica constructor's traceback ends with its error."""
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments
+    except (KeyError, RayServeException):
+        return str(error)
+    reasons = [
+        f"{name}: {d.message.strip().splitlines()[-1]}"
+        for name, d in deployments.items()
+        if d.status != DeploymentStatus.HEALTHY and d.message.strip()
+    ]
+    return "; ".join(reasons) or str(error)
+
+
+def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, address: str | None) -> None:
+    """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
+    serve until SIGTERM or SIGINT; then the application is deleted (Ray drains it) and a local cluster stopped.
+    A signal while deploying (replicas Ray cannot place wait for resources forever) stops it the same way."""
+    local = address is None
+    if local:
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+    else:
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as e:
+            raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
+        keep_alive = max(1, round(keep_alive_s))  # Ray's proxy takes whole seconds
+        serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": keep_alive})
+        try:
+            serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
+        except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries
+            raise DeploymentError(_why_not_deployed(e)) from None
+        print(f"serving {APP_NAME} on http://{host}:{port}/v1/systemone (Ray Serve)", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)  # until a signal raises _Stopped
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():  # a second signal cuts the drain short
+            signal.signal(sig, handler)
+        try:
+            with suppress(RayServeException):  # Serve never started, or someone shut it down
+                serve.delete(APP_NAME)  # Ray drains the replicas (graceful_shutdown_timeout_s)
+                if local:
+                    serve.shutdown()
+        finally:
+            ray.shutdown()

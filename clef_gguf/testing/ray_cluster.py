@@ -1,0 +1,92 @@
+"""A local Ray cluster on loopback, and the processes of a Serve application's replicas: for
+tests/test_ray_serve.py and tools/bench_ray.py.
+
+Importing this module prepares the process for the cluster it starts (Ray reads both variables when it is
+imported: import this first); it imports ray itself only when called, so that a test module can import it
+before it knows whether ray is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..server.ray_local import LOOPBACK_ENV, loopback_only
+
+loopback_only()
+# A cluster that ray.init starts requires Ray's token (~/.ray/auth_token, made when missing), and so then does
+# every process that connects to it: this one, and the servers it starts.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+_MARK = "RAY_ADDRESS="
+# The cluster's owner: it starts Ray (GCS, raylet: its children, which die with it), prints the address and
+# holds the cluster until its stdin closes, then stops it.
+_OWNER = f"""
+import sys, ray
+context = ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
+print("{_MARK}" + context.address_info["address"], flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@contextmanager
+def local_cluster(num_cpus: int) -> Iterator[str]:
+    """A Ray cluster of this machine on 127.0.0.1, this process connected to it as a driver: its address.
+
+    A small process of its own starts and owns it: Ray starts its processes with fork (a preexec_fn), and a
+    fork of a large process (a test session holding models and torch) fails with ENOMEM under the kernel's
+    overcommit heuristic. num_cpus is what Ray may reserve (each replica reserves its threads), not the cores."""
+    import ray
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(num_cpus)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, LOOPBACK_ENV: "0"},
+    )
+    assert owner.stdin is not None and owner.stdout is not None
+    try:
+        address = ""
+        for line in owner.stdout:
+            if line.startswith(_MARK):
+                address = line[len(_MARK) :].strip()
+                break
+        if not address:
+            raise RuntimeError(f"the Ray cluster did not start (its owner exited with {owner.wait()})")
+        ray.init(address=address, log_to_driver=False)
+        yield address
+    finally:
+        ray.shutdown()  # a no-op where ray.init never ran
+        owner.stdin.close()  # the owner stops the cluster
+        try:
+            owner.wait(120)
+        except subprocess.TimeoutExpired:
+            owner.kill()
+            owner.wait()
+
+
+def replica_pids(app: str | None = None) -> dict[str, list[int]]:
+    """The processes of an application's replicas (`clef-gguf serve --ray`'s by default), by deployment, from
+    the actors Serve names for them. (ray.util.state would say so too, but it asks the dashboard, which a
+    loopback test cluster does not run.)"""
+    import ray
+
+    from ..server.ray_serve import APP_NAME
+
+    app = app or APP_NAME
+    pids: dict[str, list[int]] = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]  # SERVE_REPLICA::APP#DEPLOYMENT#ID
+        if name.startswith(f"SERVE_REPLICA::{app}#"):
+            deployment = name.split("#")[1]
+            try:
+                handle = ray.get_actor(name, namespace=actor["namespace"])
+                pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            except (ValueError, ray.exceptions.RayError):  # gone between the listing and the call
+                continue
+            pids.setdefault(deployment, []).append(pid)
+    return pids

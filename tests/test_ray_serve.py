@@ -1,0 +1,312 @@
+"""`clef-gguf serve --ray`: the plain server's app on Ray Serve, held to the plain server.
+
+This module starts a local Ray cluster on loopback (Ray's single-node mode: testing/ray_cluster.py) and
+runs `clef-gguf serve --ray --replicas 2` on it as a subprocess (RAY_ADDRESS), as an operator would; a
+plain `clef-gguf serve` of the same demo model is the reference. Checked: the same answers, byte for
+byte; the released clients (test_clients.py's own tests, unchanged) against the Ray endpoint; the same
+4xx for bad requests; a replica's process killed under load loses no request its client did not see
+fail with a retryable 503, and the replica comes back; the documented config file deploys with
+`serve run`, its API key and autoscaling included; a replica that cannot answer a decision never
+becomes ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
+
+pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
+
+import yaml  # noqa: E402  (Ray's own dependency, for `serve run` configs)
+from live_server import free_port, served  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve.schema import ApplicationStatus  # noqa: E402
+
+# The released clients' own tests, collected here too: with this module's `demo` fixture, against the Ray endpoint.
+from test_clients import (  # noqa: E402, F401
+    test_clef_compactor_scores_64_chunks_in_one_request,
+    test_clef_evals_judges_a_choice_and_evaluates_a_set,
+    test_clef_rag_self_hosted_asks_about_a_state_of_more_than_20k_tokens,
+    test_clef_router_routes_through_its_base_url,
+    test_typesafe_sdk_parses_every_answer_type_and_gets_422_for_a_null_level,
+    workers_ai_env,
+)
+from test_server import MALFORMED, WORKERS_AI_PATHS  # noqa: E402
+
+import clef_gguf  # noqa: E402
+from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
+from clef_gguf.errors import ModelFileError  # noqa: E402
+from clef_gguf.server.ray_serve import APP_NAME, settings_from_args  # noqa: E402
+from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 300.0
+DEPLOY_TIMEOUT_S = 300  # a Ray worker process per replica, on a 2-core machine shared with other jobs
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    # 4 CPUs for Ray to reserve: two replicas of one thread, and room to start a replacement before the
+    # controller has counted the dead one out (the machine's cores are shared all the same).
+    with ray_cluster.local_cluster(num_cpus=4) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def ray_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("ray") / "serve.log"
+    # No state cache, here and in plain_url: which replica saw a state before would show in usage.cached_tokens,
+    # and the bodies are compared byte for byte (the cache's own answers are tested in test_state_cache.py).
+    args = ("--ray", "--replicas", "2", "--state-cache", "0")
+    with served(DEMO_MODEL, *args, env={"RAY_ADDRESS": cluster}, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def plain_url() -> Iterator[str]:
+    with served(DEMO_MODEL, "--state-cache", "0") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def demo(ray_url: str) -> str:
+    """test_clients.py's fixture, here the Ray endpoint: its client tests run against it unchanged."""
+    return ray_url
+
+
+def replica_states() -> dict[str, int]:
+    return {str(state): n for state, n in serve.status().applications[APP_NAME].deployments["ClefReplica"].replica_states.items()}
+
+
+def post(url: str, path: str, content: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> httpx.Response:
+    headers = {"content-type": "application/json", **(headers or {})}
+    return httpx.request(method, f"{url}{path}", content=content, headers=headers, timeout=TIMEOUT)
+
+
+def same_response(ray: httpx.Response, plain: httpx.Response) -> None:
+    assert (ray.status_code, ray.content) == (plain.status_code, plain.content), (ray.text, plain.text)
+    for header in ("content-type", "retry-after", "www-authenticate"):
+        assert ray.headers.get(header) == plain.headers.get(header), header
+
+
+# --- The same answers --------------------------------------------------------------------------------------------
+def test_two_replicas_answer_as_the_plain_server(ray_url, plain_url):
+    assert replica_states() == {"RUNNING": 2}
+    bodies = [DEMO_REQUEST.read_bytes()] + [json.dumps(r, ensure_ascii=False).encode() for r in all_requests().values()]
+    paths = ["/v1/systemone", WORKERS_AI_PATHS[-1]]
+    want = {(path, body): post(plain_url, path, body) for path in paths for body in bodies}
+    # From 8 threads at once, so that both replicas decide (each answers as one model, first come first served).
+    with ThreadPoolExecutor(8) as pool:
+        got = dict(zip(want, pool.map(lambda key: post(ray_url, *key), want), strict=True))
+    for key, plain in want.items():
+        assert plain.status_code == 200
+        same_response(got[key], plain)
+        assert "decide;dur=" in got[key].headers["server-timing"]
+    for url in (ray_url, plain_url):  # the same model listed, the same health fields
+        assert httpx.get(f"{url}/v1/models").json() == httpx.get(f"{plain_url}/v1/models").json()
+    assert httpx.get(f"{ray_url}/health").json() | {"pending": 0, "reading": 0} == httpx.get(f"{plain_url}/health").json()
+
+
+# --- The same errors -------------------------------------------------------------------------------------------------
+def _bad_requests() -> dict[str, tuple[str, str, bytes, dict[str, str]]]:
+    """name -> (method, path, body, headers) of requests the plain server refuses with a 4xx."""
+    raw = json.dumps(mixed_request()).encode()
+    cases = {
+        f"malformed: {name}": ("POST", "/v1/systemone", body if isinstance(body, bytes) else json.dumps(body).encode(), {})
+        for name, (body, _) in MALFORMED.items()
+    }
+    too_long = json.dumps(long_state_request(paragraphs=420)).encode()  # over the 65,536-token context: 413 from the intake
+    cases |= {
+        "prompt too long": ("POST", "/v1/systemone", too_long, {}),
+        "prompt too long, Workers AI": ("POST", WORKERS_AI_PATHS[0], too_long, {}),
+        "body too large": ("POST", "/v1/systemone", b" " * (1 << 20) + b" ", {}),
+        "unknown encoding": ("POST", "/v1/systemone", raw, {"content-encoding": "br"}),
+        "multipart": ("POST", "/v1/systemone", b"--x--", {"content-type": "multipart/form-data; boundary=x"}),
+        "null level, Workers AI": ("POST", WORKERS_AI_PATHS[1], json.dumps(MALFORMED["score level null"][0]).encode(), {}),
+        "unknown Workers AI model": ("POST", "/client/v4/accounts/a/ai/run/@cf/meta/llama-3.1-8b-instruct", raw, {}),
+        "unknown route": ("GET", "/v1/nothing", b"", {}),
+        "wrong method": ("GET", "/v1/systemone", b"", {}),
+    }
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_bad_requests()))
+def test_a_bad_request_gets_the_plain_servers_4xx(ray_url, plain_url, name):
+    method, path, body, headers = _bad_requests()[name]
+    ray, plain = (post(url, path, body, headers, method) for url in (ray_url, plain_url))
+    assert 400 <= plain.status_code < 500
+    same_response(ray, plain)
+
+
+# --- A replica lost under load ---------------------------------------------------------------------------------------
+def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
+    # About 1,450 tokens, 120 ms a decision on the demo model: with 4 clients each replica holds one or two
+    # decisions nearly all the time (with the 397-token demo request, a third of the time none), so the kill
+    # lands mid-decision.
+    body = json.dumps(long_state_request(paragraphs=6)).encode()
+    want = post(plain_url, "/v1/systemone", body).content
+    before = ray_cluster.replica_pids()["ClefReplica"]
+    assert len(before) == 2
+    attempts: list[tuple[int, str | None, bytes]] = []  # status, Retry-After, body of every attempt
+    answered: list[bytes] = []
+    lock = threading.Lock()
+    tickets = iter(range(200))
+    killed = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=ray_url, timeout=TIMEOUT) as http:
+            while next(tickets, None) is not None:  # next() on a shared iterator is atomic under the GIL
+                for _ in range(60):  # what a client does with a 503 and Retry-After: wait, then try again
+                    response = http.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
+                    with lock:
+                        attempts.append((response.status_code, response.headers.get("retry-after"), response.content))
+                    if response.status_code != 503:
+                        break
+                    time.sleep(float(response.headers.get("retry-after", "1")))
+                with lock:
+                    answered.append(response.content)
+                    if len(answered) == 40:
+                        killed.set()
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    assert killed.wait(TIMEOUT), "the load did not start"
+    victim = before[0]
+    os.kill(victim, signal.SIGKILL)  # the process deciding, mid-load: no chance to drain
+    for thread in threads:
+        thread.join(TIMEOUT)
+    statuses = [status for status, _, _ in attempts]
+    refused = [(retry_after, json.loads(content)) for status, retry_after, content in attempts if status == 503]
+    # Every attempt either answered, or failed retryably: a 503 with Retry-After, in our JSON (never Ray's 500).
+    assert set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert all(retry_after == "1" and problem["detail"]["error_type"] == "overloaded_error" for retry_after, problem in refused)
+    # ... and after the client's retries, all 200 requests were answered, each as the plain server answers it.
+    assert len(answered) == 200 and set(answered) == {want}
+    # The decisions the replica held when it died are the 503s: it had some (4 clients, 2 replicas).
+    assert refused, f"no request was lost with replica {victim}: the kill did not land mid-decision ({len(attempts)} attempts)"
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    while True:  # Ray's controller replaces the dead replica
+        after = ray_cluster.replica_pids().get("ClefReplica", [])
+        if replica_states() == {"RUNNING": 2} and len(after) == 2 and victim not in after:
+            break
+        assert time.monotonic() < deadline, (replica_states(), after)
+        time.sleep(0.5)
+    assert post(ray_url, "/v1/systemone", body).content == want
+
+
+# --- `serve run` with the documented config file ---------------------------------------------------------------------
+def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(cluster, ray_url, tmp_path):
+    """Last: it replaces the application the CLI deployed (same name, same route)."""
+    config = yaml.safe_load((ROOT / "examples/ray-serve.yaml").read_text())
+    [application] = config["applications"]
+    assert application["import_path"] == "clef_gguf.server.ray_serve:app_builder"
+    args = application["args"]
+    args.pop("replicas")
+    args |= {"model": str(DEMO_MODEL), "autoscale": "1:2", "threads": 1, "gpus": 0, "n_gpu_layers": 0, "api_key": "s3cret"}
+    path = tmp_path / "ray-serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", str(path)]
+    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    body = DEMO_REQUEST.read_bytes()
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    # Until the keyed application has replaced the CLI's, ingress and replicas (now autoscaled) alike.
+    while (
+        post(ray_url, "/v1/systemone", body).status_code != 401
+        or serve.status().applications[APP_NAME].status != ApplicationStatus.RUNNING
+    ):
+        assert time.monotonic() < deadline, serve.status().applications[APP_NAME]
+        time.sleep(0.5)
+    assert 1 <= replica_states().get("RUNNING", 0) <= 2
+    with served(DEMO_MODEL, "--api-key", "s3cret") as (plain_url, _):
+        for key in (None, "wrong", "s3cret"):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            for route in ("/v1/systemone", WORKERS_AI_PATHS[0]):
+                same_response(post(ray_url, route, body, headers), post(plain_url, route, body, headers))
+        assert httpx.get(f"{ray_url}/health").status_code == 200  # unauthenticated, for probes
+
+
+# --- The command's own refusals (no cluster needed) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replicas", "2"], "--replicas and --autoscale need --ray"),
+        (["--ray", "--replicas", "2", "--autoscale", "1:2"], "exclude each other"),
+        (["--ray", "--autoscale", "3:1"], "1 <= MIN <= MAX"),
+        (["--ray", "--autoscale", "two"], "MIN:MAX"),
+    ],
+)
+def test_serve_refuses_ray_options_that_cannot_work(args, message):
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--port", str(free_port()), *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_serve_on_ray_refuses_a_file_that_is_not_a_clef_model(tmp_path):
+    bad = tmp_path / "random.gguf"
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelFileError) as refused:  # what loading (validate) says of the file
+        clef_gguf.load(bad)
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(bad), "--ray", "--port", str(free_port())]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    # validate's verdict and exit code, before any Ray process starts
+    assert run.returncode == refused.value.exit_code and str(refused.value) in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "Ray" not in run.stderr
+
+
+def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("CLEF_GGUF_API_KEY", raising=False)
+    settings = settings_from_args({"model": str(DEMO_MODEL), "autoscale": "1:4", "threads": 2, "gpus": 0.5})
+    assert (settings.autoscale, settings.threads, settings.gpus, settings.api_key) == ((1, 4), 2, 0.5, None)
+    monkeypatch.setenv("CLEF_GGUF_API_KEY", "from-env")
+    assert settings_from_args({"model": "m.gguf"}).api_key == "from-env"
+    assert settings_from_args({"model": "m.gguf", "api_key": "given"}).api_key == "given"
+    for bad, why in [
+        ({"model": "m.gguf", "replica": 2}, "Extra inputs are not permitted"),  # a typo is refused, not ignored
+        ({"model": "m.gguf", "autoscale": "4:1"}, "1 <= MIN <= MAX"),
+        ({"model": "m.gguf", "api_key": "has space"}, "visible ASCII"),
+        ({"model": "m.gguf", "threads": 0}, "greater than or equal to 1"),
+    ]:
+        with pytest.raises(ValidationError, match=why):
+            settings_from_args(bad)
+    monkeypatch.setenv("CLEF_GGUF_API_KEY", "")
+    with pytest.raises(ValidationError, match="empty"):
+        settings_from_args({"model": "m.gguf"})
+
+
+# --- Readiness (last: its failed deployment deletes the application) -----------------------------------------------
+def test_a_replica_that_cannot_answer_never_serves_and_the_command_says_why(cluster):
+    # A context too small for the probe decision: the model loads, but cannot answer one, so its replica never
+    # reports healthy; Ray gives up after its retries and the command exits with the replica's own error.
+    command = [
+        sys.executable,
+        "-m",
+        "clef_gguf.cli",
+        "serve",
+        str(DEMO_MODEL),
+        "--ray",
+        "--ctx",
+        "16",
+        "--port",
+        str(free_port()),
+    ]
+    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 1, run.stderr[-2000:]
+    [line] = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert "ClefReplica: " in line and "PromptTooLongError" in line and "limit of 16 tokens" in line, line
+    assert "serving" not in run.stderr
