@@ -7,7 +7,8 @@ ratio. llama-server's Clef graph has no memory, so its physical batch is the who
 (-c = -b = -ub); clef-gguf runs at its defaults (ubatches of 1024).
 
 Requests: the demo request (a ticket with 3 questions) and long states with the 3 questions
-at about 2k and 8k tokens, NFC and with instructions (where llama-server departs from the
+at about 2k, 8k and 32k tokens (the 32k one with --long-rounds rounds: a round takes a minute),
+NFC and with instructions (where llama-server departs from the
 reference it is not measured here; see tools/interop_llama_server.py for agreement). Then
 "~8k, state repeated": the ~8k state with a new 3-question schema each round, which
 clef-gguf answers from its state cache (prefilling only the schema) and llama-server, which
@@ -15,9 +16,10 @@ has no such cache, cold. In the other rows every round's state is new (new_state
 servers prefill all of it.
 
     bash tools/build_llama_server.sh         # once
-    python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--threads 1]
+    python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--long-rounds 3] [--threads 1]
 
-Writes docs/benchmarks/vs_llama_server.md and prints the table.
+Writes docs/benchmarks/vs_llama_server.md (the table), .json (every round's times) and .png (the
+ratios by size), and prints the table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -71,7 +74,7 @@ def requests_by_size() -> dict[str, dict[str, Any]]:
 
     demo = json.loads((ROOT / "clef_gguf" / "data" / "demo_request.json").read_text())
     out = {"ticket": demo}
-    for label, paragraphs in (("~2k", 11), ("~8k", 46)):
+    for label, paragraphs in (("~2k", 11), ("~8k", 46), ("~32k", 184)):
         request = copy.deepcopy(demo)
         request["state"] = {"ticket": long_state_text(paragraphs), "customer_tier": "gold"}
         out[label] = request
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
     parser.add_argument("--types", nargs="+", default=["f32", "q8_0", "q4_k_m"])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--long-rounds", type=int, default=3, help="rounds of the ~32k request")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "vs_llama_server.md")
     args = parser.parse_args()
@@ -109,6 +113,7 @@ def main() -> None:
 
     requests = requests_by_size()
     rows = []
+    raw: list[dict[str, Any]] = []  # every round's seconds, for the .json
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # The issue's fixture: hidden 256, 8 layers; rows of 256 so that the K-quants apply.
@@ -143,7 +148,7 @@ def main() -> None:
                 stdout=subprocess.DEVNULL,
                 stderr=(root / f"ours-{file_type}.log").open("w"),
             )
-            ctx = "16384"
+            ctx = "40960"  # the ~32k request in one physical batch (llama-server's Clef graph has no memory)
             theirs = subprocess.Popen(
                 [
                     str(args.bin / "llama-server"),
@@ -173,12 +178,13 @@ def main() -> None:
                     times: dict[str, list[float]] = {"ours": [], "theirs": []}
                     _, answer = post(ours_url, new_state(request, -1))  # warm-up, and the token count
                     post(theirs_url, new_state(request, -1))
-                    for r in range(args.rounds):
+                    for r in range(args.long_rounds if name == "~32k" else args.rounds):
                         order = [("ours", ours_url), ("theirs", theirs_url)][:: 1 if r % 2 == 0 else -1]
                         for who, url in order:
                             times[who].append(post(url, new_state(request, r))[0])
                     a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
                     rows.append((file_type, name, answer["usage"]["input_tokens"], a, b))
+                    raw.append({"type": file_type, "request": name, "tokens": answer["usage"]["input_tokens"], **times})
                     print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({a / b:.2f})", flush=True)
                 # The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request.
                 post(ours_url, requests["~8k"])
@@ -194,6 +200,7 @@ def main() -> None:
                 a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
                 name = "~8k, state repeated"
                 rows.append((file_type, name, answer["usage"]["input_tokens"], a, b))
+                raw.append({"type": file_type, "request": name, "tokens": answer["usage"]["input_tokens"], **times})
                 print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({a / b:.2f})", flush=True)
             finally:
                 for process in (ours, theirs):
@@ -202,8 +209,10 @@ def main() -> None:
     lines = [
         "# clef-gguf serve vs llama-server (same file, same threads)",
         "",
-        f"`python tools/bench_vs_llama_server.py --rounds {args.rounds} --threads {args.threads}`: fixture hidden 256,",
+        f"`python tools/bench_vs_llama_server.py --rounds {args.rounds} --long-rounds {args.long_rounds} "
+        f"--threads {args.threads}`: fixture hidden 256,",
         "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback, interleaved, medians.",
+        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
         "",
         "| type | request | tokens | clef-gguf | llama-server | ratio |",
         "|---|---|---:|---:|---:|---:|",
@@ -211,7 +220,47 @@ def main() -> None:
     lines += [f"| {t} | {n} | {k} | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | {a / b:.2f} |" for t, n, k, a, b in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
     print("\n".join(lines))
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def plot(rows: list[tuple[str, str, int, float, float]], out: Path) -> None:
+    """clef-gguf / llama-server by prompt size, one line per type; the repeated state as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for file_type in dict.fromkeys(t for t, *_ in rows):
+        cold = [(k, a / b) for t, n, k, a, b in rows if t == file_type and "repeated" not in n]
+        line = ax.plot([k for k, _ in cold], [r for _, r in cold], marker="o", label=f"{file_type}, cold")[0]
+        warm = [(k, a / b) for t, n, k, a, b in rows if t == file_type and "repeated" in n]
+        ax.plot(
+            [k for k, _ in warm],
+            [r for _, r in warm],
+            marker="*",
+            markersize=12,
+            ls="",
+            color=line.get_color(),
+            label=f"{file_type}, ~8k state repeated",
+        )
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("clef-gguf / llama-server (median round trip)")
+    ax.set_title("clef-gguf serve vs llama-server, same file, 1 thread")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":

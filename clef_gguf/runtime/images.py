@@ -10,8 +10,9 @@ bicubic). mtmd then normalizes with the mmproj's mean and std and runs the tower
 
 An image reaches the runtime as Workers AI sends it, a data URL (`data:image/png;base64,...`) or
 {"content_type": ..., "base64": ...}, or as bare base64 (clef-compactor's "inline base64"), raw
-bytes, or (Python API) a PIL image. The format is read from the bytes (typesafe-sdk labels WebP
-application/octet-stream); a declared media type must be one of the formats read. Remote URLs are
+bytes, or (Python API) a PIL image. The format is read from the bytes (a multipart part's content
+type is not read: typesafe-sdk labels WebP application/octet-stream); a media type a data URL or
+an object declares must be one of the formats read. Remote URLs are
 not fetched: a decision never waits on the network. Every refusal is a RequestError naming the
 image (`images.N`).
 """
