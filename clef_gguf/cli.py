@@ -426,7 +426,8 @@ def demo(n_gpu_layers: GpuLayers = 0) -> None:
     from .data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
 
     err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
-    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), n_gpu_layers, DEMO_CONTEXT, None, 0))
+    settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": DEMO_CONTEXT, "state_cache": 0}
+    answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), [], **settings))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
