@@ -388,16 +388,18 @@ def plan(
     ctx: Annotated[int, typer.Option("--ctx", help="Prompt limit to plan for (load's n_ctx).")] = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
     n_gpu_layers: GpuLayers = -1,
+    mmproj: Mmproj = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
 ) -> None:
-    """Device and host memory for a model at a prompt limit: weights by type, KV, recurrent state, compute buffer."""
+    """Device and host memory for a model at a prompt limit: weights by type, KV, recurrent state, compute buffer;
+    with --mmproj, the vision tower's weights and the compute of its largest image."""
     from rich.markup import escape
     from rich.table import Table
 
     from .llama.plan import memory_plan, parse_size
 
     _check_ubatch(ubatch, ctx)
-    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, parse_size(vram) if vram else None, ubatch))
+    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

@@ -128,3 +128,20 @@ def test_the_plan_command_prints_a_table_or_json(ws):
     assert table.returncode == 0 and "largest prompt that fits 48MiB" in table.stdout
     bad = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "lots"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a size" in bad.stderr
+
+
+def test_the_vision_tower_is_counted_where_it_runs(ws):
+    path, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
+    f = GGUFFile.open(mmproj)
+    weights = sum(t.n_bytes for t in f.header.tensors.values())
+    f.close()
+    text, both = memory_plan(path, 512), memory_plan(path, 512, mmproj=mmproj)
+    tower = _line(both, "vision tower weights")
+    assert (tower.device_bytes, tower.host_bytes) == (weights, 0)
+    compute = _line(both, "vision compute")
+    assert "256 tokens" in compute.component and compute.device_bytes > 0  # the fixture's largest image (its max pixels)
+    assert both.device_bytes - text.device_bytes == weights + compute.device_bytes
+    on_host = _line(memory_plan(path, 512, n_gpu_layers=0, mmproj=mmproj), "vision tower weights")
+    assert (on_host.device_bytes, on_host.host_bytes) == (0, weights)
+    with pytest.raises(clef_gguf.ModelFileError):
+        memory_plan(path, 512, mmproj=path)  # a model is no mmproj

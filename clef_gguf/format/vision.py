@@ -58,6 +58,9 @@ CLEF_KEYS = (KEY_IMAGE_MIN_PIXELS, KEY_IMAGE_MAX_PIXELS)  # the keys beyond llam
 # libmtmd brackets each image's embeddings with the first two tokens of the text model (mtmd.cpp, qwen3vl:
 # img_beg, img_end), as the reference's processor writes <|vision_start|><|image_pad|>...<|vision_end|>, one
 # <|image_pad|> per image token (whose embedding the tower's replaces).
+# What clip.cpp gives a Qwen-VL tower whose file has no pixel limits (llama.cpp's converter writes none):
+# 8 to 4096 image tokens an image (clip.cpp's qwen3vl loader), unless mtmd is told otherwise.
+CLIP_DEFAULT_IMAGE_TOKENS = (8, 4096)
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD)
 

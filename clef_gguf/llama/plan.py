@@ -19,9 +19,11 @@ from pathlib import Path
 
 import llama_cpp as L
 
+from ..check.mmproj import describe_mmproj
 from ..errors import ModelFileError, SettingsError
 from ..format import contract as C
 from ..format import hparams
+from ..format import vision as V
 from ..format.header import GGUFFile
 from . import cpu_buffers
 from . import log as llama_log
@@ -192,8 +194,11 @@ def memory_plan(
     n_gpu_layers: int = -1,
     vram: int | None = None,
     ubatch: int | None = None,
+    mmproj: str | Path | None = None,
 ) -> Plan:
     """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt limit that fits `vram`.
+
+    With `mmproj`, the vision tower too (on the device when layers are offloaded, as the runtime runs it).
 
     Prompts are processed in ubatches of `ubatch` tokens, as the runtime does (the default is
     its default: DEFAULT_UBATCH, or the prompt limit when that is smaller).
@@ -210,9 +215,11 @@ def memory_plan(
         offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
         model = _NoAllocModel(f, n_gpu_layers)
         try:
+            vision = vision_lines(mmproj, offloaded > 0) if mmproj is not None else []
 
             def lines_at(n: int) -> tuple[list[Line], dict[str, int], bool]:
-                return _lines(f, model.measure(n, ubatch_at(n)), n, ubatch_at(n), offloaded)
+                lines, by_type, gpu = _lines(f, model.measure(n, ubatch_at(n)), n, ubatch_at(n), offloaded)
+                return lines + vision, by_type, gpu
 
             lines, by_type, gpu = lines_at(n_ctx)
             fits = None
@@ -224,6 +231,40 @@ def memory_plan(
     finally:
         f.close()
     return Plan(str(path), n_ctx, ubatch_at(n_ctx), n_gpu_layers, tuple(lines), by_type, gpu, vram, fits)
+
+
+# clip.cpp's compute buffer for one image of n tokens, fitted to what tools/plan_vision.py measured on
+# Qwen3.5's tower (1152 wide, f16; the peak a CPU process grows by while it encodes one image): 13, 49, 120,
+# 221 and 437 MiB at 64, 256, 576, 1024 and 2048 tokens, proportional (clip.cpp's attention is flash attention):
+# MiB = VISION_MIB_PER_TOKEN n, within 6 MiB of each. Another tower is scaled by its width. Images are
+# encoded one at a time: the largest one sizes the buffer.
+VISION_MIB_PER_TOKEN = 0.2135
+QWEN35_VISION_WIDTH = 1152
+
+
+def vision_compute_bytes(shape: V.VisionShape, n_tokens: int) -> int:
+    return int(VISION_MIB_PER_TOKEN * n_tokens * shape.n_embd / QWEN35_VISION_WIDTH * MIB)
+
+
+def vision_lines(mmproj: str | Path, on_device: bool) -> list[Line]:
+    """The vision tower's memory: its weights (the file's) and the compute of its largest image."""
+    f = GGUFFile.open(mmproj)
+    try:
+        d = describe_mmproj(f.header)
+        if d is None:
+            raise ModelFileError(f"{f.path.name} is not an mmproj clef-gguf runs: `clef-gguf validate` it")
+        weights = sum(t.n_bytes for t in f.header.tensors.values())
+    finally:
+        f.close()
+    per_token = V.pixels_per_token(d.shape.patch_size)
+    largest = d.max_pixels // per_token if d.max_pixels is not None else V.CLIP_DEFAULT_IMAGE_TOKENS[1]
+    compute = vision_compute_bytes(d.shape, largest)
+    embeddings = largest * d.embedding_width * 4  # one image's embeddings, copied to the host
+    return [
+        Line("vision tower weights (mmproj)", *((weights, 0) if on_device else (0, weights)), "file"),
+        Line(f"vision compute (an image of {largest} tokens)", *((compute, 0) if on_device else (0, compute)), "computed"),
+        Line("image embeddings", 0, embeddings, "computed"),
+    ]
 
 
 def _largest_fitting(device_bytes, vram: int, limit: int, step: int = 256) -> int | None:

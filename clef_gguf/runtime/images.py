@@ -58,15 +58,11 @@ class ImageLimits:
     max_pixels: int
 
 
-# An mmproj without clef-gguf's pixel limits (llama.cpp's converter writes none) gets what llama.cpp applies to
-# Qwen-VL towers then: 8 to 4096 image tokens (clip.cpp). `clef-gguf convert` writes the release's own.
-MTMD_DEFAULT_TOKENS = (8, 4096)
-
-
 def image_limits(d: VisionDescription) -> ImageLimits:
-    """The image limits of a validated mmproj: its pixel limits, or llama.cpp's defaults."""
+    """The image limits of a validated mmproj: its pixel limits (`clef-gguf convert` writes the release's), or
+    what llama.cpp applies to a file without them (llama.cpp's converter writes none)."""
     per_token = V.pixels_per_token(d.shape.patch_size)
-    low, high = MTMD_DEFAULT_TOKENS
+    low, high = V.CLIP_DEFAULT_IMAGE_TOKENS
     return ImageLimits(
         d.shape.patch_size * V.MERGE_SIZE,
         d.min_pixels if d.min_pixels is not None else low * per_token,
