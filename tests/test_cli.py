@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import subprocess
 import sys
 
+import numpy as np
+from PIL import Image
+
+import clef_gguf as clef_gguf_api
 from clef_gguf.testing.request_suite import mixed_request
 
 
@@ -33,6 +39,35 @@ def test_decide_prints_exactly_the_api_response(ws, tmp_path):
     assert json.loads(run.stdout) == ws.model("untied_f32", "f32").decide(request)
     from_stdin = clef_gguf("decide", str(model), "-", stdin=json.dumps(request))
     assert json.loads(from_stdin.stdout) == json.loads(run.stdout)
+
+
+def test_decide_reads_images_as_the_api_does(ws, tmp_path):
+    model, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
+    picture = io.BytesIO()
+    Image.fromarray(np.random.default_rng(7).integers(0, 256, (70, 130, 3), dtype=np.uint8)).save(picture, "WEBP")
+    (tmp_path / "photo.webp").write_bytes(picture.getvalue())
+    url = "data:image/webp;base64," + base64.b64encode(picture.getvalue()).decode()
+    request = {**mixed_request(), "images": [url]}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    (tmp_path / "text.json").write_text(json.dumps(mixed_request()))
+    with clef_gguf_api.load(model, n_ctx=4096, mmproj=mmproj, state_cache=0) as loaded:
+        want = loaded.decide(request)
+    for args in (("request.json",), ("text.json", "--image", "photo.webp")):  # a data URL, or the file itself
+        run = clef_gguf(
+            "decide",
+            str(model),
+            *(str(tmp_path / a) if a.endswith(("json", "webp")) else a for a in args),
+            "--mmproj",
+            str(mmproj),
+        )
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout) == want
+    without = clef_gguf("decide", str(model), str(tmp_path / "request.json"))
+    assert without.returncode == 2 and "mmproj" in without.stderr and "Traceback" not in without.stderr
+    bad = clef_gguf(
+        "decide", str(model), str(tmp_path / "text.json"), "--mmproj", str(mmproj), "--image", str(tmp_path / "text.json")
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: images.0:")
 
 
 def test_decide_without_a_model_uses_the_demo(tmp_path):
