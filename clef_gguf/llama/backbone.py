@@ -190,6 +190,7 @@ class Backbone:
                 raise ModelFileError(f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {reason}")
             stack.callback(L.llama_free, self.ctx)
             self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos)
+            self._dirty = True  # the first clear zeroes the memory (see clear)
             self._resources = stack.pop_all()
 
     def tokenize(self, text: str) -> list[int]:
@@ -207,8 +208,18 @@ class Backbone:
         return hidden.copy() if copy else hidden
 
     def clear(self) -> None:
-        """Forget every token: the next decode starts a prompt at position 0."""
-        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        """Forget every token: the next decode starts a prompt at position 0.
+
+        The memory's bytes are zeroed only when a decode may have left a non-finite value in them
+        (self._dirty). Zeroing is a memset of the whole KV cache (64 MiB at 65,536 cells even on the
+        small fixtures: 10 ms a request), and finite stale bytes change nothing: KV cells outside
+        the sequence are masked (-inf, which flash attention skips and a softmax weighs 0), and
+        llama.cpp zeroes a new sequence's recurrent state itself (its rs_z state, scaled by 0). A
+        NaN or Inf would survive that scaling, so a decode that could have written one is followed
+        by a full clear.
+        """
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), self._dirty)
+        self._dirty = False
 
     def embeddings(self, tokens: Sequence[int]) -> np.ndarray:
         """The input embeddings of `tokens` (a new array: an image's rows can be written into it)."""
@@ -226,10 +237,16 @@ class Backbone:
         n = len(embeddings)
         if int(positions[0, -1]) + 1 > self.max_prompt_tokens or n > self.max_prompt_tokens:
             raise PromptTooLongError(max(n, int(positions[0, -1]) + 1), self.max_prompt_tokens)
+        self._dirty = True  # until the decode is known to have left only finite values in memory
         status = L.llama_decode(self.ctx, self.batch.fill(embeddings, positions))
         if status != 0:
             raise ComputeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
-        return np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(n, self.n_embd))
+        hidden = np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(n, self.n_embd))
+        # A non-finite value written to memory (KV cells, recurrent or conv state) reaches the last token's
+        # final hidden state: it attends to every cell and reads the state after itself, and the residual
+        # stream carries a NaN to the output. Its row alone tells whether the memory is clean.
+        self._dirty = not np.isfinite(hidden[-1]).all()
+        return hidden
 
     # The sequence state: what llama.cpp's memory holds of the tokens decoded so far. For qwen35's hybrid
     # memory that is the full-attention layers' KV cells and the linear-attention layers' recurrent state
@@ -251,6 +268,7 @@ class Backbone:
         """Replace the memory by a saved sequence state: the next decode continues after its tokens."""
         self.clear()
         if L.llama_state_seq_set_data(self.ctx, _bytes(state), state.size, _SEQ) != state.size:
+            self._dirty = True  # whatever it wrote before refusing: zeroed
             self.clear()
             raise ComputeError(f"llama.cpp refused a sequence state it saved: {llama_log.last_error('see stderr')}")
 
