@@ -233,9 +233,13 @@ class Backbone:
         the sequence are masked (-inf, which flash attention skips and a softmax weighs 0), and
         llama.cpp zeroes a new sequence's recurrent state itself (its rs_z state, scaled by 0). A
         NaN or Inf would survive that scaling, so a decode that could have written one is followed
-        by a full clear.
+        by a full clear. Otherwise the sequence is removed (seq_rm): the same empty cells, KV head 0 and
+        recurrent cell to be zeroed as llama_memory_clear(data=False) leaves, without resetting every one
+        of the 65,536 cells' bookkeeping (0.15 ms instead of 0.6 ms).
         """
-        L.llama_memory_clear(L.llama_get_memory(self.ctx), self._dirty)
+        memory = L.llama_get_memory(self.ctx)
+        if self._dirty or not L.llama_memory_seq_rm(memory, _SEQ, -1, -1):
+            L.llama_memory_clear(memory, True)
         self._dirty = False
 
     def embeddings(self, tokens: Sequence[int]) -> np.ndarray:
