@@ -22,6 +22,7 @@ import clef_gguf
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.errors import PromptTooLongError, SettingsError
 from clef_gguf.format import contract as C
+from clef_gguf.llama.backbone import prompt_positions
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS, Entry, StateCache, entry_bytes, prefix_key
 from clef_gguf.testing.request_suite import long_state_request, long_state_text
 
@@ -177,6 +178,24 @@ def test_a_prompt_over_the_limit_fails_before_any_compute_even_with_its_state_ca
         with pytest.raises(PromptTooLongError):
             model.decide(too_long)
         assert _cached(model.decide(_request(state))) > 0  # the entry is still there, the model still answers
+
+
+def test_a_decode_that_leaves_nan_in_memory_does_not_reach_the_next_prompt(ws):
+    """Backbone.clear zeroes the memory's bytes only after a decode that may have left a NaN or Inf in
+    them (llama.cpp's own zeroing of a new recurrent state is a scaling by 0, which keeps a NaN): a
+    poisoned memory is never read by the next prompt, whose hidden states are those of a clean one."""
+    backbone = ws.model("untied_f32", "f32").backbone
+    tokens = ws.model("untied_f32", "f32").encode(_request("A short state.")).tokens
+    backbone.clear()
+    clean = backbone.decode(tokens).copy()
+    n = len(tokens) + 8  # more cells than the next prompt overwrites
+    backbone.clear()
+    poisoned = backbone.decode_embeddings(np.full((n, backbone.n_embd), np.nan, dtype=np.float32), prompt_positions(n))
+    assert np.isnan(poisoned[-1]).all()
+    backbone.clear()
+    assert np.array_equal(backbone.decode(tokens), clean)
+    backbone.clear()  # and after a clean decode, the next one is the same too (the memory is not zeroed)
+    assert np.array_equal(backbone.decode(tokens), clean)
 
 
 # --- Bounded ----------------------------------------------------------------------------------------------
