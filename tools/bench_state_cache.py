@@ -59,26 +59,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import clef_gguf
-    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import BENCHMARK, build_release
     from clef_gguf.testing.request_suite import long_state_text
 
     print(f"{os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}, {args.threads} thread(s)")
     state = {"ticket": long_state_text(args.paragraphs), "customer_tier": "gold"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        spec = ReleaseSpec(
-            seed=4,
-            hidden=256,
-            intermediate=512,
-            layers=8,
-            head_dim=64,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            head_width=128,
-            routing_layers=6,
-            head_layers=3,
-        )
-        release = build_release(root / "release", spec)
+        release = build_release(root / "release", BENCHMARK)
         for file_type in args.types:
             path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
             kwargs = {"n_ctx": 16384, "n_threads": args.threads}

@@ -28,7 +28,7 @@ def main() -> None:
 
     import clef_gguf
     from clef_gguf.llama.threads import default_threads
-    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import BENCHMARK, build_release
     from clef_gguf.testing.request_suite import long_state_request
 
     counts = sorted({1, default_threads(), os.cpu_count() or 1})
@@ -38,19 +38,7 @@ def main() -> None:
     )
     request = long_state_request(args.paragraphs)
     with tempfile.TemporaryDirectory() as tmp:
-        spec = ReleaseSpec(
-            seed=4,
-            hidden=256,
-            intermediate=512,
-            layers=8,
-            head_dim=64,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            head_width=128,
-            routing_layers=6,
-            head_layers=3,
-        )
-        path = clef_gguf.convert(build_release(Path(tmp) / "release", spec), Path(tmp) / "bench.gguf", "f32")
+        path = clef_gguf.convert(build_release(Path(tmp) / "release", BENCHMARK), Path(tmp) / "bench.gguf", "f32")
         models = {n: clef_gguf.load(path, n_ctx=4096, n_threads=n, state_cache=0) for n in counts}
         try:
             tokens = models[1].decide(request)["usage"]["input_tokens"]  # and a warm-up of each

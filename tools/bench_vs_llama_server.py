@@ -123,27 +123,14 @@ def main() -> None:
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
 
     import clef_gguf
-    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import BENCHMARK, build_release
 
     requests = requests_by_size()
     rows = []
     raw: list[dict[str, Any]] = []  # every round's seconds, for the .json
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        # The fixture: hidden 256, 8 layers; rows of 256 so that the K-quants apply.
-        spec = ReleaseSpec(
-            seed=4,
-            hidden=256,
-            intermediate=512,
-            layers=8,
-            head_dim=64,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            head_width=128,
-            routing_layers=6,
-            head_layers=3,
-        )
-        release = build_release(root / "release", spec)
+        release = build_release(root / "release", BENCHMARK)
         for file_type in args.types:
             path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
             ours_url, theirs_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))

@@ -102,9 +102,13 @@ def write_sparse(path: Path, types: dict[str, GT]) -> None:
     writer = gguf.GGUFWriter(path, C.BACKBONE_ARCH)
     vocab = byte_level_vocab(QWEN35_9B.n_vocab)
     write_metadata(writer, name="Qwen3.5-9B (shapes only)", hparams=HPARAMS, vocab=vocab, file_type=0, head=None)
+    finish_sparse(writer, path, {name: (shape, types[name]) for name, shape in shapes.items()})
+
+
+def finish_sparse(writer: gguf.GGUFWriter, path: Path, tensors: dict[str, tuple[tuple[int, ...], GT]]) -> int:
+    """Write a GGUF's tensor infos after the keys already added, and a hole for its data; the data's bytes."""
     total = 0
-    for name, shape in shapes.items():
-        qtype = types[name]
+    for name, (shape, qtype) in tensors.items():
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = int(gguf.np.prod(shape)) // block * size
         byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype not in (GT.F32, GT.F16) else shape
@@ -117,6 +121,7 @@ def write_sparse(path: Path, types: dict[str, GT]) -> None:
     header_end = writer.fout[0].tell()
     writer.close()
     os.truncate(path, -(-header_end // 32) * 32 + total)
+    return total
 
 
 def mixture(bf16: Path, file_type: int) -> dict[str, GT]:

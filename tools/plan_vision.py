@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import gguf
+from plan_reference import finish_sparse
 
 from clef_gguf.check.validate import open_validated
 from clef_gguf.conversion.mmproj import ImageProcessor, VisionTower, storage_type, write_mmproj_metadata
@@ -41,22 +42,8 @@ def write_sparse(path: Path, qtype: GT, file_type: int) -> int:
     writer = gguf.GGUFWriter(path, V.ARCH)
     tower = VisionTower(QWEN35_VISION, PROCESSOR, 1e-6, {})
     write_mmproj_metadata(writer, name="Qwen3.5 vision tower (shapes only)", tower=tower, file_type=file_type)
-    total = 0
-    for name, shape in V.vision_tensor_shapes(QWEN35_VISION).items():
-        t = storage_type(name, shape, qtype)
-        block, size = gguf.GGML_QUANT_SIZES[t]
-        n_bytes = int(gguf.np.prod(shape)) // block * size
-        byte_shape = gguf.quant_shape_to_byte_shape(shape, t) if t not in (GT.F32, GT.F16) else shape
-        dtype = {GT.F32: gguf.np.float32, GT.F16: gguf.np.float16}.get(t, gguf.np.uint8)
-        writer.add_tensor_info(name, byte_shape, gguf.np.dtype(dtype), n_bytes, raw_dtype=t)
-        total += -(-n_bytes // 32) * 32
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    header_end = writer.fout[0].tell()
-    writer.close()
-    os.truncate(path, -(-header_end // 32) * 32 + total)
-    return total
+    shapes = V.vision_tensor_shapes(QWEN35_VISION)
+    return finish_sparse(writer, path, {name: (shape, storage_type(name, shape, qtype)) for name, shape in shapes.items()})
 
 
 def _status_kib(key: str) -> int:

@@ -120,6 +120,20 @@ class ReleaseSpec:
 
 
 TINY = ReleaseSpec()
+# The benchmarks' fixture (tools/bench_*.py; issue 12's): hidden 256, 8 layers, a head 128 wide (6 + 3 layers);
+# rows of 256, so that the K-quants apply.
+BENCHMARK = ReleaseSpec(
+    seed=4,
+    hidden=256,
+    intermediate=512,
+    layers=8,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    head_width=128,
+    routing_layers=6,
+    head_layers=3,
+)
 # The released Clef-flash layout (32 layers, every 4th full attention, a
 # 6 + 3 layer head: 160 head tensors) at widths small enough for CPU tests.
 CLEF_FLASH_LAYOUT = ReleaseSpec(
