@@ -30,7 +30,7 @@ from clef_gguf.errors import RequestError
 from clef_gguf.format import vision as V
 from clef_gguf.runtime import images as I
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS
-from clef_gguf.testing.request_suite import long_state_text
+from clef_gguf.testing.request_suite import largest_difference, long_state_text, response_probabilities
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from make_golden import make_golden  # noqa: E402
@@ -133,20 +133,6 @@ def _request(images: list[Any], questions: dict[str, Any] = QUESTIONS, state: An
     return {"model": "jev-latest", "state": state, "questions": questions, "images": images}
 
 
-def _probabilities(response: dict[str, Any]) -> dict[str, dict[str, float]]:
-    out = {}
-    for qid, answer in response["answers"].items():
-        out[qid] = {"true": answer["noul"], "false": 1 - answer["noul"]} if answer["type"] == "noul" else answer["probabilities"]
-    return out
-
-
-def _largest_difference(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]) -> float:
-    assert ours.keys() == theirs.keys()
-    for qid in ours:
-        assert ours[qid].keys() == theirs[qid].keys(), qid
-    return max(abs(p - theirs[qid][option]) for qid, options in ours.items() for option, p in options.items())
-
-
 def _cached(response: dict[str, Any]) -> int:
     return response["usage"]["input_tokens_details"]["cached_tokens"]
 
@@ -246,7 +232,7 @@ def test_answers_match_the_reference(model_of, reference, conversion, case):
     assert list(response["answers"]) == list(questions)
     # Parity means little if every answer is 1/n: the fixture must be decisive on these requests.
     assert max(max(p.values()) * len(p) for p in expected.values()) > 1.5, expected
-    worst = _largest_difference(_probabilities(response), expected)
+    worst = largest_difference(response_probabilities(response), expected)
     print(f"\nmax |dp| {conversion} {case}: {worst:.5f}")
     assert worst <= CONVERSIONS[conversion][1], f"max |dp| = {worst:.5f}"
 

@@ -24,7 +24,7 @@ from clef_gguf.errors import PromptTooLongError, SettingsError
 from clef_gguf.format import contract as C
 from clef_gguf.llama.backbone import prompt_positions
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS, Entry, StateCache, entry_bytes, prefix_key
-from clef_gguf.testing.request_suite import long_state_request, long_state_text
+from clef_gguf.testing.request_suite import largest_difference, long_state_request, long_state_text, response_probabilities
 
 N_CTX = 8192
 # A new 3-question schema about the suite's long state (whose own schema the oracle fixture answers).
@@ -39,18 +39,6 @@ ORACLE_TOLERANCE = {("f32", "auto"): 0.005, ("q8_0", "auto"): 0.035}
 
 def _request(state: Any, questions: dict[str, Any] = OTHER_QUESTIONS) -> dict[str, Any]:
     return {"model": "jev-latest", "state": state, "questions": questions}
-
-
-def _probabilities(response: dict[str, Any]) -> dict[str, dict[str, float]]:
-    out = {}
-    for qid, answer in response["answers"].items():
-        out[qid] = {"true": answer["noul"], "false": 1 - answer["noul"]} if answer["type"] == "noul" else answer["probabilities"]
-    return out
-
-
-def _largest_difference(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]) -> float:
-    assert ours.keys() == theirs.keys()
-    return max(abs(p - theirs[qid][option]) for qid, options in ours.items() for option, p in options.items())
 
 
 def _cached(response: dict[str, Any]) -> int:
@@ -120,8 +108,8 @@ def test_a_hit_gives_the_answers_of_the_cache_off_and_of_the_reference(ws, oracl
             # state the cold request saved: the same answers to the last bit.
             assert ours["answers"] == expected["answers"]
     tolerance = ORACLE_TOLERANCE[(file_type, "auto")]
-    assert _largest_difference(_probabilities(cold), oracle_probabilities(release, "long_state")) <= tolerance
-    assert _largest_difference(_probabilities(hit), _oracle_of_the_new_schema(ws, release)) <= tolerance
+    assert largest_difference(response_probabilities(cold), oracle_probabilities(release, "long_state")) <= tolerance
+    assert largest_difference(response_probabilities(hit), _oracle_of_the_new_schema(ws, release)) <= tolerance
 
 
 @pytest.mark.parametrize(("ubatch", "paragraphs", "tolerance"), [(64, 3, 3e-4), (1024, 18, 1e-4)])
@@ -144,7 +132,7 @@ def test_a_hit_is_float_noise_away_from_one_unsplit_prefill(ws, release, ubatch,
     difference = np.abs(hidden - whole)
     assert difference.max() < 5e-3 and difference.mean() < 5e-4, (difference.max(), difference.mean())
     # Measured: 0 at ubatch 1024, 0.0002 (two steps of the answers' 4 decimals) at ubatch 64.
-    assert _largest_difference(_probabilities(hit), _probabilities(unsplit)) <= tolerance + 1e-9
+    assert largest_difference(response_probabilities(hit), response_probabilities(unsplit)) <= tolerance + 1e-9
 
 
 def test_a_short_state_is_not_cached(ws):

@@ -129,3 +129,19 @@ def all_requests() -> dict[str, Request]:
         "ten_level_score": ten_level_score_request(),
         "long_state": long_state_request(),
     }
+
+
+def response_probabilities(response: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """A SystemOne response's probabilities per question: option -> p (a noul's as true and false)."""
+    out = {}
+    for qid, answer in response["answers"].items():
+        out[qid] = {"true": answer["noul"], "false": 1 - answer["noul"]} if answer["type"] == "noul" else answer["probabilities"]
+    return out
+
+
+def largest_difference(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]) -> float:
+    """max |p - p'| over every option of two answers to the same questions (asserted: the same questions and options)."""
+    assert ours.keys() == theirs.keys()
+    for qid in ours:
+        assert ours[qid].keys() == theirs[qid].keys(), qid
+    return max(abs(p - theirs[qid][option]) for qid, options in ours.items() for option, p in options.items())
