@@ -580,6 +580,7 @@ def serve(
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
+    from .runtime.images import MAX_IMAGES
     from .runtime.model import load
     from .server import HttpLimits
     from .server import serve as run_server
@@ -609,7 +610,7 @@ def serve(
     )
     url = f"http://{host}:{port}/v1/systemone"
     name = _line(loaded.name)  # general.name comes from the file: no escapes reach the terminal
-    images = ", up to 4 images" if loaded.vision is not None else ""
+    images = f", up to {MAX_IMAGES} images" if loaded.vision is not None else ""
     err.print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens{images})", markup=False, highlight=False)
     limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
     run_server(loaded, host=host, port=port, api_key=api_key, max_pending=max_queue, drain_timeout_s=drain_timeout, limits=limits)

@@ -191,12 +191,8 @@ def prepare(value: Any, limits: ImageLimits, where: str) -> PreparedImage:
     return PreparedImage(pixels, w // limits.factor, h // limits.factor, digest)
 
 
-def prepare_all(values: Any, limits: ImageLimits | None) -> tuple[PreparedImage, ...]:
-    """A request's `images` (None or a list), each prepared; `limits` None: the model has no vision tower."""
-    if values is None:
-        return ()
-    if not isinstance(values, list | tuple):
-        raise RequestError("must be a list of images", "images")
+def prepare_all(values: list[Any], limits: ImageLimits | None) -> tuple[PreparedImage, ...]:
+    """A request's images (request_images' list), each prepared; `limits` None: the model has no vision tower."""
     if not values:
         return ()
     if limits is None:
