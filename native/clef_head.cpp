@@ -125,7 +125,10 @@ void run(clef_head & head, const clef::Decision & d, float * logits) {
         if (!ggml_backend_sched_alloc_graph(head.sched, g.graph)) {
             throw clef::Error("cannot allocate the head's compute buffer on " + head.device_name + " (out of memory?)");
         }
-        ggml_backend_tensor_set(g.hidden, d.hidden, 0, ggml_nbytes(g.hidden));
+        // The padding is masked, and zeros keep it finite (0 * NaN would not vanish).
+        const size_t filled = (size_t) d.n_tokens * g.hidden->nb[1];
+        ggml_backend_tensor_set(g.hidden, d.hidden, 0, filled);
+        if (filled < ggml_nbytes(g.hidden)) ggml_backend_tensor_memset(g.hidden, 0, filled, ggml_nbytes(g.hidden) - filled);
         for (const clef::Input & input : g.inputs) ggml_backend_tensor_set(input.tensor, input.bytes.data(), 0, input.bytes.size());
         if (ggml_backend_sched_graph_compute(head.sched, g.graph) != GGML_STATUS_SUCCESS) {
             throw clef::Error("the head's graph failed on " + head.device_name);

@@ -18,6 +18,11 @@ constexpr float COSINE_EPS = 1e-8f;   // torch cosine_similarity default
 // into chunks of consecutive spans so that no matrix exceeds this many entries:
 // memory stays linear in the prompt whatever the number of options.
 constexpr int64_t MEAN_CHUNK_ENTRIES = 1 << 22;
+// The memory is padded with zeros to a multiple of this many tokens, the padding masked out of every
+// softmax over it: the products over the tokens then take ggml's tiled sgemm on the CPU (llamafile's
+// tinyBLAS wants the inner dimension a multiple of 16, the rows a multiple of 4) instead of one dot
+// product a cell. The ticket request's head: 6.1 -> 5.2 ms, a 2,438-token one 21.0 -> 16.5 ms.
+constexpr int64_t MEMORY_PAD = 16;
 
 // Consecutive spans [first, last) whose averaging matrix (tokens x spans) fits MEAN_CHUNK_ENTRIES.
 std::vector<std::pair<size_t, size_t>> mean_chunks(const std::vector<int32_t> & lengths) {
@@ -35,8 +40,9 @@ std::vector<std::pair<size_t, size_t>> mean_chunks(const std::vector<int32_t> & 
 }
 
 struct Memory {
-    ggml_tensor * x;   // [w, n]
-    ggml_tensor * xt;  // [n, w]
+    ggml_tensor * x;     // [w, n]: n the padded length
+    ggml_tensor * xt;    // [n, w]
+    ggml_tensor * mask;  // [n, 1, 1]: 0, and -inf on the padding; null without padding
 };
 
 class Builder {
@@ -83,13 +89,21 @@ class Builder {
         return linear(ggml_reshape_2d(ctx_, merged, c_.width, x->ne[1]), a.out);
     }
 
-    // nn.MultiheadAttention(queries, memory, memory), no mask: queries [w, Lq], memory [w, Lk].
-    ggml_tensor * attention(ggml_tensor * queries, ggml_tensor * memory, const Attention & a) {
+    // Softmax over dim 0 of scores [Lk, ...], the memory's padding masked: one mask row serves every row.
+    ggml_tensor * softmax(ggml_tensor * scores, ggml_tensor * mask, float scale) {
+        if (mask == nullptr) return ggml_soft_max_ext(ctx_, scores, nullptr, scale, 0.0f);
+        ggml_tensor * rows = ggml_reshape_3d(ctx_, scores, scores->ne[0], 1, ggml_nrows(scores));
+        return ggml_reshape(ctx_, ggml_soft_max_ext(ctx_, rows, mask, scale, 0.0f), scores);
+    }
+
+    // nn.MultiheadAttention(queries, memory, memory) without an attention mask: queries [w, Lq], memory [w, Lk];
+    // `mask` hides the memory's padding.
+    ggml_tensor * attention(ggml_tensor * queries, ggml_tensor * memory, const Attention & a, ggml_tensor * mask = nullptr) {
         const int64_t d = c_.width / c_.heads, lk = memory->ne[1];
         ggml_tensor * q = split_heads(linear(queries, a.q));  // [d, Lq, H]
         ggml_tensor * k = split_heads(linear(memory, a.k));  // [d, Lk, H]
         ggml_tensor * v = ggml_cont(ctx_, ggml_permute(ctx_, ggml_reshape_3d(ctx_, linear(memory, a.v), d, c_.heads, lk), 1, 2, 0, 3));  // [Lk, d, H]
-        ggml_tensor * scores = ggml_soft_max_ext(ctx_, ggml_mul_mat(ctx_, k, q), nullptr, 1.0f / std::sqrt((float) d), 0.0f);  // [Lk, Lq, H]
+        ggml_tensor * scores = softmax(ggml_mul_mat(ctx_, k, q), mask, 1.0f / std::sqrt((float) d));  // [Lk, Lq, H]
         return merge_heads(ggml_mul_mat(ctx_, v, scores), a);
     }
 
@@ -103,12 +117,12 @@ class Builder {
         const int64_t w = c_.width, heads = c_.heads, d = w / heads, lq = queries->ne[1];
         if (!folds(lq)) {
             ggml_tensor * memory = norm ? ggml_add(ctx_, ggml_mul(ctx_, m.x, norm->weight), norm->bias) : m.x;
-            return attention(queries, memory, a);
+            return attention(queries, memory, a, m.mask);
         }
         ggml_tensor * folded = ggml_mul_mat(ctx_, a.key_t, split_heads(linear(queries, a.q)));  // [w, Lq, H]
         if (norm) folded = ggml_mul(ctx_, folded, norm->weight);
         ggml_tensor * scores = ggml_mul_mat(ctx_, m.x, ggml_reshape_2d(ctx_, folded, w, lq * heads));  // [n, Lq * H]
-        scores = ggml_soft_max_ext(ctx_, scores, nullptr, 1.0f / std::sqrt((float) d), 0.0f);
+        scores = softmax(scores, m.mask, 1.0f / std::sqrt((float) d));
         ggml_tensor * mixed = ggml_mul_mat(ctx_, m.xt, scores);  // [w, Lq * H]: x p
         if (norm) mixed = ggml_add(ctx_, ggml_mul(ctx_, mixed, norm->weight), norm->bias);
         const size_t row = a.v.weight->nb[1];
@@ -135,9 +149,10 @@ class Builder {
         return ggml_add(ctx_, x, linear(hidden, l.down));
     }
 
-    // A memory [w, n], and its transpose when an attention over it folds (else unused, and not computed).
-    Memory memory(ggml_tensor * x, int64_t n_queries) {
-        return {x, folds(n_queries) ? ggml_cont(ctx_, ggml_transpose(ctx_, x)) : nullptr};
+    // A memory [w, n], its transpose when an attention over it folds (else unused, and not computed), and
+    // the mask of its padding.
+    Memory memory(ggml_tensor * x, int64_t n_queries, ggml_tensor * mask) {
+        return {x, folds(n_queries) ? ggml_cont(ctx_, ggml_transpose(ctx_, x)) : nullptr, mask};
     }
 
     // Means of consecutive spans of `rows` [dim, sum(lengths)]: [dim, n_spans].
@@ -205,6 +220,8 @@ ggml_tensor * lexical_rows(Builder & b, const Model & model, const Decision & d)
 
 }  // namespace
 
+int64_t padded_tokens(int64_t n_tokens) { return (n_tokens + MEMORY_PAD - 1) / MEMORY_PAD * MEMORY_PAD; }
+
 size_t graph_size(const Model & model, const Decision & decision) {
     // Layers and the logits take a few hundred nodes, each chunk of span means 8 at most.
     std::vector<int32_t> options(decision.span_lengths.begin(), decision.span_lengths.begin() + decision.n_options());
@@ -216,21 +233,29 @@ namespace {
 
 // What the head reads off the prompt: the memory, the last token, and span means.
 struct PromptViews {
-    ggml_tensor * memory;     // [w, n]
+    ggml_tensor * memory;     // [w, n]: n padded to MEMORY_PAD
+    ggml_tensor * mask;       // [n, 1, 1]: the padding's, or null
     ggml_tensor * global;     // [h, 1]: the last token
     ggml_tensor * contexts;   // [h, options]: each option's span
     ggml_tensor * questions;  // [h, questions]: each question's instruction span
     ggml_tensor * lexical;    // [h, options]: each option's mean output-embedding row
 };
 
+std::vector<float> padding_mask(int64_t n, int64_t padded) {
+    std::vector<float> mask((size_t) padded, 0.0f);
+    std::fill(mask.begin() + n, mask.end(), -INFINITY);
+    return mask;
+}
+
 PromptViews read_prompt(Builder & b, ggml_context * ctx, const Model & model, const Decision & d, ggml_tensor * hidden) {
     const Weights & w = model.weights;
-    const int64_t n = d.n_tokens, h = model.config.hidden_size;
+    const int64_t n = d.n_tokens, h = model.config.hidden_size, padded = hidden->ne[1];
     ggml_tensor * hs = b.layer_norm(hidden, w.hidden_norm);
     ggml_tensor * spans = b.span_means(ggml_get_rows(ctx, hs, b.ids(span_tokens(d, 0, d.span_lengths.size()))), d.span_lengths);
     std::vector<int32_t> option_lengths(d.span_lengths.begin(), d.span_lengths.begin() + d.n_options());
     return {
         b.linear(hs, w.memory),
+        padded > n ? b.input(GGML_TYPE_F32, padded, 1, padding_mask(n, padded)) : nullptr,
         ggml_view_2d(ctx, hs, h, 1, hs->nb[1], (n - 1) * hs->nb[1]),
         ggml_view_2d(ctx, spans, h, d.n_options(), spans->nb[1], 0),
         ggml_view_2d(ctx, spans, h, d.n_questions(), spans->nb[1], d.n_options() * spans->nb[1]),
@@ -243,7 +268,7 @@ ggml_tensor * route_options(Builder & b, ggml_context * ctx, const Weights & w, 
     ggml_tensor * routed = ggml_add(ctx, b.linear(p.contexts, w.option_context), b.linear(p.lexical, w.option_lexical));
     routed = ggml_add(ctx, routed, ggml_get_rows(ctx, b.linear(p.questions, w.option_question), question_of));
     // Each evidence layer normalizes the memory with its own weights: standardize it once.
-    Memory standardized = b.memory(b.standardize(p.memory), routed->ne[1]);
+    Memory standardized = b.memory(b.standardize(p.memory), routed->ne[1], p.mask);
     for (const EvidenceLayer & layer : w.evidence) routed = b.evidence_layer(routed, standardized, layer);
     return routed;
 }
@@ -264,7 +289,7 @@ ggml_tensor * decode_fields(Builder & b, ggml_context * ctx, const Model & model
     ggml_tensor * fields = ggml_add(ctx, base, b.layer_norm(summaries, w.option_summary_norm));
     fields = ggml_add(ctx, fields, b.linear(p.global, w.global));
     fields = ggml_add(ctx, fields, ggml_get_rows(ctx, w.type_embedding, b.ids(d.type_ids)));
-    Memory memory = b.memory(p.memory, n_questions);
+    Memory memory = b.memory(p.memory, n_questions, p.mask);
     for (const DecoderLayer & layer : w.layers) fields = b.decoder_layer(fields, memory, layer);
     return b.layer_norm(fields, w.field_norm);
 }
@@ -295,7 +320,7 @@ Graph build_graph(ggml_context * ctx, const Model & model, const Decision & d) {
     Graph g{};
     g.graph = ggml_new_graph_custom(ctx, graph_size(model, d), false);
     Builder b(ctx, model, g);
-    g.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, model.config.hidden_size, d.n_tokens);
+    g.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, model.config.hidden_size, padded_tokens(d.n_tokens));
     ggml_set_input(g.hidden);
     PromptViews prompt = read_prompt(b, ctx, model, d, g.hidden);
     ggml_tensor * question_of = b.ids(d.question_of);
