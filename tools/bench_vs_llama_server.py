@@ -3,8 +3,11 @@
 Both servers load the very same Clef GGUF (the format is llama.cpp's), on loopback, with the
 same thread count; the requests are interleaved (one to each server in turn, the order
 alternating by round) and the medians of the HTTP round trips are reported with their
-ratio. llama-server's Clef graph has no memory, so its physical batch is the whole prompt
-(-c = -b = -ub); clef-gguf runs at its defaults (ubatches of 1024).
+ratio. Each server is sent its requests over one kept-alive connection, as the Clef clients
+do (typesafe-sdk, clef-rag, clef-evals, clef-compactor and clef-router all hold an httpx
+client); a new connection per request costs clef-gguf's Python server more than llama-server.
+llama-server's Clef graph has no memory, so its physical batch is the whole prompt (-c = -b =
+-ub); clef-gguf runs at its defaults (ubatches of 1024).
 
 Requests: the demo request (a ticket with 3 questions) and long states with the 3 questions
 at about 2k, 8k and 32k tokens (the 32k one with --long-rounds rounds: a round takes a minute;
@@ -19,7 +22,8 @@ has no such cache, cold. In the other rows every round's state is new (new_state
 servers prefill all of it.
 
     bash tools/build_llama_server.sh         # once
-    python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--long-rounds 3] [--threads 1]
+    python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--short-rounds 21]
+                                          [--long-rounds 3] [--threads 1]
 
 Writes docs/benchmarks/vs_llama_server.md (the table), .json (every round's times) and .png (the
 ratios by size), and prints the table.
@@ -37,8 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
+from http.client import HTTPConnection, RemoteDisconnected
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +71,42 @@ def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 180) -> N
     raise SystemExit(f"{url} did not come up")
 
 
-def post_status(url: str, request: dict[str, Any]) -> str:
-    """What a server answers a request it is expected to refuse: its status and message."""
-    try:
-        post(url, request)
-    except urllib.error.HTTPError as e:
-        return f"HTTP {e.code} {e.read().decode('utf-8', 'replace')[:160]}"
-    return "answered"
+class Client:
+    """A kept-alive HTTP connection to one server (reopened should the server close it)."""
 
+    def __init__(self, url: str) -> None:
+        self.host, _, port = url.removeprefix("http://").partition(":")
+        self.port = int(port)
+        self.connection = HTTPConnection(self.host, self.port, timeout=900)
 
-def post(url: str, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    req = urllib.request.Request(f"{url}/v1/systemone", json.dumps(request).encode(), {"Content-Type": "application/json"})
-    started = time.perf_counter()
-    body = urllib.request.urlopen(req, timeout=900).read()
-    return time.perf_counter() - started, json.loads(body)
+    def send(self, request: dict[str, Any]) -> tuple[float, int, bytes]:
+        body = json.dumps(request).encode()
+        for attempt in (1, 2):
+            started = time.perf_counter()
+            try:
+                self.connection.request("POST", "/v1/systemone", body, {"Content-Type": "application/json"})
+                response = self.connection.getresponse()
+                data = response.read()
+                break
+            except (ConnectionError, RemoteDisconnected):  # closed by the server since the last request
+                self.connection.close()
+                if attempt == 2:
+                    raise
+        seconds = time.perf_counter() - started
+        if response.getheader("connection", "").lower() == "close":
+            self.connection.close()
+        return seconds, response.status, data
+
+    def post(self, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        seconds, status, data = self.send(request)
+        if status != 200:
+            raise SystemExit(f"HTTP {status} from {self.host}:{self.port}: {data[:300].decode('utf-8', 'replace')}")
+        return seconds, json.loads(data)
+
+    def status(self, request: dict[str, Any]) -> str:
+        """What the server answers a request it is expected to refuse: its status and message."""
+        _, status, data = self.send(request)
+        return "answered" if status == 200 else f"HTTP {status} {data.decode('utf-8', 'replace')[:160]}"
 
 
 def requests_by_size() -> dict[str, dict[str, Any]]:
@@ -114,7 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
     parser.add_argument("--types", nargs="+", default=["f32", "q8_0", "q4_k_m"])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of the ~8k requests")
+    parser.add_argument("--short-rounds", type=int, default=21, help="rounds of the ticket and ~2k requests")
     parser.add_argument("--long-rounds", type=int, default=3, help="rounds of the ~32k request")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "vs_llama_server.md")
@@ -177,19 +204,21 @@ def main() -> None:
             try:
                 wait_healthy(ours_url, ours)
                 wait_healthy(theirs_url, theirs)
+                clients = {"ours": Client(ours_url), "theirs": Client(theirs_url)}
                 for name, request in requests.items():
                     times: dict[str, list[float]] = {"ours": [], "theirs": []}
-                    _, answer = post(ours_url, new_state(request, -1))  # warm-up, and the token count
+                    _, answer = clients["ours"].post(new_state(request, -1))  # warm-up, and the token count
                     tokens = answer["usage"]["input_tokens"]
-                    servers = [("ours", ours_url), ("theirs", theirs_url)]
+                    servers = ["ours", "theirs"]
                     if tokens > LLAMA_SERVER_MAX_BATCH:  # a prompt llama-server cannot take: clef-gguf alone
                         servers = servers[:1]
-                        refusal = post_status(theirs_url, new_state(request, -1))
+                        refusal = clients["theirs"].status(new_state(request, -1))
                     else:
-                        post(theirs_url, new_state(request, -1))
-                    for r in range(args.long_rounds if name == "~32k" else args.rounds):
-                        for who, url in servers[:: 1 if r % 2 == 0 else -1]:
-                            times[who].append(post(url, new_state(request, r))[0])
+                        clients["theirs"].post(new_state(request, -1))
+                    short = name in ("ticket", "~2k")
+                    for r in range(args.short_rounds if short else args.long_rounds if name == "~32k" else args.rounds):
+                        for who in servers[:: 1 if r % 2 == 0 else -1]:
+                            times[who].append(clients[who].post(new_state(request, r))[0])
                     a = statistics.median(times["ours"])
                     b = statistics.median(times["theirs"]) if times["theirs"] else None
                     rows.append((file_type, name, tokens, a, b))
@@ -197,13 +226,12 @@ def main() -> None:
                     theirs_text = f"{b * 1e3:.0f} ms ({a / b:.2f})" if b else f"llama-server: {refusal}"
                     print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {theirs_text}", flush=True)
                 # The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request.
-                post(ours_url, requests["~8k"])
+                clients["ours"].post(requests["~8k"])
                 times = {"ours": [], "theirs": []}
                 for r in range(args.rounds):
                     request = repeated_state(requests["~8k"], r)
-                    order = [("ours", ours_url), ("theirs", theirs_url)][:: 1 if r % 2 == 0 else -1]
-                    for who, url in order:
-                        seconds, answer = post(url, request)
+                    for who in ["ours", "theirs"][:: 1 if r % 2 == 0 else -1]:
+                        seconds, answer = clients[who].post(request)
                         times[who].append(seconds)
                         if who == "ours" and not answer["usage"]["input_tokens_details"]["cached_tokens"]:
                             raise SystemExit("clef-gguf did not reuse the repeated state: is its state cache on?")
@@ -219,9 +247,10 @@ def main() -> None:
     lines = [
         "# clef-gguf serve vs llama-server (same file, same threads)",
         "",
-        f"`python tools/bench_vs_llama_server.py --rounds {args.rounds} --long-rounds {args.long_rounds} "
-        f"--threads {args.threads}`: fixture hidden 256,",
-        "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback, interleaved, medians.",
+        f"`python tools/bench_vs_llama_server.py --rounds {args.rounds} --short-rounds {args.short_rounds} "
+        f"--long-rounds {args.long_rounds} --threads {args.threads}`: fixture hidden 256,",
+        "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",
+        "to each server, interleaved, medians.",
         f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
         "",
         "| type | request | tokens | clef-gguf | llama-server | ratio |",
