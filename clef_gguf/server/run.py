@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 from typing import Any
@@ -49,6 +50,11 @@ def serve(
         server_header=False,
     )
     server = uvicorn.Server(config)
+    # The model, the app and the libraries are some 80,000 objects the cyclic GC tracks, alive as long as the
+    # process: a full collection walked them all, a 30 to 55 ms pause inside whichever request triggered it.
+    # Frozen, collections walk only what requests allocate (2,200 objects tracked after 60 requests).
+    gc.collect()
+    gc.freeze()
     if threading.current_thread() is not threading.main_thread():
         server.run()  # no signals off the main thread: the caller stops it with server.should_exit
         return
