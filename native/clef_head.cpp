@@ -67,6 +67,7 @@ void init_backends(clef_head & head, const char * path, const clef::Format & for
     ggml_backend_t backends[2] = {primary, head.cpu};
     int n_backends = head.device ? 2 : 1;  // the scheduler wants the CPU last
     head.sched = ggml_backend_sched_new(backends, nullptr, n_backends, SCHED_GRAPH_SIZE, false, false);
+    head.model.on_cpu = head.device == nullptr;
     clef::load_model(head.model, path, format, ggml_backend_get_default_buffer_type(primary));
 }
 

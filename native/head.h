@@ -75,6 +75,7 @@ struct Model {
     int fd = -1;
     ggml_context * ctx = nullptr;  // tensor metadata of the weights
     ggml_backend_buffer_t buffer = nullptr;
+    bool on_cpu = true;  // the head's graph runs on the CPU backend (no GPU)
 };
 
 // The format's tables, handed over by Python (clef_gguf/format/contract.py), so that the head reads
