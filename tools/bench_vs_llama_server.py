@@ -23,7 +23,7 @@ servers prefill all of it.
 
     bash tools/build_llama_server.sh         # once
     python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--short-rounds 21]
-                                          [--long-rounds 3] [--threads 1]
+                                          [--long-rounds 3] [--threads 1] [--requests ticket ...] [--out FILE]
 
 Writes docs/benchmarks/vs_llama_server.md (the table), .json (every round's times) and .png (the
 ratios by size), and prints the table.
@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--short-rounds", type=int, default=21, help="rounds of the ticket and ~2k requests")
     parser.add_argument("--long-rounds", type=int, default=3, help="rounds of the ~32k request")
     parser.add_argument("--threads", type=int, default=1)
+    rows_by_name = ["ticket", "~2k", "~8k", "~32k", "repeated"]
+    parser.add_argument("--requests", nargs="+", choices=rows_by_name, default=rows_by_name, help="the rows to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "vs_llama_server.md")
     args = parser.parse_args()
     if not (args.bin / "llama-server").is_file():
@@ -205,7 +207,7 @@ def main() -> None:
                 wait_healthy(ours_url, ours)
                 wait_healthy(theirs_url, theirs)
                 clients = {"ours": Client(ours_url), "theirs": Client(theirs_url)}
-                for name, request in requests.items():
+                for name, request in ((n, r) for n, r in requests.items() if n in args.requests):
                     times: dict[str, list[float]] = {"ours": [], "theirs": []}
                     _, answer = clients["ours"].post(new_state(request, -1))  # warm-up, and the token count
                     tokens = answer["usage"]["input_tokens"]
@@ -225,6 +227,8 @@ def main() -> None:
                     raw.append({"type": file_type, "request": name, "tokens": tokens, **times})
                     theirs_text = f"{b * 1e3:.0f} ms ({a / b:.2f})" if b else f"llama-server: {refusal}"
                     print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {theirs_text}", flush=True)
+                if "repeated" not in args.requests:
+                    continue
                 # The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request.
                 clients["ours"].post(requests["~8k"])
                 times = {"ours": [], "theirs": []}
