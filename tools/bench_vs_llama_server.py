@@ -5,7 +5,7 @@ same thread count; the requests are interleaved (one to each server in turn, the
 alternating by round) and the medians of the HTTP round trips are reported with their
 ratio. Each server is sent its requests over one kept-alive connection, as the Clef clients
 do (typesafe-sdk, clef-rag, clef-evals, clef-compactor and clef-router all hold an httpx
-client); a new connection per request costs clef-gguf's Python server more than llama-server.
+client).
 llama-server's Clef graph has no memory, so its physical batch is the whole prompt (-c = -b =
 -ub); clef-gguf runs at its defaults (ubatches of 1024).
 
