@@ -115,14 +115,12 @@ struct Input {
 struct Graph {
     ggml_cgraph * graph;
     ggml_tensor * logits;      // [n_options]
-    ggml_tensor * hidden;      // [hidden_size, padded_tokens(n_tokens)]: Decision::hidden, then zeros
+    ggml_tensor * hidden;      // [hidden_size, n_tokens padded (head_graph.cpp's MEMORY_PAD)]: Decision::hidden, then zeros
     std::vector<Input> inputs; // everything else
 };
 
 // Build the head's graph for one decision in `ctx` (no_alloc).
 Graph build_graph(ggml_context * ctx, const Model & model, const Decision & decision);
-// The memory's length: n_tokens padded (head_graph.cpp's MEMORY_PAD).
-int64_t padded_tokens(int64_t n_tokens);
 // Nodes a decision's graph may need (for ggml_new_graph_custom and the context size).
 size_t graph_size(const Model & model, const Decision & decision);
 
