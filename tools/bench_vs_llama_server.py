@@ -251,8 +251,9 @@ def main() -> None:
     lines = [
         "# clef-gguf serve vs llama-server (same file, same threads)",
         "",
-        f"`python tools/bench_vs_llama_server.py --rounds {args.rounds} --short-rounds {args.short_rounds} "
-        f"--long-rounds {args.long_rounds} --threads {args.threads}`: fixture hidden 256,",
+        f"`python tools/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
+        f"--rounds {args.rounds} --short-rounds {args.short_rounds} --long-rounds {args.long_rounds} "
+        f"--threads {args.threads}`: fixture hidden 256,",
         "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",
         "to each server, interleaved, medians.",
         f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
