@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from .conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError, SettingsError
-from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, DEFAULT_UBATCH
+from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, DEFAULT_UBATCH, MAX_PARALLEL
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -60,6 +60,17 @@ Ubatch = Annotated[
         help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
         f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
         show_default=False,
+    ),
+]
+Parallel = Annotated[
+    int,
+    typer.Option(
+        "--parallel",
+        "-np",
+        min=1,
+        max=MAX_PARALLEL,
+        help="Requests prefilled together when they wait at once (llama.cpp sequences; llama-server's -np), their tokens "
+        "fitting one ubatch. Each takes a recurrent state of its own in the context.",
     ),
 ]
 
@@ -387,6 +398,7 @@ def plan(
     ] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Prompt limit to plan for (load's n_ctx).")] = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
+    parallel: Parallel = DEFAULT_PARALLEL,
     n_gpu_layers: GpuLayers = -1,
     mmproj: Mmproj = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
@@ -399,7 +411,7 @@ def plan(
     from .llama.plan import memory_plan, parse_size
 
     _check_ubatch(ubatch, ctx)
-    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj))
+    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj, parallel))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -532,6 +544,7 @@ def serve(
     n_gpu_layers: GpuLayers = 0,
     max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
+    parallel: Parallel = DEFAULT_PARALLEL,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -589,6 +602,7 @@ def serve(
     if on_ray:
         ray_options = {"threads": threads or 1, "gpus": gpus_per_replica, "n_gpu_layers": n_gpu_layers, "ubatch": ubatch}
         ray_options |= {"state_cache": state_cache, "mmproj": None if mmproj is None else str(mmproj.resolve())}
+        ray_options |= {"parallel": parallel}
         ray_options |= {"max_prompt_tokens": max_prompt_tokens, "api_key": api_key, "max_queue": max_queue}
         ray_options |= {"body_timeout": body_timeout, "drain_timeout": drain_timeout}
         _serve_on_ray(model, replicas, autoscale, ray_options, host=host, port=port, keep_alive=keep_alive, address=ray_address)
@@ -606,6 +620,7 @@ def serve(
             ubatch=ubatch,
             state_cache=state_cache,
             mmproj=mmproj,
+            parallel=parallel,
         )
     )
     url = f"http://{host}:{port}/v1/systemone"

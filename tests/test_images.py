@@ -425,21 +425,21 @@ def test_the_state_cache_keys_a_state_by_its_images(ws, model_of):
         assert prompt.state_prefix >= MIN_PREFIX_TOKENS
         assert model.encode(_request([same_size], state=state)).tokens == prompt.tokens  # only the pixels differ
         cold, hit = model.decide(_request([first], state=state)), model.decide(_request([first], state=state))
-        assert (_cached(cold), _cached(hit)) == (0, prompt.state_prefix) and hit == {**cold, "usage": hit["usage"]}
+        assert (_cached(cold), _cached(hit)) == (prompt.preamble, prompt.state_prefix) and hit == {**cold, "usage": hit["usage"]}
         assert hit["answers"] == cold["answers"]
         # The same pixels by another form: the same key (the digest is of the pixels, not of the file).
         assert _cached(model.decide(_request([IMAGES["jpeg"]], state=state))) == prompt.state_prefix
         # Another image of the same size: its own prefix, computed, other answers.
         other = model.decide(_request([same_size], state=state))
-        assert _cached(other) == 0 and other["answers"] != cold["answers"]
-        assert len(model.state_cache) == 2
+        assert _cached(other) == prompt.preamble and other["answers"] != cold["answers"]
+        assert len(model.state_cache) == 3  # (and the template's preamble, before the images)
         # A new schema on a cached state and image: only the schema is computed, as without the cache.
         new_schema = model.decide(_request([same_size], OTHER_QUESTIONS, state=state))
         assert _cached(new_schema) == prompt.state_prefix
         # Two images in the other order are another prefix.
         both = [model.decide(_request(images, state=state)) for images in ([first, same_size], [same_size, first])]
-        assert [_cached(r) for r in both] == [0, 0] and both[0]["answers"] != both[1]["answers"]
-        assert _cached(model.decide(_request([same_size, first], state=state))) > 0
+        assert [_cached(r) for r in both] == [prompt.preamble] * 2 and both[0]["answers"] != both[1]["answers"]
+        assert _cached(model.decide(_request([same_size, first], state=state))) > prompt.preamble
     off = model_of("f32")  # the cache off, the same ubatch: the same answers, to the bit
     assert off.decide(_request([first], state=state))["answers"] == cold["answers"]
     assert off.decide(_request([same_size], OTHER_QUESTIONS, state=state))["answers"] == new_schema["answers"]

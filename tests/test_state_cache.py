@@ -96,16 +96,17 @@ def test_a_hit_gives_the_answers_of_the_cache_off_and_of_the_reference(ws, oracl
         clef_gguf.load(path, n_ctx=N_CTX, ubatch=ubatch) as on,
         clef_gguf.load(path, n_ctx=N_CTX, ubatch=ubatch, state_cache=0) as off,
     ):
-        prefix = on.encode(first).state_prefix
+        prefix, preamble = on.encode(first).state_prefix, on.encode(first).preamble
         assert prefix > 2 * ubatch  # the prefix alone spans ubatches
         assert len(on.encode(second).tokens) - prefix > ubatch or ubatch > 128  # at 128 the schema after a hit does too
         cold, hit = on.decide(first), on.decide(second)
-        assert (_cached(cold), _cached(hit)) == (0, prefix) and len(on.state_cache) == 1
+        # The template's preamble (kept since the load's probe), then the state.
+        assert (_cached(cold), _cached(hit)) == (preamble, prefix) and len(on.state_cache) == 2
         for ours, request in ((cold, first), (hit, second)):
             expected = off.decide(request)
             assert _cached(expected) == 0 and ours["usage"]["input_tokens"] == expected["usage"]["input_tokens"]
-            # Both split the prefill at the prefix (split_at_prefix), and a hit continues from the very
-            # state the cold request saved: the same answers to the last bit.
+            # Both cut the prefill at the preamble and the prefix (state_cache.cuts), and a hit continues from
+            # the very state the cold request saved: the same answers to the last bit.
             assert ours["answers"] == expected["answers"]
     tolerance = ORACLE_TOLERANCE[(file_type, "auto")]
     assert largest_difference(response_probabilities(cold), oracle_probabilities(release, "long_state")) <= tolerance
@@ -120,12 +121,12 @@ def test_a_hit_is_float_noise_away_from_one_unsplit_prefill(ws, release, ubatch,
     with clef_gguf.load(ws.gguf(release, "f32"), n_ctx=N_CTX, ubatch=ubatch) as model:
         prompt = model.encode(_request(state))
         assert prompt.state_prefix > ubatch
-        unsplit = model.decide(dataclasses.replace(prompt, state_prefix=0))
+        unsplit = model.decide(dataclasses.replace(prompt, state_prefix=0, preamble=0))
         model.decide(_request(state, long_state_request()["questions"]))  # the state, with another schema
         hit = model.decide(prompt)
         assert _cached(hit) == prompt.state_prefix and _cached(unsplit) == 0
         whole = model.backbone.hidden_states(prompt.tokens)
-        hidden, reused = model._hidden_states(prompt)
+        [(hidden, reused)] = model._hidden_states([prompt])
     assert reused == prompt.state_prefix
     # Positions and the recurrent state continue after the prefix: only ubatch boundaries move. Float noise on
     # hidden states of RMS ~1 (the bounds of tests/test_native_head.py for another ubatch size).
@@ -139,8 +140,9 @@ def test_a_short_state_is_not_cached(ws):
     with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX) as model:
         short = _request("The printer on floor 3 prints blank pages.")
         assert model.encode(short).state_prefix < MIN_PREFIX_TOKENS
-        assert [_cached(model.decide(short)) for _ in range(2)] == [0, 0]
-        assert len(model.state_cache) == 0
+        preamble = model.encode(short).preamble  # the template's, kept for every request
+        assert [_cached(model.decide(short)) for _ in range(2)] == [preamble, preamble]
+        assert len(model.state_cache) == 1
 
 
 def test_zero_turns_the_cache_off(ws):
@@ -192,25 +194,32 @@ def test_many_distinct_states_never_exceed_the_budget(ws):
         one_entry = None
         prompt = probe.encode(_request(long_state_text(2)))
         probe.backbone.clear()
-        hidden = probe.backbone.decode(prompt.tokens[: prompt.state_prefix])
-        one_entry = entry_bytes(prefix_key(prompt.tokens[: prompt.state_prefix]), probe.backbone.sequence_size(), hidden.nbytes)
-    budget = int(3.5 * one_entry)  # room for three states of this length
+        sizes = []
+        for end in (prompt.preamble, prompt.state_prefix):
+            probe.backbone.clear()
+            hidden = probe.backbone.decode(prompt.tokens[:end])
+            sizes.append(entry_bytes(prefix_key(prompt.tokens[:end]), probe.backbone.sequence_size(), hidden.nbytes))
+    preamble_entry, one_entry = sizes
+    budget = preamble_entry + int(3.5 * one_entry)  # room for the template's preamble and three states of this length
     with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=budget) as model:
         for i in range(8):
             model.decide(_request(f"Request {i}. " + long_state_text(2)))
             cache = model.state_cache
             held = sum(entry_bytes(key, e.sequence.nbytes, e.hidden.nbytes) for key, e in cache._entries.items())
-            assert held == cache.nbytes <= budget and len(cache) == min(i + 1, 3)
-        # Least recently used goes first: the last three states are kept, the first ones are computed again.
-        assert _cached(model.decide(_request("Request 7. " + long_state_text(2)))) > 0
-        assert _cached(model.decide(_request("Request 0. " + long_state_text(2)))) == 0
+            assert held == cache.nbytes <= budget and len(cache) == 1 + min(i + 1, 3)
+        # Least recently used goes first: the last three states are kept, the first ones are computed again; the
+        # preamble, used by every request, stays.
+        assert _cached(model.decide(_request("Request 7. " + long_state_text(2)))) > prompt.preamble
+        assert _cached(model.decide(_request("Request 0. " + long_state_text(2)))) == prompt.preamble
 
 
 def test_an_entry_larger_than_the_budget_is_not_stored(ws):
     with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=64 << 10) as model:
         request = _request(long_state_text(4))
-        assert [_cached(model.decide(request)) for _ in range(2)] == [0, 0]
-        assert len(model.state_cache) == 0
+        prompt = model.encode(request)
+        reused = [_cached(model.decide(request)) for _ in range(2)]
+        assert reused[0] == reused[1] < prompt.state_prefix  # the preamble's entry fits, the state's does not
+        assert prefix_key(prompt.tokens[: prompt.state_prefix]) not in model.state_cache._entries
 
 
 def test_the_lru_evicts_in_order_of_use_and_counts_bytes():
@@ -235,6 +244,7 @@ def test_serve_state_cache_sets_the_budget(option, reused):
     request = _request(long_state_text(4))
     with served(DEMO_MODEL, "--ctx", "4096", *option) as (url, _):
         first, second = (httpx.post(f"{url}/v1/systemone", json=request, timeout=120) for _ in range(2))
-    assert _cached(first.json()) == 0 and first.headers["server-timing"].endswith('cache;desc="miss"')
-    assert (_cached(second.json()) > 0) == reused and ("hit" in second.headers["server-timing"]) == reused
+    # Only the template's preamble (kept since the load's probe) the first time; the state the second.
+    assert (_cached(first.json()) > 0) == reused and ("hit" in first.headers["server-timing"]) == reused
+    assert (_cached(second.json()) > _cached(first.json())) == reused and ("hit" in second.headers["server-timing"]) == reused
     assert second.json()["answers"] == first.json()["answers"]

@@ -2,8 +2,8 @@
 
 Both servers load the very same Clef GGUF (the format is llama.cpp's), on loopback, with the
 same thread count; the requests are interleaved (one to each server in turn, the order
-alternating by round) and the medians of the HTTP round trips are reported with their
-ratio. Each server is sent its requests over one kept-alive connection, as the Clef clients
+alternating by round) and the medians of the HTTP round trips are reported with the median
+of the rounds' ratios. Each server is sent its requests over one kept-alive connection, as the Clef clients
 do (typesafe-sdk, clef-rag, clef-evals, clef-compactor and clef-router all hold an httpx
 client).
 llama-server's Clef graph has no memory, so its physical batch is the whole prompt (-c = -b =
@@ -21,10 +21,18 @@ clef-gguf answers from its state cache (prefilling only the schema) and llama-se
 has no such cache, cold. In the other rows every round's state is new (new_state), so both
 servers prefill all of it.
 
+Then "clients": the ticket from 1, 4 and 8 concurrent clients (--clients), each over its own kept-alive
+connection and every request about a state of its own, against clef-gguf (which batches the requests
+that wait) and llama-server at -np 1 and at -np 4 (its slots: up to 4 requests decoded together). The
+servers take turns, one round each, --concurrency-rounds rounds of --concurrency-requests requests;
+the row gives requests per second (the median round's), and p50 and p99 of the round trips.
+
     bash tools/build_llama_server.sh         # once
     python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--short-rounds 21]
-                                          [--long-rounds 3] [--threads 1] [--requests ticket ...] [--out FILE]
+                                          [--long-rounds 3] [--threads N] [--requests ticket ... clients]
+                                          [--clients 1 4 8] [--out FILE]
 
+--threads defaults to clef-gguf's default (the physical cores this process may use), for both servers.
 Writes docs/benchmarks/vs_llama_server.md (the table), .json (every round's times) and .png (the
 ratios by size), and prints the table.
 """
@@ -40,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from http.client import HTTPConnection, RemoteDisconnected
@@ -136,6 +145,52 @@ def repeated_state(request: dict[str, Any], round_: int) -> dict[str, Any]:
     return as_llama_server_accepts({**request, "questions": questions})
 
 
+def paired_ratio(times: dict[str, list[float]]) -> float:
+    """The median of each round's ratio, clef-gguf's time over llama-server's: the two requests of a round are sent
+    back to back, so they share the machine's state, which on a shared machine drifts more than they differ."""
+    return statistics.median(a / b for a, b in zip(times["ours"], times["theirs"], strict=True))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def concurrent_round(url: str, request: dict[str, Any], clients: int, total: int, first_state: int) -> tuple[float, list[float]]:
+    """`total` requests from `clients` concurrent clients (each its own kept-alive connection), every one about a
+    state of its own: seconds for all, and each round trip's seconds."""
+    counter = iter(range(first_state, first_state + total))
+    lock = threading.Lock()
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        connection = Client(url)
+        try:
+            while True:
+                with lock:
+                    state = next(counter, None)
+                if state is None:
+                    return
+                seconds, _ = connection.post(new_state(request, state))
+                with lock:
+                    latencies.append(seconds)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return elapsed, latencies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
@@ -143,8 +198,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds of the ~8k requests")
     parser.add_argument("--short-rounds", type=int, default=21, help="rounds of the ticket and ~2k requests")
     parser.add_argument("--long-rounds", type=int, default=3, help="rounds of the ~32k request")
-    parser.add_argument("--threads", type=int, default=1)
-    rows_by_name = ["ticket", "~2k", "~8k", "~32k", "repeated"]
+    parser.add_argument("--threads", type=int, default=None, help="both servers' threads (default: clef-gguf's)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8], help="concurrent clients of the clients rows")
+    parser.add_argument("--concurrency-rounds", type=int, default=3)
+    parser.add_argument("--concurrency-requests", type=int, default=48, help="requests per round of a clients row")
+    rows_by_name = ["ticket", "~2k", "~8k", "~32k", "repeated", "clients"]
     parser.add_argument("--requests", nargs="+", choices=rows_by_name, default=rows_by_name, help="the rows to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "vs_llama_server.md")
     args = parser.parse_args()
@@ -152,9 +210,12 @@ def main() -> None:
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
 
     import clef_gguf
+    from clef_gguf.llama.threads import default_threads
     from clef_gguf.testing.release_builder import BENCHMARK, build_release
 
+    args.threads = args.threads or default_threads()
     requests = requests_by_size()
+    concurrency: list[tuple[str, int, str, float, float, float]] = []  # type, clients, server, req/s, p50, p99
     rows = []
     raw: list[dict[str, Any]] = []  # every round's seconds, for the .json
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +223,7 @@ def main() -> None:
         release = build_release(root / "release", BENCHMARK)
         for file_type in args.types:
             path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
-            ours_url, theirs_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+            ours_url = f"http://127.0.0.1:{free_port()}"
             ours = subprocess.Popen(
                 [
                     sys.executable,
@@ -180,32 +241,16 @@ def main() -> None:
             )
             # llama-server's Clef graph has no memory: a prompt is one physical batch, and above 28,672 tokens
             # it aborts at start-up (GGML_ASSERT(ctx->mem_buffer != NULL), ggml.c:1644; measured at 32,768).
-            ctx = str(LLAMA_SERVER_MAX_BATCH)
-            theirs = subprocess.Popen(
-                [
-                    str(args.bin / "llama-server"),
-                    "-m",
-                    str(path),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    theirs_url.rsplit(":", 1)[1],
-                    "-c",
-                    ctx,
-                    "-b",
-                    ctx,
-                    "-ub",
-                    ctx,
-                    "-t",
-                    str(args.threads),
-                    "--no-repack",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=(root / f"theirs-{file_type}.log").open("w"),
-            )
+            theirs_url = f"http://127.0.0.1:{free_port()}"
+            theirs = llama_server(args.bin, path, theirs_url, args.threads, 1, root / f"theirs-{file_type}.log")
+            servers_up = [(ours_url, ours), (theirs_url, theirs)]
+            if "clients" in args.requests:  # its slots: -np 4 decodes up to 4 requests together
+                np4_url = f"http://127.0.0.1:{free_port()}"
+                np4 = llama_server(args.bin, path, np4_url, args.threads, 4, root / f"theirs-np4-{file_type}.log")
+                servers_up.append((np4_url, np4))
             try:
-                wait_healthy(ours_url, ours)
-                wait_healthy(theirs_url, theirs)
+                for url, process in servers_up:
+                    wait_healthy(url, process)
                 clients = {"ours": Client(ours_url), "theirs": Client(theirs_url)}
                 for name, request in ((n, r) for n, r in requests.items() if n in args.requests):
                     times: dict[str, list[float]] = {"ours": [], "theirs": []}
@@ -223,10 +268,35 @@ def main() -> None:
                             times[who].append(clients[who].post(new_state(request, r))[0])
                     a = statistics.median(times["ours"])
                     b = statistics.median(times["theirs"]) if times["theirs"] else None
-                    rows.append((file_type, name, tokens, a, b))
+                    ratio = paired_ratio(times) if b else None
+                    rows.append((file_type, name, tokens, a, b, ratio))
                     raw.append({"type": file_type, "request": name, "tokens": tokens, **times})
-                    theirs_text = f"{b * 1e3:.0f} ms ({a / b:.2f})" if b else f"llama-server: {refusal}"
+                    theirs_text = f"{b * 1e3:.0f} ms ({ratio:.2f})" if b else f"llama-server: {refusal}"
                     print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {theirs_text}", flush=True)
+                if "clients" in args.requests:
+                    urls = {"clef-gguf": ours_url, "llama-server -np 1": theirs_url, "llama-server -np 4": np4_url}
+                    for n_clients in args.clients:
+                        for url in urls.values():  # warm-up: every server at this concurrency once
+                            concurrent_round(url, requests["ticket"], n_clients, n_clients, 10**6)
+                        per_server: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in urls}
+                        for r in range(args.concurrency_rounds):
+                            order = list(urls) if r % 2 == 0 else list(urls)[::-1]
+                            for name in order:
+                                first = 10**7 * (r + 1) + 10**5 * n_clients
+                                per_server[name].append(
+                                    concurrent_round(urls[name], requests["ticket"], n_clients, args.concurrency_requests, first)
+                                )
+                        for name, results in per_server.items():
+                            rate = statistics.median(len(lat) / elapsed for elapsed, lat in results)
+                            latencies = [x for _, lat in results for x in lat]
+                            p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+                            concurrency.append((file_type, n_clients, name, rate, p50, p99))
+                            raw.append({"type": file_type, "clients": n_clients, "server": name, "rounds": results})
+                            print(
+                                f"{file_type} {n_clients} clients, {name}: {rate:.2f} req/s, p50 {p50 * 1e3:.0f} ms, "
+                                f"p99 {p99 * 1e3:.0f} ms",
+                                flush=True,
+                            )
                 if "repeated" not in args.requests:
                     continue
                 # The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request.
@@ -239,13 +309,13 @@ def main() -> None:
                         times[who].append(seconds)
                         if who == "ours" and not answer["usage"]["input_tokens_details"]["cached_tokens"]:
                             raise SystemExit("clef-gguf did not reuse the repeated state: is its state cache on?")
-                a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
+                a, b, ratio = statistics.median(times["ours"]), statistics.median(times["theirs"]), paired_ratio(times)
                 name = "~8k, state repeated"
-                rows.append((file_type, name, answer["usage"]["input_tokens"], a, b))
+                rows.append((file_type, name, answer["usage"]["input_tokens"], a, b, ratio))
                 raw.append({"type": file_type, "request": name, "tokens": answer["usage"]["input_tokens"], **times})
-                print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({a / b:.2f})", flush=True)
+                print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({ratio:.2f})", flush=True)
             finally:
-                for process in (ours, theirs):
+                for _, process in servers_up:
                     process.terminate()
                     process.wait(timeout=60)
     lines = [
@@ -253,23 +323,50 @@ def main() -> None:
         "",
         f"`python tools/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
         f"--rounds {args.rounds} --short-rounds {args.short_rounds} --long-rounds {args.long_rounds} "
-        f"--threads {args.threads}`: fixture hidden 256,",
+        f"--threads {args.threads}"
+        + (f" --clients {' '.join(map(str, args.clients))}" if concurrency else "")
+        + "`: fixture hidden 256,",
         "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",
-        "to each server, interleaved, medians.",
+        "to each server, interleaved, medians; ratio: the median of the rounds' ratios.",
         f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
         "",
         "| type | request | tokens | clef-gguf | llama-server | ratio |",
         "|---|---|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {t} | {n} | {k} | {a * 1e3:.0f} ms | " + (f"{b * 1e3:.0f} ms | {a / b:.2f} |" if b else "cannot (over 28,672) | - |")
-        for t, n, k, a, b in rows
+        f"| {t} | {n} | {k} | {a * 1e3:.0f} ms | " + (f"{b * 1e3:.0f} ms | {r:.2f} |" if b else "cannot (over 28,672) | - |")
+        for t, n, k, a, b, r in rows
     ]
+    if concurrency:
+        lines += [
+            "",
+            f"Concurrent clients, the ticket, each request about a state of its own: {args.concurrency_rounds} rounds of "
+            f"{args.concurrency_requests} requests per server, the servers taking turns; the median round's requests/s, and the",
+            "round trips' p50 and p99 over all rounds. Ratio: clef-gguf's throughput over the better llama-server's.",
+            "",
+            "| type | clients | clef-gguf req/s | p50 / p99 | llama-server -np 1 | p50 / p99 | -np 4 | p50 / p99 | ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for t, n in dict.fromkeys((t, n) for t, n, *_ in concurrency):
+            by = {server: (rate, p50, p99) for tt, nn, server, rate, p50, p99 in concurrency if (tt, nn) == (t, n)}
+            cells = [f"{r:.2f} | {a * 1e3:.0f} / {b * 1e3:.0f} ms" for r, a, b in by.values()]
+            best = max(by["llama-server -np 1"][0], by["llama-server -np 4"][0])
+            lines.append(f"| {t} | {n} | " + " | ".join(cells) + f" | {by['clef-gguf'][0] / best:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.out.with_suffix(".png"), args.threads)
     print("\n".join(lines))
+
+
+def llama_server(binary_dir: Path, model: Path, url: str, threads: int, slots: int, log: Path) -> subprocess.Popen:
+    """llama-server on `model` with `slots` parallel slots (-np), each able to take a prompt of LLAMA_SERVER_MAX_BATCH."""
+    ctx = str(LLAMA_SERVER_MAX_BATCH)
+    command = [str(binary_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
+    command += ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(threads), "-np", str(slots), "--no-repack"]
+    if slots > 1:
+        command.append("--kv-unified")  # every slot may take the whole context, as clef-gguf's sequences may
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
 def cpu_name() -> str:
@@ -279,7 +376,7 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def plot(rows: list[tuple[str, str, int, float, float | None]], out: Path) -> None:
+def plot(rows: list[tuple[str, str, int, float, float | None, float | None]], out: Path, threads: int) -> None:
     """clef-gguf / llama-server by prompt size, one line per type; the repeated state as a marker."""
     import matplotlib
 
@@ -287,10 +384,10 @@ def plot(rows: list[tuple[str, str, int, float, float | None]], out: Path) -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for file_type in dict.fromkeys(t for t, *_ in rows):
-        cold = [(k, a / b) for t, n, k, a, b in rows if t == file_type and "repeated" not in n and b]
+    for file_type in dict.fromkeys(t for t, *_ in rows):  # (rows: type, request, tokens, ours, theirs, ratio)
+        cold = [(k, r) for t, n, k, a, b, r in rows if t == file_type and "repeated" not in n and b]
         line = ax.plot([k for k, _ in cold], [r for _, r in cold], marker="o", label=f"{file_type}, cold")[0]
-        warm = [(k, a / b) for t, n, k, a, b in rows if t == file_type and "repeated" in n]
+        warm = [(k, r) for t, n, k, a, b, r in rows if t == file_type and "repeated" in n]
         ax.plot(
             [k for k, _ in warm],
             [r for _, r in warm],
@@ -304,7 +401,7 @@ def plot(rows: list[tuple[str, str, int, float, float | None]], out: Path) -> No
     ax.set_xscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("clef-gguf / llama-server (median round trip)")
-    ax.set_title("clef-gguf serve vs llama-server, same file, 1 thread")
+    ax.set_title(f"clef-gguf serve vs llama-server, same file, {threads} thread(s)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -3,15 +3,18 @@
 Two llama.cpp models over the same Clef file (llama/qwen35_view.py):
   * the full view, vocabulary only: llama.cpp's tokenizer for the prompt (Vocabulary, which
     also tokenizes where no weights are loaded: the Ray Serve ingress);
-  * the lean view, for compute: its LM head is tied to 258 rows, so llama.cpp does
-    not compute (nor reserve a buffer for) n_vocab logits per token that nobody
-    reads - on Clef-flash that is 4 GiB of compute buffer at 4096 tokens. It is fed
-    the prompt's token embeddings, gathered from token_embd on the host.
-One context, sized so that a whole prompt is one physical batch (n_ubatch = n_ctx =
-max_prompt_tokens), embeddings on, pooling none: a decode yields every token's final
-hidden state (after the output norm). A prompt may also be decoded in parts (decode(tokens,
-start)), and the memory after a part saved and restored (llama.cpp's sequence state): the
-runtime's state cache (runtime/state_cache.py) keeps a state prefix's that way.
+  * the lean view, for compute: its LM head is an n_embd x n_embd identity (qwen35_view.py),
+    so its logits are the final hidden states (after the output norm), and llama.cpp does
+    not compute (nor reserve a buffer for) n_vocab logits per token that nobody reads - on
+    Clef-flash that is 4 GiB of compute buffer at 4096 tokens. It is fed the prompt's token
+    embeddings, gathered from token_embd on the host.
+One context of max_prompt_tokens cells, prompts processed in ubatches, every token an output.
+It holds up to `parallel` sequences, one a prompt, in one unified KV cache (each may use all of
+it) and a recurrent state each: decode_batch prefills several prompts in one llama_decode, and
+llama.cpp puts their tokens in the same ubatches (a ubatch of outputs read as embeddings would
+hold one sequence only: hence logits). A prompt may also be decoded in parts, and the memory
+after a part saved and restored (llama.cpp's sequence state): the runtime's state cache
+(runtime/state_cache.py) keeps a state prefix's that way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import unicodedata
 from array import array
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import llama_cpp as L
 import numpy as np
@@ -30,6 +34,7 @@ from ..errors import ComputeError, ModelFileError, PromptTooLongError, SettingsE
 from ..format.header import GGUFFile
 from . import cpu_buffers
 from . import log as llama_log
+from .defaults import MAX_PARALLEL
 from .qwen35_view import open_qwen35_view, view_tensor_names
 from .rows import RowTable
 from .threads import default_threads
@@ -58,7 +63,6 @@ def _load(f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = 
     return model
 
 
-_SEQ = 0  # every token is in sequence 0: one prompt at a time
 # Vocabulary's memo of tokenized pieces: how many, and the longest piece it keeps (a state is usually longer).
 MEMO_ENTRIES = 1024
 MEMO_CHARS = 256
@@ -91,33 +95,65 @@ def _bytes(array: np.ndarray) -> ctypes._Pointer:
     return array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
+@dataclass(frozen=True)
+class Part:
+    """Tokens of one sequence to decode: their input embeddings at their positions ((4, n): prompt_positions')."""
+
+    seq: int
+    embeddings: np.ndarray
+    positions: np.ndarray
+
+
 class _EmbeddingBatch:
     """A llama_batch of input embeddings, its arrays owned by numpy, for up to `capacity` tokens."""
 
-    def __init__(self, capacity: int, n_embd: int, n_pos: int) -> None:
+    def __init__(self, capacity: int, n_embd: int, n_pos: int, n_seq: int) -> None:
         self.n_pos = n_pos
         self.embd = np.zeros((capacity, n_embd), dtype=np.float32)
-        self.pos = np.zeros(capacity * n_pos, dtype=np.int32)
-        self.n_seq_id = np.ones(capacity, dtype=np.int32)
-        self.seq_zero = np.zeros(1, dtype=np.int32)
-        zero = self.seq_zero.ctypes.data_as(ctypes.POINTER(L.llama_seq_id))
-        self.seq_id = (ctypes.POINTER(L.llama_seq_id) * capacity)(*[zero] * capacity)  # every token in sequence 0
+        self.pos = np.zeros(0, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)  # every token is in one sequence
+        self.seq_ids = np.arange(n_seq, dtype=np.int32)
+        self.seq_id = np.zeros(capacity, dtype=np.uintp)  # llama_seq_id *: the address of its entry of seq_ids
         self.logits = np.ones(capacity, dtype=np.int8)  # every token is an output: the head reads them all
 
-    def fill(self, embeddings: np.ndarray, positions: np.ndarray) -> L.llama_batch:
-        """The batch of these tokens at these positions ((n_pos, n), prompt_positions' layout)."""
-        n = len(embeddings)
-        self.embd[:n] = embeddings
-        self.pos[: self.n_pos * n] = positions[: self.n_pos].reshape(-1)  # section-major, as llama.cpp reads it
+    def fill(self, parts: Sequence[Part]) -> L.llama_batch:
+        """The batch of these parts' tokens, in order."""
+        n = sum(len(part.embeddings) for part in parts)
+        self.pos = np.empty((self.n_pos, n), dtype=np.int32)  # section-major (all t, then all h, ...), as llama.cpp reads it
+        done = 0
+        for part in parts:
+            k = len(part.embeddings)
+            self.embd[done : done + k] = part.embeddings
+            self.pos[:, done : done + k] = part.positions[: self.n_pos]
+            self.seq_id[done : done + k] = self.seq_ids.ctypes.data + self.seq_ids.itemsize * part.seq
+            done += k
         return L.llama_batch(
             n_tokens=n,
             token=None,
             embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
             pos=self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos)),
             n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-            seq_id=self.seq_id,
+            seq_id=ctypes.cast(self.seq_id.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id))),
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
+
+
+def context_params(
+    max_prompt_tokens: int, ubatch: int, n_threads: int | None = None, parallel: int = 1
+) -> L.llama_context_params:
+    """The context as the runtime creates it (and plan measures it): max_prompt_tokens cells in one KV cache
+    that `parallel` sequences share, ubatches of `ubatch` tokens, every token an output (its logits are the
+    lean view's hidden states)."""
+    params = L.llama_context_default_params()
+    params.n_ctx = params.n_batch = max_prompt_tokens
+    # A decode (of one or several prompts) is one llama_decode call; llama.cpp splits it into ubatches itself,
+    # carrying the recurrent and KV state over, and sizes its compute buffer for n_ubatch tokens.
+    params.n_ubatch = ubatch
+    params.n_seq_max = parallel
+    params.kv_unified = True  # every sequence may take all max_prompt_tokens cells (not n_ctx / parallel)
+    params.embeddings = False
+    params.n_threads = params.n_threads_batch = n_threads or default_threads()
+    return params
 
 
 class Vocabulary:
@@ -172,6 +208,7 @@ class Backbone:
         n_threads: int | None = None,
         nfc: bool = True,
         ubatch: int | None = None,
+        parallel: int = 1,
     ) -> None:
         if ubatch is not None and not 1 <= ubatch <= max_prompt_tokens:
             raise SettingsError(f"ubatch must be between 1 and the prompt limit ({max_prompt_tokens}), not {ubatch}")
@@ -181,8 +218,12 @@ class Backbone:
                 f"graph (it aborts above {MAX_UBATCH}); keep the prompt limit and process it in ubatches of at most "
                 f"{MAX_UBATCH} tokens (ubatch / --ubatch)"
             )
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise SettingsError(f"parallel (sequences decoded together) must be between 1 and {MAX_PARALLEL}, not {parallel}")
         llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
+        self.ubatch = ubatch or max_prompt_tokens
+        self.parallel = parallel
         with ExitStack() as stack:  # a failure at any stage frees what the earlier ones made
             self.vocabulary = Vocabulary(f, nfc=nfc)
             stack.callback(self.vocabulary.close)
@@ -190,23 +231,15 @@ class Backbone:
             stack.callback(L.llama_model_free, self.model)
             self.n_embd = L.llama_model_n_embd(self.model)
             self.token_embd = RowTable(f, "token_embd.weight")
+            self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))  # the identity's rows
             n_pos = 4 if L.llama_model_rope_type(self.model) in _MULTI_POSITION_ROPE else 1
-            cparams = L.llama_context_default_params()
-            cparams.n_ctx = cparams.n_batch = max_prompt_tokens
-            # A prompt is one llama_decode call; with a smaller n_ubatch llama.cpp splits it into
-            # ubatches itself, carrying the recurrent and KV state over, and sizes its compute
-            # buffer for n_ubatch tokens instead of the whole prompt.
-            cparams.n_ubatch = ubatch or max_prompt_tokens
-            cparams.n_seq_max = 1
-            cparams.embeddings = True
-            cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-            cparams.n_threads = cparams.n_threads_batch = n_threads or default_threads()
+            cparams = context_params(max_prompt_tokens, self.ubatch, n_threads, parallel)
             self.ctx = L.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 reason = llama_log.last_error("out of memory?")
                 raise ModelFileError(f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {reason}")
             stack.callback(L.llama_free, self.ctx)
-            self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos)
+            self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos, parallel)
             self._dirty = True  # the first clear zeroes the memory (see clear)
             self._resources = stack.pop_all()
 
@@ -224,23 +257,23 @@ class Backbone:
         hidden = self.decode(tokens)
         return hidden.copy() if copy else hidden
 
-    def clear(self) -> None:
-        """Forget every token: the next decode starts a prompt at position 0.
+    def clear(self, seq: int = -1) -> None:
+        """Forget every token of sequence `seq` (-1: of every sequence): its next decode starts at position 0.
 
         The memory's bytes are zeroed only when a decode may have left a non-finite value in them
-        (self._dirty). Zeroing is a memset of the whole KV cache (64 MiB at 65,536 cells even on the
-        small fixtures: 10 ms a request), and finite stale bytes change nothing: KV cells outside
-        the sequence are masked (-inf, which flash attention skips and a softmax weighs 0), and
-        llama.cpp zeroes a new sequence's recurrent state itself (its rs_z state, scaled by 0). A
-        NaN or Inf would survive that scaling, so a decode that could have written one is followed
-        by a full clear. Otherwise the sequence is removed (seq_rm): the same empty cells, KV head 0 and
-        recurrent cell to be zeroed as llama_memory_clear(data=False) leaves, without resetting every one
-        of the 65,536 cells' bookkeeping (0.15 ms instead of 0.6 ms).
+        (self._dirty): then every sequence is forgotten. Zeroing is a memset of the whole KV cache
+        (64 MiB at 65,536 cells even on the small fixtures: 10 ms a request), and finite stale bytes
+        change nothing: KV cells outside a sequence are masked (-inf, which flash attention skips and a
+        softmax weighs 0), and llama.cpp zeroes a new sequence's recurrent state itself (its rs_z state,
+        scaled by 0). A NaN or Inf would survive that scaling, so a decode that could have written one
+        is followed by a full clear. Otherwise the sequence is removed (seq_rm): the same empty cells as
+        llama_memory_clear(data=False) leaves, without resetting the bookkeeping of every cell.
         """
         memory = L.llama_get_memory(self.ctx)
-        if self._dirty or not L.llama_memory_seq_rm(memory, _SEQ, -1, -1):
+        seqs = range(self.parallel) if seq < 0 else [seq]  # (llama.cpp's recurrent memory refuses seq_rm of -1)
+        if self._dirty or not all([L.llama_memory_seq_rm(memory, s, -1, -1) for s in seqs]):
             L.llama_memory_clear(memory, True)
-        self._dirty = False
+            self._dirty = False
 
     def embeddings(self, tokens: Sequence[int]) -> np.ndarray:
         """The input embeddings of `tokens` (a new array: an image's rows can be written into it)."""
@@ -250,45 +283,61 @@ class Backbone:
         """Hidden states of text `tokens` at positions start, ..., continuing the tokens in memory."""
         return self.decode_embeddings(self.embeddings(tokens), prompt_positions(len(tokens), start=start))
 
-    def decode_embeddings(self, embeddings: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def decode_embeddings(self, embeddings: np.ndarray, positions: np.ndarray, seq: int = 0) -> np.ndarray:
         """Hidden states of input embeddings at positions ((4, n): prompt_positions'), continuing the memory.
 
         Returns a view of llama.cpp's output buffer, valid until the next decode.
         """
-        n = len(embeddings)
-        if int(positions[0, -1]) + 1 > self.max_prompt_tokens or n > self.max_prompt_tokens:
-            raise PromptTooLongError(max(n, int(positions[0, -1]) + 1), self.max_prompt_tokens)
+        return self.decode_batch([Part(seq, embeddings, positions)])[0]
+
+    def decode_batch(self, parts: Sequence[Part]) -> list[np.ndarray]:
+        """Hidden states of each part (distinct sequences), all in one llama_decode: llama.cpp puts the
+        sequences' tokens in the same ubatches, as many as fit, each sequence continuing its own memory.
+
+        Returns views of llama.cpp's output buffer, valid until the next decode.
+        """
+        if len({p.seq for p in parts}) != len(parts) or not all(0 <= p.seq < self.parallel for p in parts):
+            raise ComputeError(f"a batch takes distinct sequences 0 to {self.parallel - 1}: {[p.seq for p in parts]}")
+        for p in parts:
+            end = int(p.positions[0, -1]) + 1
+            if end > self.max_prompt_tokens or len(p.embeddings) > self.max_prompt_tokens:
+                raise PromptTooLongError(max(len(p.embeddings), end), self.max_prompt_tokens)
+        n = sum(len(p.embeddings) for p in parts)
+        if n > self.max_prompt_tokens:
+            raise ComputeError(f"a batch of {n} tokens is more than the context's {self.max_prompt_tokens} cells")
         self._dirty = True  # until the decode is known to have left only finite values in memory
-        status = L.llama_decode(self.ctx, self.batch.fill(embeddings, positions))
+        status = L.llama_decode(self.ctx, self.batch.fill(parts))
         if status != 0:
             raise ComputeError(f"llama_decode failed with status {status}: {llama_log.last_error('see stderr')}")
-        hidden = np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(n, self.n_embd))
+        logits = np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(n, self.n_vocab))
+        hidden = logits[:, : self.n_embd]  # the identity's rows past n_embd are zeros
+        ends = np.cumsum([len(p.embeddings) for p in parts])
         # A non-finite value written to memory (KV cells, recurrent or conv state) reaches the last token's
         # final hidden state: it attends to every cell and reads the state after itself, and the residual
-        # stream carries a NaN to the output. Its row alone tells whether the memory is clean.
-        self._dirty = not np.isfinite(hidden[-1]).all()
-        return hidden
+        # stream carries a NaN to the output. Its row alone tells whether its sequence's memory is clean.
+        self._dirty = not np.isfinite(hidden[ends - 1]).all()
+        return np.split(hidden, ends[:-1])
 
     # The sequence state: what llama.cpp's memory holds of the tokens decoded so far. For qwen35's hybrid
     # memory that is the full-attention layers' KV cells and the linear-attention layers' recurrent state
     # (conv and delta-rule state), which is the state after the last token: it is saved right after
     # the tokens it stands for are decoded, before any other.
-    def sequence_size(self) -> int:
+    def sequence_size(self, seq: int = 0) -> int:
         """Bytes of the sequence state of the tokens in memory."""
-        return L.llama_state_seq_get_size(self.ctx, _SEQ)
+        return L.llama_state_seq_get_size(self.ctx, seq)
 
-    def save_sequence(self) -> np.ndarray:
+    def save_sequence(self, seq: int = 0) -> np.ndarray:
         """A copy of the sequence state (bytes, host memory), for restore_sequence."""
-        state = np.empty(self.sequence_size(), dtype=np.uint8)
-        written = L.llama_state_seq_get_data(self.ctx, _bytes(state), state.size, _SEQ)
+        state = np.empty(self.sequence_size(seq), dtype=np.uint8)
+        written = L.llama_state_seq_get_data(self.ctx, _bytes(state), state.size, seq)
         if written != state.size:
             raise ComputeError(f"llama.cpp wrote {written} bytes of a sequence state of {state.size}")
         return state
 
-    def restore_sequence(self, state: np.ndarray) -> None:
-        """Replace the memory by a saved sequence state: the next decode continues after its tokens."""
-        self.clear()
-        if L.llama_state_seq_set_data(self.ctx, _bytes(state), state.size, _SEQ) != state.size:
+    def restore_sequence(self, state: np.ndarray, seq: int = 0) -> None:
+        """Replace sequence `seq`'s memory by a saved sequence state: its next decode continues after its tokens."""
+        self.clear(seq)
+        if L.llama_state_seq_set_data(self.ctx, _bytes(state), state.size, seq) != state.size:
             self._dirty = True  # whatever it wrote before refusing: zeroed
             self.clear()
             raise ComputeError(f"llama.cpp refused a sequence state it saved: {llama_log.last_error('see stderr')}")

@@ -8,6 +8,10 @@ offloaded fits an 8 GiB card (measured by tools/plan_reference.py; README, "Memo
 
 DEFAULT_MAX_PROMPT_TOKENS = 65536
 DEFAULT_UBATCH = 1024
+# Prompts prefilled together (llama.cpp sequences) when requests arrive at once: llama-server's -np 4. Each
+# has a recurrent state of its own in the context (Clef-flash: 50 MiB).
+DEFAULT_PARALLEL = 4
+MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
 # Host memory for the state cache (runtime/state_cache.py): two 8k-token states of Clef-flash.
 DEFAULT_STATE_CACHE = 1 << 30
 

@@ -27,9 +27,9 @@ from ..format import vision as V
 from ..format.header import GGUFFile
 from . import cpu_buffers
 from . import log as llama_log
-from .backbone import MAX_UBATCH
-from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
-from .qwen35_view import open_qwen35_view, view_tensor_names
+from .backbone import MAX_UBATCH, context_params
+from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_UBATCH
+from .qwen35_view import lean_vocab, open_qwen35_view, view_tensor_names
 
 MIB = 1 << 20
 _SIZE = re.compile(r"(\w+)\s+compute buffer size =\s+([\d.]+) MiB")
@@ -92,16 +92,12 @@ class _NoAllocModel:
         if not self.model:
             raise ModelFileError(f"llama.cpp could not plan {f.path.name}: {llama_log.last_error('no reason given')}")
 
-    def measure(self, n_ctx: int, n_ubatch: int | None = None) -> dict[str, float]:
+    def measure(self, n_ctx: int, n_ubatch: int | None = None, parallel: int = DEFAULT_PARALLEL) -> dict[str, float]:
         """MiB of KV cache, recurrent state and compute buffers (per backend) for one context, as the runtime
-        creates it (n_batch = n_ctx: one llama_decode per prompt), in one physical batch or ubatches of n_ubatch."""
+        creates it (backbone.context_params: one llama_decode per prompt, up to `parallel` sequences), in one
+        physical batch or ubatches of n_ubatch."""
         lines: list[str] = []
-        params = L.llama_context_default_params()
-        params.n_ctx = params.n_batch = n_ctx
-        params.n_ubatch = n_ubatch or n_ctx
-        params.n_seq_max = 1
-        params.embeddings = True
-        params.pooling_type = L.LLAMA_POOLING_TYPE_NONE
+        params = context_params(n_ctx, n_ubatch or n_ctx, parallel=parallel)
         with llama_log.capture_info(lines.append):
             ctx = L.llama_init_from_model(self.model, params)
         if not ctx:
@@ -122,8 +118,8 @@ class _NoAllocModel:
 def _on_device(name: str, n_layer: int, offloaded: int) -> bool:
     """llama.cpp offloads the last `offloaded` repeating layers, then the output layer.
 
-    In the lean view llama.cpp holds neither output.weight nor token_embd (258 rows of it):
-    the runtime reads their rows from the mapped file on the host.
+    In the lean view llama.cpp holds neither the file's output.weight nor token_embd (its first
+    lean_vocab rows): the runtime reads their rows from the mapped file on the host.
     """
     m = _BLOCK.match(name)
     if m:
@@ -159,6 +155,7 @@ def _lines(
         else:
             weights_host += t.n_bytes
     head = _head_bytes(f)
+    identity = shape.n_embd * lean_vocab(f) * 4
 
     def split(total_mib: float, layers: list[int]) -> tuple[int, int]:
         on = sum(1 for il in layers if il >= n_layer - offloaded)
@@ -181,7 +178,10 @@ def _lines(
         Line("KV cache (full-attention layers)", *kv, "llama.cpp"),
         Line("recurrent state (linear-attention layers)", *rs, "llama.cpp"),
         Line(f"compute buffer (ubatch {ubatch})", compute_device, int(compute_total) - compute_device, "llama.cpp"),
-        Line("hidden-state output buffer", 0, n_ctx * shape.n_embd * 4, "computed"),
+        # The lean view's LM head, an F32 identity (qwen35_view.py), where llama.cpp puts the output layer;
+        # its logits, the hidden states, in llama.cpp's output buffer on the host.
+        Line("identity LM head", *((identity, 0) if offloaded > n_layer else (0, identity)), "computed"),
+        Line("hidden-state output buffer", 0, n_ctx * lean_vocab(f) * 4, "computed"),
         # The native head runs where the backbone runs: on the GPU as soon as layers are offloaded.
         Line("joint schema head", *((head, 0) if offloaded > 0 else (0, head)), "file"),
     ]
@@ -195,13 +195,15 @@ def memory_plan(
     vram: int | None = None,
     ubatch: int | None = None,
     mmproj: str | Path | None = None,
+    parallel: int = DEFAULT_PARALLEL,
 ) -> Plan:
     """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt limit that fits `vram`.
 
     With `mmproj`, the vision tower too (on the device when layers are offloaded, as the runtime runs it).
 
     Prompts are processed in ubatches of `ubatch` tokens, as the runtime does (the default is
-    its default: DEFAULT_UBATCH, or the prompt limit when that is smaller).
+    its default: DEFAULT_UBATCH, or the prompt limit when that is smaller), up to `parallel` of them
+    together (each with a recurrent state of its own).
     """
     if ubatch is not None and not 1 <= ubatch <= MAX_UBATCH:
         raise SettingsError(f"ubatch must be between 1 and {MAX_UBATCH} (llama.cpp aborts above), not {ubatch}")
@@ -218,7 +220,7 @@ def memory_plan(
             vision = vision_lines(mmproj, offloaded > 0) if mmproj is not None else []
 
             def lines_at(n: int) -> tuple[list[Line], dict[str, int], bool]:
-                lines, by_type, gpu = _lines(f, model.measure(n, ubatch_at(n)), n, ubatch_at(n), offloaded)
+                lines, by_type, gpu = _lines(f, model.measure(n, ubatch_at(n), parallel), n, ubatch_at(n), offloaded)
                 return lines + vision, by_type, gpu
 
             lines, by_type, gpu = lines_at(n_ctx)

@@ -22,6 +22,7 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGUFValueType
 
 from ..errors import ModelFileError
@@ -29,7 +30,8 @@ from ..format import contract as C
 from ..format.header import GGUF_MAGIC, GGUFFile
 
 _GLOBAL_KEYS = ("general.alignment", "general.name", "general.file_type", "general.quantization_version")
-LEAN_VOCAB = 258  # rows of token_embd the lean view keeps: a byte alphabet, one merge, an end token
+LEAN_TOKENS = 258  # the lean view's tokenizer: a byte alphabet, one merge, an end token (then fillers)
+F32 = 0  # ggml_type
 
 
 def _pack_string(text: str) -> bytes:
@@ -53,16 +55,36 @@ def _pack_tensor_info(name: str, dims: tuple[int, ...], qtype: int, offset: int)
 
 @dataclass(frozen=True)
 class Extent:
-    """`size` bytes at `offset` of the file's data section, shown at `start` of the view's."""
+    """`size` bytes at `offset` of the file's data section, shown at `start` of the view's; or, for a tensor
+    the view makes up (the lean view's output.weight), `size` bytes of `identity` rows of `n_embd` floats."""
 
     name: str
     start: int
     offset: int
     size: int
+    identity: int = 0  # > 0: an F32 identity of n_embd columns, padded with zero rows to this many
+
+    def made_up(self, at: int, out: memoryview) -> None:
+        """The made-up bytes [at, at + len(out)) of this tensor, into out."""
+        n_embd = self.identity_width
+        first, last = at // 4, -(-(at + len(out)) // 4)
+        values = np.zeros(last - first, dtype=np.float32)
+        ones = np.arange(first + (-first % (n_embd + 1)), min(last, n_embd * n_embd), n_embd + 1)
+        values[ones - first] = 1.0  # element i * n_embd + i: row i, column i
+        out[:] = values.view(np.uint8)[at - first * 4 : at - first * 4 + len(out)]
+
+    @property
+    def identity_width(self) -> int:
+        return self.size // 4 // self.identity
+
+
+def lean_vocab(f: GGUFFile) -> int:
+    """The lean view's vocabulary: as many rows as its LM head, an identity of n_embd rows (at least LEAN_TOKENS)."""
+    return max(f.header.tensors["token_embd.weight"].dims[0], LEAN_TOKENS)
 
 
 def view_tensor_names(f: GGUFFile, lean: bool) -> list[str]:
-    """The backbone tensors a view shows: everything but the head (and, lean, output.weight)."""
+    """The file's backbone tensors a view shows: everything but the head (and, lean, output.weight)."""
     names = [n for n in f.header.tensors if not C.is_head_tensor(n)]
     return [n for n in names if not (lean and n == "output.weight")]
 
@@ -73,22 +95,25 @@ def _extents(f: GGUFFile, names: list[str], lean: bool) -> list[Extent]:
         t = f.header.tensors[name]
         size = t.n_bytes
         if lean and name == "token_embd.weight":
-            size = t.n_bytes // t.dims[1] * LEAN_VOCAB  # its first rows
+            size = t.n_bytes // t.dims[1] * lean_vocab(f)  # its first rows
         extents.append(Extent(name, start, t.offset, size))
         start += -(-size // f.header.alignment) * f.header.alignment
+    if lean:  # its LM head: logits = the hidden states after the output norm, exactly (x * 1 + 0s, in F32)
+        n_embd, rows = f.header.tensors["token_embd.weight"].dims[0], lean_vocab(f)
+        extents.append(Extent("output.weight", start, 0, n_embd * rows * 4, identity=rows))
     return extents
 
 
-def _lean_tokenizer() -> list[bytes]:
-    """A valid byte-level BPE vocabulary of LEAN_VOCAB tokens: the lean view is fed embeddings, never tokens."""
+def _lean_tokenizer(n_tokens: int) -> list[bytes]:
+    """A valid byte-level BPE vocabulary of n_tokens tokens: the lean view is fed embeddings, never tokens."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
     alphabet, extra = [], 0
     for b in range(256):
         alphabet.append(chr(b) if b in printable else chr(256 + extra))
         extra += b not in printable
-    tokens = [*alphabet, "\u0120t", "<|im_end|>"]
+    fillers = [f"<|lean_{i}|>" for i in range(n_tokens - LEAN_TOKENS)]  # unused rows of the identity
+    tokens = [*alphabet, "\u0120t", *fillers, "<|im_end|>"]
     types = [1] * (len(tokens) - 1) + [3]  # normal tokens, one control token
-    assert len(tokens) == LEAN_VOCAB
     return [
         _pack_kv("tokenizer.ggml.model", GGUFValueType.STRING, _pack_string("gpt2")),
         _pack_kv("tokenizer.ggml.pre", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH)),
@@ -100,7 +125,7 @@ def _lean_tokenizer() -> list[bytes]:
             GGUFValueType.INT32,
         ),
         _pack_strings("tokenizer.ggml.merges", ["\u0120 t"]),
-        _pack_kv("tokenizer.ggml.eos_token_id", GGUFValueType.UINT32, struct.pack("<I", LEAN_VOCAB - 1)),
+        _pack_kv("tokenizer.ggml.eos_token_id", GGUFValueType.UINT32, struct.pack("<I", n_tokens - 1)),
     ]
 
 
@@ -108,9 +133,11 @@ def qwen35_header(f: GGUFFile, extents: list[Extent], lean: bool = False) -> byt
     """A synthesized qwen35 header over `extents`, padded to the file's alignment.
 
     Full: the whole backbone with the file's tokenizer (a plain qwen35 GGUF: export,
-    tokenization). Lean: the same layers, but a vocabulary of LEAN_VOCAB tokens,
-    token_embd cut to its first LEAN_VOCAB rows and no output.weight, so llama.cpp
-    ties its LM head to those rows; the runtime feeds it embeddings, not tokens.
+    tokenization). Lean: the same layers, but a vocabulary of lean_vocab(f) tokens,
+    token_embd cut to its first rows, and an LM head that is the identity: its "logits"
+    are the final hidden states. The runtime feeds it embeddings, not tokens, and reads
+    every token's logits, which llama.cpp computes for several sequences in one ubatch
+    (embeddings would split a batch into one ubatch per sequence).
     """
     h, buf = f.header, f.map
     kvs = [_pack_kv("general.architecture", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH))]
@@ -121,11 +148,14 @@ def qwen35_header(f: GGUFFile, extents: list[Extent], lean: bool = False) -> byt
             renamed = f"{C.BACKBONE_ARCH}.{key.partition('.')[2]}"  # clef.* in a Clef file, qwen35.* in a backbone
             kvs.append(_pack_string(renamed) + bytes(buf[field.value_start : field.end]))
     if lean:
-        kvs += _lean_tokenizer()
+        kvs += _lean_tokenizer(lean_vocab(f))
     infos = []
     for e in extents:
+        if e.identity:
+            infos.append(_pack_tensor_info(e.name, (e.identity_width, e.identity), F32, e.start))
+            continue
         t = h.tensors[e.name]
-        dims = (t.dims[0], LEAN_VOCAB) if lean and e.name == "token_embd.weight" else t.dims
+        dims = (t.dims[0], lean_vocab(f)) if lean and e.name == "token_embd.weight" else t.dims
         infos.append(_pack_tensor_info(e.name, dims, t.type, e.start))
     header = GGUF_MAGIC + struct.pack("<IQQ", 3, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
     return header + bytes(-len(header) % h.alignment)
@@ -186,6 +216,9 @@ class VirtualFile:
         e = self._extents[i] if i >= 0 else None
         if e is not None and data_pos < e.start + e.size:
             n = min(len(out), e.start + e.size - data_pos)
+            if e.identity:
+                e.made_up(data_pos - e.start, out[:n])
+                return n
             return os.preadv(self._fd, [out[:n]], self._data_offset + e.offset + data_pos - e.start)
         following = self._starts[i + 1] if i + 1 < len(self._starts) else self.size - len(self._header)
         n = min(len(out), following - data_pos)

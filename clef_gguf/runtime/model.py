@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +13,29 @@ import numpy as np
 
 from ..check.pair import open_vision
 from ..check.validate import open_validated
-from ..errors import ComputeError, PromptTooLongError
-from ..llama.backbone import Backbone, prompt_positions
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE, default_ubatch
+from ..errors import ComputeError, ModelOutputError, PromptTooLongError
+from ..llama.backbone import Backbone, Part, prompt_positions
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
 from .answers import response
 from .images import ImageLimits, image_limits
 from .prompt import EncodedPrompt, encode, parse_request
-from .state_cache import Entry, StateCache, entry_bytes, prefix_key, split_at_prefix
+from .state_cache import Entry, StateCache, cuts, entry_bytes, prefix_key
+
+
+@dataclass
+class _Plan:
+    """A prompt's prefill as sequence `seq`: the parts to decode in order, the key of the state after each but
+    the last, and the cache entry it starts from (reused: its tokens)."""
+
+    seq: int
+    parts: list[Part]
+    keys: list[bytes]
+    restore: Entry | None
+    reused: int
+    done: list[np.ndarray] = field(default_factory=list)  # hidden states so far, in order
+
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
@@ -36,6 +52,7 @@ class ClefModel:
         ubatch: int | None = None,
         state_cache: int = DEFAULT_STATE_CACHE,
         mmproj: str | Path | None = None,
+        parallel: int = DEFAULT_PARALLEL,
     ) -> None:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
         self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
@@ -53,6 +70,7 @@ class ClefModel:
                 n_threads=n_threads,
                 nfc=d.nfc,
                 ubatch=self.ubatch,
+                parallel=parallel,
             )
             stack.callback(self.backbone.close)
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
@@ -74,6 +92,10 @@ class ClefModel:
     def max_prompt_tokens(self) -> int:
         return self.backbone.max_prompt_tokens
 
+    @property
+    def parallel(self) -> int:
+        return self.backbone.parallel
+
     def _load_vision(self, mmproj: Path, gpu: bool, n_threads: int | None) -> tuple[VisionEncoder, ImageLimits]:
         """The vision tower, validated and paired with this model, in libmtmd over the lean backbone."""
         limits = image_limits(open_vision(self.file.header, mmproj))
@@ -92,37 +114,101 @@ class ClefModel:
     def decide(self, request: dict[str, Any] | EncodedPrompt) -> dict[str, Any]:
         """Answer a SystemOne request body (or one already encoded by `encode`) with the SystemOne response body."""
         prompt = request if isinstance(request, EncodedPrompt) else self.encode(request)
-        with self._lock:
-            hidden, reused = self._hidden_states(prompt)  # raises PromptTooLongError before compute
-            logits = self.head(hidden, prompt)
-        return response(prompt, self.name, logits, cached_tokens=reused)
+        [answer] = self.decide_batch([prompt])
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
-    def _hidden_states(self, prompt: EncodedPrompt) -> tuple[np.ndarray, int]:
-        """Every token's final hidden state, and how many tokens of them the state cache gave."""
-        tokens, n = prompt.tokens, prompt.state_prefix
-        images = [(p.start, p.image.nx, p.image.ny) for p in prompt.images]
+    def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool:
+        """Whether these prompts may be decided together: at most `parallel` of them, whose tokens fit one ubatch.
+
+        Then each stage (state prefixes, the rest) is one ubatch, and no prompt's tokens are split at other
+        boundaries than alone: its answers differ from its answers alone by float noise only (llama.cpp sums in
+        another order over a ubatch of several sequences and a KV cache they share; tests/test_batching.py).
+        """
+        return len(prompts) == 1 or (
+            len(prompts) <= self.backbone.parallel and sum(len(p.tokens) for p in prompts) <= self.backbone.ubatch
+        )
+
+    def decide_batch(self, prompts: Sequence[EncodedPrompt]) -> list[dict[str, Any] | Exception]:
+        """Answer encoded prompts that are `batchable`, their backbone prefills in the same llama_decode calls.
+
+        One answer (or the exception that prompt raised: PromptTooLongError, ComputeError, ...) per prompt, in order.
+        """
+        if not self.batchable(prompts):
+            tokens = sum(len(p.tokens) for p in prompts)
+            raise ComputeError(f"{len(prompts)} prompts of {tokens} tokens in all cannot be decided together")
+        with self._lock:
+            hidden = self._hidden_states(prompts)  # a prompt's error, or (its hidden states, tokens the cache gave)
+            answers: list[dict[str, Any] | Exception] = []
+            for prompt, result in zip(prompts, hidden, strict=True):
+                if isinstance(result, Exception):
+                    answers.append(result)
+                    continue
+                try:  # views of llama.cpp's output buffer: the head reads them under the same lock
+                    answers.append(response(prompt, self.name, self.head(result[0], prompt), cached_tokens=result[1]))
+                except (ComputeError, ModelOutputError) as e:
+                    answers.append(e)
+        return answers
+
+    def _hidden_states(self, prompts: Sequence[EncodedPrompt]) -> list[tuple[np.ndarray, int] | Exception]:
+        """Every token's final hidden state of each prompt (sequence i: prompts[i]), and how many tokens of
+        them the state cache gave; or the prompt's error.
+
+        A prompt is prefilled in parts, cut where its state is kept (state_cache.cuts): after the template's
+        preamble, and after its state prefix. The longest cut the cache has is restored; each part after it
+        is decoded once the part before it is, the state after a cut saved right then. Decodes take one
+        part of each prompt, aligned at the end, so that every prompt's last part is in the last decode.
+        """
+        self.backbone.clear()
+        out: list[tuple[np.ndarray, int] | Exception] = []
+        plans: list[_Plan] = []
+        for seq, prompt in enumerate(prompts):
+            try:
+                plan = self._plan(seq, prompt)  # (encoding's errors: this prompt's alone)
+            except (PromptTooLongError, ComputeError) as e:
+                out.append(e)
+                continue
+            out.append(ComputeError("not decoded"))  # replaced below by its hidden states
+            if plan.restore is not None:  # (a refused state clears every sequence: the batch's error, not this prompt's)
+                self.backbone.restore_sequence(plan.restore.sequence, seq)
+                plan.done.append(plan.restore.hidden)
+            plans.append(plan)
+        steps = max((len(p.parts) for p in plans), default=0)
+        for step in range(steps):
+            now = [(p, step - steps + len(p.parts)) for p in plans if step >= steps - len(p.parts)]
+            parts = [plan.parts[i] for plan, i in now]
+            for (plan, i), hidden in zip(now, self.backbone.decode_batch(parts), strict=True):
+                if step == steps - 1:  # a view of llama.cpp's output buffer, valid until the next decode
+                    plan.done.append(hidden)
+                    continue
+                plan.done.append(hidden.copy())
+                prefix = np.concatenate(plan.done) if len(plan.done) > 1 else plan.done[0]
+                size = entry_bytes(plan.keys[i], self.backbone.sequence_size(plan.seq), prefix.nbytes)
+                if self.state_cache.admits(size):
+                    self.state_cache.put(plan.keys[i], Entry(self.backbone.save_sequence(plan.seq), prefix))
+        for plan in plans:
+            out[plan.seq] = (np.concatenate(plan.done) if len(plan.done) > 1 else plan.done[0], plan.reused)
+        return out
+
+    def _plan(self, seq: int, prompt: EncodedPrompt) -> _Plan:
+        """How sequence `seq` prefills the prompt: the longest cached cut to restore, and the parts after it."""
+        tokens = prompt.tokens
         if len(tokens) > self.max_prompt_tokens:  # (an image takes fewer positions than tokens)
             raise PromptTooLongError(len(tokens), self.max_prompt_tokens)
-        positions = prompt_positions(len(tokens), images)
-        if not split_at_prefix(n, len(tokens)):
-            self.backbone.clear()
-            # A view of llama.cpp's output buffer, valid until the next decode: the head reads it under the same lock.
-            return self.backbone.decode_embeddings(self._embeddings(prompt, 0, len(tokens)), positions), 0
-        key = prefix_key(tokens[:n], [p.image.digest for p in prompt.images])
-        entry = self.state_cache.get(key)
-        if entry is not None:
-            self.backbone.restore_sequence(entry.sequence)
-            prefix, reused = entry.hidden, n
-        else:
-            # The prefix in a decode of its own (cache on or off: split_at_prefix), so that the recurrent
-            # state saved is the state right after it.
-            self.backbone.clear()
-            prefix = self.backbone.decode_embeddings(self._embeddings(prompt, 0, n), positions[:, :n]).copy()
-            reused = 0  # (the next decode overwrites the view)
-            if self.state_cache.admits(entry_bytes(key, self.backbone.sequence_size(), prefix.nbytes)):
-                self.state_cache.put(key, Entry(self.backbone.save_sequence(), prefix))
-        suffix = self.backbone.decode_embeddings(self._embeddings(prompt, n, len(tokens)), positions[:, n:])
-        return np.concatenate([prefix, suffix]), reused
+        positions = prompt_positions(len(tokens), [(p.start, p.image.nx, p.image.ny) for p in prompt.images])
+        ends = [*cuts(prompt.preamble, prompt.state_prefix, len(tokens)), len(tokens)]
+        keys = [prefix_key(tokens[:end], [p.image.digest for p in prompt.images if p.start < end]) for end in ends[:-1]]
+        first, restore = 0, None
+        for i in reversed(range(len(keys))):
+            restore = self.state_cache.get(keys[i])
+            if restore is not None:
+                first = i + 1
+                break
+        starts = [0, *ends[:-1]]
+        todo = zip(starts[first:], ends[first:], strict=True)  # (not the restored ones: their images are not encoded again)
+        parts = [Part(seq, self._embeddings(prompt, a, b), positions[:, a:b]) for a, b in todo]
+        return _Plan(seq, parts, keys[first:], restore, starts[first])
 
     def _embeddings(self, prompt: EncodedPrompt, start: int, end: int) -> np.ndarray:
         """The input embeddings of tokens[start:end]: token rows, and the vision tower's for image tokens."""
@@ -161,6 +247,7 @@ def load(
     ubatch: int | None = None,
     state_cache: int = DEFAULT_STATE_CACHE,
     mmproj: str | Path | None = None,
+    parallel: int = DEFAULT_PARALLEL,
 ) -> ClefModel:
     """Load a Clef GGUF. n_ctx is the largest prompt it will accept (default: Clef's 65,536).
 
@@ -181,4 +268,5 @@ def load(
         ubatch=ubatch,
         state_cache=state_cache,
         mmproj=mmproj,
+        parallel=parallel,
     )

@@ -74,6 +74,9 @@ class EncodedPrompt:
     # every request about this state, whatever its questions (0: the template has no such prefix).
     state_prefix: int = 0
     images: tuple[PlacedImage, ...] = ()
+    # tokens[:preamble] are the template's pieces before the request's first own one (its images or its
+    # state): the system prompt and the user turn's opening, the same for every request to the model.
+    preamble: int = 0
 
 
 # --- Validation -------------------------------------------------------------------------------------------
@@ -172,11 +175,14 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
     spans: list[tuple[int, int]] = []
     option_spans: list[list[tuple[int, int]]] = []
     state_prefix = 0
+    preamble: int | None = None
     placed: list[PlacedImage] = []
     images = iter(request.images)
     state_piece = template.state_piece_of(len(request.images))
     for index, piece in enumerate(template.pieces(request.state, questions, len(request.images))):
         start = len(tokens)
+        if preamble is None and (piece.kind == "image" or index == state_piece):
+            preamble = start
         if piece.kind == "image":
             image = next(images, None)
             if image is None:
@@ -200,4 +206,4 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
     if len(placed) != len(request.images):
         raise ModelFileError("the systemone prompt template does not place every image")
     encoded = tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in zip(request.questions, spans, option_spans, strict=True))
-    return EncodedPrompt(request, tokens, encoded, state_prefix, tuple(placed))
+    return EncodedPrompt(request, tokens, encoded, state_prefix, tuple(placed), preamble or 0)

@@ -48,15 +48,25 @@ class Entry:
 
 
 def split_at_prefix(prefix_tokens: int, prompt_tokens: int) -> bool:
-    """Whether a prompt is prefilled in two decodes, its state prefix first, so that the state after it can be kept.
-
-    Whatever the budget, 0 included: the split moves llama.cpp's ubatch boundaries after the prefix, which
-    can move the answers by float noise, as another ubatch size would (measured on the test fixtures
-    against one unsplit decode: none at ubatch 1024; at ubatch 64, 0.0002 at f32 and up to 0.0074 at
-    q8_0, whose activation rounding amplifies it). Always splitting makes a request's answers the
-    same to the bit whether the cache is on or off, and whether it hits or not.
-    """
+    """Whether a prompt's state prefix is cut off (see cuts): one of MIN_PREFIX_TOKENS or more."""
     return MIN_PREFIX_TOKENS <= prefix_tokens < prompt_tokens
+
+
+def cuts(preamble: int, state_prefix: int, prompt_tokens: int) -> list[int]:
+    """Where a prompt's prefill is cut, each part decoded after the other, so that the state after each
+    part's end can be kept: after the template's preamble (the same for every request: kept once, it spares
+    every request its prefill), and after the state prefix when split_at_prefix.
+
+    Whatever the budget, 0 included: a cut moves llama.cpp's ubatch boundaries, which can move the answers
+    by float noise, as another ubatch size would (measured on the test fixtures against one unsplit decode:
+    none at ubatch 1024; at ubatch 64, 0.0002 at f32 and up to 0.0074 at q8_0, whose activation rounding
+    amplifies it). Always cutting makes a request's answers the same to the bit whether the cache is on or
+    off, and whether it hits or not.
+    """
+    points = [preamble] if 0 < preamble < prompt_tokens else []
+    if split_at_prefix(state_prefix, prompt_tokens) and state_prefix > preamble:
+        points.append(state_prefix)
+    return points
 
 
 def prefix_key(tokens: Sequence[int], images: Sequence[bytes] = ()) -> bytes:

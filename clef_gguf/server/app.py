@@ -184,13 +184,14 @@ def create_app(
             decision = await worker.decide(prompt)
         except RequestError as e:  # not expected after intake: the same mapping all the same
             raise from_request_error(e, None) from e
-        # Server-Timing tells a client where its latency went: reading, waiting, deciding, handing back; and
-        # whether the state cache spared the prefill of its state.
+        # Server-Timing tells a client where its latency went: reading, waiting, deciding (with how many others),
+        # handing back; and whether the state cache spared the prefill of its state.
         back = time.perf_counter() - decision.finished
         cache = f"hit {decision.cached_tokens} tokens" if decision.cached_tokens else "miss"
         timing = (
             f"read;dur={(parsed - arrived) * 1e3:.3f}, queue;dur={decision.queued_s * 1e3:.3f}, "
-            f'decide;dur={decision.decide_s * 1e3:.3f}, back;dur={back * 1e3:.3f}, cache;desc="{cache}"'
+            f'decide;dur={decision.decide_s * 1e3:.3f};desc="batch of {decision.batch}", back;dur={back * 1e3:.3f}, '
+            f'cache;desc="{cache}"'
         )
         return decision.body, {"Server-Timing": timing}
 

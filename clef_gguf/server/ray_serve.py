@@ -38,7 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import DeploymentStatus
 
 from ..errors import DeploymentError
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_STATE_CACHE
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, MAX_PARALLEL
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
@@ -77,6 +77,7 @@ class RaySettings(BaseModel):
     n_gpu_layers: int = 0
     max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
     ubatch: int | None = Field(None, ge=1)
+    parallel: int = Field(DEFAULT_PARALLEL, ge=1, le=MAX_PARALLEL)  # requests a replica prefills together
     state_cache: int = Field(DEFAULT_STATE_CACHE, ge=0)  # bytes per replica: each replica keeps its own states
     mmproj: str | None = None  # the vision tower's path, the same on every node (as the model's)
     api_key: str | None = None
@@ -134,7 +135,7 @@ class ReplicaDecider:
         finished = time.perf_counter()
         # Queued: in the replica's DecideWorker, in Ray's router and on the way there and back.
         queued = max(decision.queued_s, finished - submitted - decision.decide_s)
-        return Decision(decision.body, queued, decision.decide_s, finished, decision.cached_tokens)
+        return Decision(decision.body, queued, decision.decide_s, finished, decision.cached_tokens, decision.batch)
 
     async def close(self) -> None:
         """Nothing to wait for here: Ray drains the replicas (graceful_shutdown_timeout_s)."""
@@ -152,6 +153,7 @@ class ClefReplica:
         max_prompt_tokens: int,
         threads: int,
         ubatch: int | None,
+        parallel: int,
         state_cache: int,
         mmproj: str | None,
         queue: int,
@@ -164,6 +166,7 @@ class ClefReplica:
             ubatch=ubatch,
             state_cache=state_cache,
             mmproj=mmproj,
+            parallel=parallel,
         )
         self.worker = DecideWorker(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
@@ -240,6 +243,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         max_prompt_tokens=s.max_prompt_tokens,
         threads=s.threads,
         ubatch=s.ubatch,
+        parallel=s.parallel,
         state_cache=s.state_cache,
         mmproj=s.mmproj,
         queue=s.max_queue,

@@ -1,10 +1,12 @@
-"""Decide on one dedicated thread, behind a bounded admission count.
+"""Decide on one dedicated thread, in batches of the requests waiting, behind a bounded admission count.
 
-ClefModel.decide is CPU-bound and serialized by the model's lock (one llama.cpp context):
-running it on a worker thread keeps the event loop answering (health, errors, new
-connections), and one thread makes the order plain: requests are answered first come,
-first served, each exactly as a direct decide() would. Admission is bounded, so a burst
-gets a prompt 503 with Retry-After (which typesafe-sdk honours) instead of an unbounded
+ClefModel.decide_batch is CPU-bound and serialized by the model's lock (one llama.cpp context):
+running it on a worker thread keeps the event loop answering (health, errors, new connections).
+The thread takes the requests waiting when it is free, first come first served: the oldest, and
+the next ones in order while the model can decide them together (ClefModel.batchable), which it
+does in one backbone prefill. There is no batching window: an idle server decides a request at
+once, and a busy one batches what arrived during the previous batch. Admission is bounded, so a
+burst gets a prompt 503 with Retry-After (which typesafe-sdk honours) instead of an unbounded
 queue and unbounded memory.
 """
 
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,6 +52,10 @@ class Model(Encoder, Protocol):
 
     def decide(self, request: Prompt) -> dict[str, Any]: ...  # on a prompt encode returned
 
+    def batchable(self, prompts: Sequence[Prompt]) -> bool: ...  # whether decide_batch takes them together
+
+    def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -56,6 +64,7 @@ class Decision:
     decide_s: float
     finished: float  # perf_counter() when decide returned, to time the hand-back to the event loop
     cached_tokens: int = 0  # prompt tokens whose backbone state the state cache gave
+    batch: int = 1  # requests decided together with this one, itself included
 
 
 def render(response: dict[str, Any]) -> bytes:
@@ -78,32 +87,94 @@ class Decider(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(eq=False)
+class _Job:
+    prompt: Prompt
+    submitted: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Decision] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.future = self.loop.create_future()
+
+    def settle(self, decision: Decision | None, error: BaseException | None = None) -> None:
+        """From the worker thread: hand the outcome to the waiting coroutine (gone if it was cancelled)."""
+
+        def done() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(decision)  # type: ignore[arg-type]
+
+        self.loop.call_soon_threadsafe(done)
+
+
 class DecideWorker:
     def __init__(self, model: Model, max_pending: int) -> None:
         self.model = model
         self.max_pending = max_pending
         self.pending = 0  # admitted and not yet answered; touched on the event loop only
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-decide")
+        self._queue: deque[_Job] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="clef-decide", daemon=True)
+        self._thread.start()
 
-    def _run(self, request: Prompt, submitted: float) -> Decision:
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return
+                batch = [self._queue.popleft()]
+                while self._queue and self.model.batchable([*(j.prompt for j in batch), self._queue[0].prompt]):
+                    batch.append(self._queue.popleft())
+            self._run(batch)
+
+    def _run(self, batch: list[_Job]) -> None:
         started = time.perf_counter()
-        response = self.model.decide(request)
-        body = render(response)
+        try:
+            answers = self.model.decide_batch([job.prompt for job in batch])
+        except Exception as e:  # the batch's error (a llama.cpp failure): every request's
+            answers = [e] * len(batch)
+        bodies = [a if isinstance(a, Exception) else render(a) for a in answers]
         finished = time.perf_counter()
-        cached = response.get("usage", {}).get("input_tokens_details", {}).get("cached_tokens", 0)
-        return Decision(body, started - submitted, finished - started, finished, cached)
+        for job, answer, body in zip(batch, answers, bodies, strict=True):
+            if isinstance(body, Exception):
+                job.settle(None, body)
+                continue
+            assert isinstance(answer, dict)
+            cached = answer.get("usage", {}).get("input_tokens_details", {}).get("cached_tokens", 0)
+            job.settle(Decision(body, started - job.submitted, finished - started, finished, cached, len(batch)))
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_pending:
             raise overloaded(self.pending)
         self.pending += 1
+        job = _Job(request, time.perf_counter(), asyncio.get_running_loop())
         try:
-            # A cancelled wait (client gone, drain timeout) cancels the job if it has not started.
-            future = self._executor.submit(self._run, request, time.perf_counter())
-            return await asyncio.wrap_future(future)
+            with self._ready:
+                self._queue.append(job)
+                self._ready.notify()
+            return await job.future
+        except asyncio.CancelledError:  # client gone, drain timeout: the job is dropped if it has not started
+            with self._ready:
+                if job in self._queue:
+                    self._queue.remove(job)
+            raise
         finally:
             self.pending -= 1
 
     async def close(self) -> None:
-        """Wait for the running decide (the model must not be closed under it); drop queued ones."""
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        """Wait for the running batch (the model must not be closed under it); drop the queued requests."""
+        with self._ready:
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._ready.notify()
+        for job in dropped:
+            job.future.cancel()
+        await asyncio.to_thread(self._thread.join)

@@ -145,3 +145,15 @@ def largest_difference(ours: dict[str, dict[str, float]], theirs: dict[str, dict
     for qid in ours:
         assert ours[qid].keys() == theirs[qid].keys(), qid
     return max(abs(p - theirs[qid][option]) for qid, options in ours.items() for option, p in options.items())
+
+
+def within(ours: Any, theirs: Any, tolerance: float) -> bool:
+    """Two JSON values alike but for numbers, which may differ by `tolerance` (answers decided in another batch)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return ours.keys() == theirs.keys() and all(within(ours[k], theirs[k], tolerance) for k in ours)
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return len(ours) == len(theirs) and all(within(a, b, tolerance) for a, b in zip(ours, theirs, strict=True))
+    numbers = (int, float)
+    if isinstance(ours, numbers) and isinstance(theirs, numbers) and not isinstance(ours, bool):
+        return abs(ours - theirs) <= tolerance
+    return ours == theirs

@@ -1,0 +1,169 @@
+"""Several prompts decided together: one backbone prefill of distinct llama.cpp sequences.
+
+A prompt's answers in a batch are its answers alone, within float noise: its hidden states move by about
+1e-6 (f32), because llama.cpp's kernels group the sums of a ubatch of several sequences differently (its
+attention over a KV cache shared with them, where a sequence's cells lie elsewhere than alone; its
+products over more rows). The server batches the requests that wait while a batch runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from test_server import TIMEOUT, reuse_apart, start
+
+import clef_gguf
+from clef_gguf.server.app import create_app
+from clef_gguf.testing.request_suite import (
+    largest_difference,
+    long_state_text,
+    mixed_request,
+    response_probabilities,
+    ten_level_score_request,
+)
+
+N_CTX = 8192
+# Hidden states (RMS about 1, largest values about 10): float noise, measured up to 1.3e-4 at f32. Probabilities:
+# at f32 the responses' rounding to 4 decimals can move a last digit; q8_0 requantizes every activation row to
+# 8 bits, so that noise flips roundings, layer after layer, as another ubatch size does (state_cache.cuts: up to
+# 0.0074): measured up to 0.0099, against the q8_0 parity tolerance of 0.035 (tests/test_parity.py).
+HIDDEN_TOLERANCE = {"f32": 5e-4, "q8_0": 5e-2}
+ANSWER_TOLERANCE = {"f32": 1e-4 + 1e-9, "q8_0": 0.015}
+
+
+def requests(n: int, *, long_state: bool = False) -> list[dict[str, Any]]:
+    """n requests about states of their own, of differing lengths and schemas."""
+    out = []
+    for i in range(n):
+        request = mixed_request() if i % 2 == 0 else ten_level_score_request()
+        text = long_state_text(2 + i) if long_state else f"case {i}: " + "the parcel came late. " * (3 * i + 1)
+        out.append({**request, "state": {"case": i, "ticket": text}})
+    return out
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def loaded(ws, request) -> Any:
+    file_type = request.param
+    model = clef_gguf.load(ws.gguf("untied_f32", file_type), n_ctx=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
+    yield file_type, model
+    model.close()
+
+
+def assert_close(one: dict[str, Any], other: dict[str, Any], tolerance: float) -> None:
+    assert one["usage"] == other["usage"]
+    assert largest_difference(response_probabilities(one), response_probabilities(other)) <= tolerance
+
+
+def test_batched_hidden_states_and_answers_are_those_alone(loaded):
+    file_type, model = loaded
+    prompts = [model.encode(r) for r in requests(4)]
+    assert model.batchable(prompts)
+    alone = [model._hidden_states([p])[0][0].copy() for p in prompts]  # (views of llama.cpp's buffer: copied)
+    together = model._hidden_states(prompts)
+    for one, (other, _) in zip(alone, together, strict=True):
+        assert one.shape == other.shape and float(np.abs(one - other).max()) <= HIDDEN_TOLERANCE[file_type]
+    answers = model.decide_batch(prompts)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert_close(answer, model.decide(prompt), ANSWER_TOLERANCE[file_type])
+
+
+def test_what_is_batchable(loaded):
+    _, model = loaded
+    prompts = [model.encode(r) for r in requests(5)]
+    assert model.batchable(prompts[:4]) and not model.batchable(prompts)  # parallel = 4 sequences
+    long = [model.encode(r) for r in requests(2, long_state=True)]
+    assert model.batchable(long[:1])  # one prompt always is
+    big = long[0]
+    assert model.batchable([big, *prompts[:1]]) == (len(big.tokens) + len(prompts[0].tokens) <= model.ubatch)
+    with pytest.raises(clef_gguf.errors.ComputeError):
+        model.decide_batch(prompts)
+
+
+def test_the_state_cache_hits_and_fills_inside_a_batch(ws):
+    path = ws.gguf("untied_f32", "f32")
+    cold = clef_gguf.load(path, n_ctx=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
+    cached = clef_gguf.load(path, n_ctx=N_CTX, ubatch=N_CTX, parallel=4)
+    try:
+        first = requests(3, long_state=True)
+        # Two repeat a state the cache has (after the first batch), one is new.
+        second = [{**first[0], "questions": ten_level_score_request()["questions"]}, first[1], requests(4, long_state=True)[3]]
+        preamble = cached.encode(first[0]).preamble  # the template's, kept since the load's probe
+        answers = cached.decide_batch([cached.encode(r) for r in first])
+        assert [a["usage"]["input_tokens_details"]["cached_tokens"] for a in answers] == [preamble] * 3
+        again = cached.decide_batch([cached.encode(r) for r in second])
+        reused = [a["usage"]["input_tokens_details"]["cached_tokens"] for a in again]
+        assert reused[0] > preamble and reused[1] > preamble and reused[2] == preamble
+        for request, answer in zip([*first, *second], [*answers, *again], strict=True):
+            expected = cold.decide(request)
+            assert answer["usage"]["input_tokens"] == expected["usage"]["input_tokens"]
+            assert largest_difference(response_probabilities(answer), response_probabilities(expected)) <= 1e-4
+    finally:
+        cold.close()
+        cached.close()
+
+
+class GatedModel:
+    """A real model whose first batch waits for a release: the requests sent meanwhile queue up."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.name, self.path = model.name, model.path
+        self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
+        self.image_limits = model.image_limits
+        self.release = threading.Event()
+        self.batches: list[int] = []
+
+    def encode(self, request: Any) -> Any:
+        return self.model.encode(request)
+
+    def decide(self, prompt: Any) -> dict[str, Any]:
+        return self.model.decide(prompt)
+
+    def batchable(self, prompts: list[Any]) -> bool:
+        return self.model.batchable(prompts)
+
+    def decide_batch(self, prompts: list[Any]) -> list[Any]:
+        assert self.release.wait(60)
+        self.batches.append(len(prompts))
+        return self.model.decide_batch(prompts)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_server_batches_the_requests_that_wait_in_order(loaded):
+    file_type, model = loaded
+    gated = GatedModel(model)
+    live = start(create_app(gated, owns_model=False))
+    sent = requests(6)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            first = pool.submit(httpx.post, f"{live.url}/v1/systemone", json=sent[0], timeout=TIMEOUT)
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{live.url}/health").json()["pending"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            rest = []
+            for i, request in enumerate(sent[1:], 2):  # one at a time, so that the queue's order is known
+                rest.append(pool.submit(httpx.post, f"{live.url}/v1/systemone", json=request, timeout=TIMEOUT))
+                while httpx.get(f"{live.url}/health").json()["pending"] < i:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            gated.release.set()
+            responses = [first.result(), *(f.result() for f in rest)]
+    finally:
+        gated.release.set()
+        live.stop()
+    assert gated.batches == [1, 4, 1]  # the first alone; then the oldest four waiting (parallel), then the last
+    timings = [r.headers["server-timing"] for r in responses]
+    assert ['batch of 1"' in t for t in timings] == [True, False, False, False, False, True]
+    assert all("decide;dur=" in t and 'desc="batch of 4"' in t for t in timings[1:5])
+    for request, response in zip(sent, responses, strict=True):
+        assert response.status_code == 200
+        assert_close(reuse_apart(response.json()), reuse_apart(model.decide(request)), ANSWER_TOLERANCE[file_type])
