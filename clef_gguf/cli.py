@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -354,10 +355,22 @@ def _decide(model_path: Path, request_path: str, images: list[Path], **settings:
 
 
 def _read_image(path: Path) -> bytes:
+    """An --image file, under the API's limits: a regular file (not a FIFO that never ends, nor /dev/zero), read
+    no further than one byte past the limit of an image (MAX_IMAGE_BYTES)."""
+    from .runtime.images import MAX_IMAGE_BYTES
+
     try:
-        return path.read_bytes()
+        # O_NONBLOCK: opening a FIFO does not wait for a writer; fstat then refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise RequestError(f"{path} is not a regular file", "images")
+            data = file.read(MAX_IMAGE_BYTES + 1)
     except OSError as e:
         raise RequestError(f"cannot read {path}: {e.strerror or e}", "images") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise RequestError(f"{path} is over the limit of an image, {MAX_IMAGE_BYTES >> 20} MiB", "images")
+    return data
 
 
 @app.command()

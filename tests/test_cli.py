@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -69,6 +70,20 @@ def test_decide_reads_images_as_the_api_does(ws, tmp_path):
         "decide", str(model), str(tmp_path / "text.json"), "--mmproj", str(mmproj), "--image", str(tmp_path / "text.json")
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: images.0:")
+
+
+def test_decide_image_files_are_held_to_the_api_limits(tmp_path):
+    """--image reads a regular file of at most 4 MiB: /dev/zero, a FIFO without a writer and a large file are one
+    line and exit 2 (they were a MemoryError traceback, a hang, and a 5 MiB read)."""
+    (tmp_path / "request.json").write_text(json.dumps(mixed_request()))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    large = tmp_path / "large.png"
+    large.write_bytes(b"\x89PNG" + bytes(5 << 20))
+    for image, message in (("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"), (str(large), "4 MiB")):
+        run = clef_gguf("decide", str(tmp_path / "request.json"), "--image", image)  # (the demo model: refused before)
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
 
 
 def test_decide_without_a_model_uses_the_demo(tmp_path):

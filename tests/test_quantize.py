@@ -176,5 +176,29 @@ def test_free_space_is_checked_before_starting(tmp_path):
 
     free = shutil.disk_usage(tmp_path).free
     check_free_space(tmp_path, free // 2)
-    with pytest.raises(ConversionError, match="GiB free"):
+    with pytest.raises(ConversionError, match="free; this conversion needs about"):
         check_free_space(tmp_path, free * 2)
+
+
+def test_a_write_the_disk_cuts_short_says_the_disk_is_full(tmp_path):
+    """numpy's tofile reports a short write with no errno; ENOSPC itself says the same."""
+    import errno
+
+    from clef_gguf.conversion.writer import writing
+
+    for error in (OSError("4096 requested and 304 written"), OSError(errno.ENOSPC, "No space left on device")):
+        with pytest.raises(ConversionError, match=r"is full \(.* free, ENOSPC\)"), writing(tmp_path / "out.gguf"):
+            raise error
+
+
+def test_sizes_are_printed_in_a_unit_that_fits():
+    from clef_gguf.conversion.writer import human_size
+
+    assert [human_size(n) for n in (0, 512, 3400, 12 << 20, 3 << 29, 5 << 40)] == [
+        "0 bytes",
+        "512 bytes",
+        "3.3 KiB",
+        "12.0 MiB",
+        "1.50 GiB",
+        "5.00 TiB",
+    ]

@@ -70,15 +70,17 @@ def cluster() -> Iterator[str]:
 def ray_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("ray") / "serve.log"
     # No state cache, here and in plain_url: which replica saw a state before would show in usage.cached_tokens,
-    # and the bodies are compared byte for byte (the cache's own answers are tested in test_state_cache.py).
-    args = ("--ray", "--replicas", "2", "--state-cache", "0")
+    # and the bodies are compared byte for byte (the cache's own answers are tested in test_state_cache.py). One
+    # request at a time (--parallel 1) for the same reason: which requests a batch holds moves the answers by float
+    # noise (tests/test_batching.py).
+    args = ("--ray", "--replicas", "2", "--state-cache", "0", "--parallel", "1")
     with served(DEMO_MODEL, *args, env={"RAY_ADDRESS": cluster}, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, _):
         yield url
 
 
 @pytest.fixture(scope="module")
 def plain_url() -> Iterator[str]:
-    with served(DEMO_MODEL, "--state-cache", "0") as (url, _):
+    with served(DEMO_MODEL, "--state-cache", "0", "--parallel", "1") as (url, _):
         yield url
 
 

@@ -180,6 +180,12 @@ def test_bad_images_get_422_naming_the_image(client):
             {**request, "assets": {"clip": {"type": "video", "data_base64": "AAAA"}}},
             ["body", "assets", "clip", "type"],
         ),
+        # Not a list, beside assets or not (beside them it was dropped, and the request answered).
+        "images not a list": ({**request, "images": png}, ["body", "images"]),
+        "images not a list, with assets": (
+            {**request, "images": png, "assets": {"p": {"type": "image", "format": "png", "data_base64": png.split(",")[1]}}},
+            ["body", "images"],
+        ),
         "a video": ({**request, "videos": ["data:video/mp4;base64,AAAA"]}, ["body", "videos"]),
     }
     for name, (body, loc) in cases.items():

@@ -355,7 +355,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"), args.threads)
+    plot(rows, concurrency, args.out.with_suffix(".png"), args.threads)
     print("\n".join(lines))
 
 
@@ -376,14 +376,21 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def plot(rows: list[tuple[str, str, int, float, float | None, float | None]], out: Path, threads: int) -> None:
-    """clef-gguf / llama-server by prompt size, one line per type; the repeated state as a marker."""
+def plot(
+    rows: list[tuple[str, str, int, float, float | None, float | None]],
+    concurrency: list[tuple[str, int, str, float, float, float]],
+    out: Path,
+    threads: int,
+) -> None:
+    """Left: clef-gguf / llama-server by prompt size, one line per type, the repeated state as a marker. Right (with
+    clients rows): requests per second by concurrent clients, one line per server and type."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, axes = plt.subplots(1, 2 if concurrency else 1, figsize=(12 if concurrency else 7, 4.2), squeeze=False)
+    ax = axes[0][0]
     for file_type in dict.fromkeys(t for t, *_ in rows):  # (rows: type, request, tokens, ours, theirs, ratio)
         cold = [(k, r) for t, n, k, a, b, r in rows if t == file_type and "repeated" not in n and b]
         line = ax.plot([k for k, _ in cold], [r for _, r in cold], marker="o", label=f"{file_type}, cold")[0]
@@ -400,9 +407,20 @@ def plot(rows: list[tuple[str, str, int, float, float | None, float | None]], ou
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("clef-gguf / llama-server (median round trip)")
-    ax.set_title(f"clef-gguf serve vs llama-server, same file, {threads} thread(s)")
+    ax.set_ylabel("clef-gguf / llama-server (median of rounds' ratios)")
+    ax.set_title(f"one request at a time, {threads} thread(s)")
     ax.legend(fontsize=8)
+    if concurrency:
+        ax = axes[0][1]
+        for file_type, server in dict.fromkeys((t, s) for t, _, s, *_ in concurrency):
+            points = [(n, rate) for t, n, s, rate, *_ in concurrency if (t, s) == (file_type, server)]
+            style = "-" if server == "clef-gguf" else "--" if "-np 1" in server else ":"
+            ax.plot([n for n, _ in points], [r for _, r in points], style, marker="o", label=f"{server}, {file_type}")
+        ax.set_xlabel("concurrent clients (the ticket, a state each)")
+        ax.set_ylabel("requests / s (median round)")
+        ax.set_title(f"throughput, {threads} thread(s)")
+        ax.legend(fontsize=7)
+    fig.suptitle("clef-gguf serve vs llama-server, the same file")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -172,7 +172,7 @@ def main() -> None:
             at_16k = memory_plan(path, 16384, -1, ubatch=16384)
             weights = sum(at_4k.weights_by_type.values())
             one_batch.append(
-                f"| {name} | {weights / 2**30:.2f} | {at_4k.device_bytes / 2**30:.2f} | {at_16k.device_bytes / 2**30:.2f} "
+                f"| {name} | {weights / 2**30:.2f} | {at_4k.device_bytes / 2**30:.2f} | {at_16k.device_bytes / 2**30:.2f} |"
             )
             f = GGUFFile.open(path)
             model = _NoAllocModel(f, -1)
@@ -189,8 +189,7 @@ def main() -> None:
 
                     fits = _largest_fitting(device_at, vram, args.ctx)
                     chunked.append(
-                        f"| {name} | {ubatch} | {compute / 2**30:.2f} | {device / 2**30:.2f} | {fits} "
-                        f"| {at_4k.max_prompt_tokens} |"
+                        f"| {name} | {ubatch} | {compute / 2**30:.2f} | {device / 2**30:.2f} | {fits} | {one_batch_fits} |"
                     )
             finally:
                 model.close()

@@ -58,11 +58,19 @@ def encode(x: np.ndarray, qtype: GT) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)
 
 
+def human_size(n: int) -> str:
+    """Bytes in the binary unit that fits: 512 bytes, 3.3 KiB, 12.0 MiB, 1.50 GiB."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}" if unit in ("TiB", "GiB") else f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
 def check_free_space(directory: Path, needed: int) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
         raise ConversionError(
-            f"{directory} has {free / 2**30:.2f} GiB free; this conversion needs about {needed / 2**30:.2f} GiB ({needed} bytes)"
+            f"{directory} has {human_size(free)} free; this conversion needs about {human_size(needed)} ({needed} bytes)"
         )
 
 
@@ -144,8 +152,10 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _write_error(out: Path, e: OSError) -> ConversionError:
-    if e.errno == errno.ENOSPC:
-        return ConversionError(f"the disk holding {out.parent} is full; free some space and run again")
+    # numpy's tofile reports a write the disk cut short with no errno ("4096 requested and 304 written").
+    if e.errno == errno.ENOSPC or (e.errno is None and "requested and" in str(e)):
+        free = human_size(shutil.disk_usage(out.parent).free)
+        return ConversionError(f"the disk holding {out.parent} is full ({free} free, ENOSPC); free some space and run again")
     return ConversionError(f"cannot write {out}: {e.strerror or e}")
 
 

@@ -77,6 +77,8 @@ def take_assets(value: Any, parts: dict[str, bytes]) -> tuple[Any, list[Location
             raise Invalid(["body"], "the request must be a JSON object")
         return value, []
     given = value.get("images")
+    if given is not None and not isinstance(given, list):  # (refused here too: assets below would replace it)
+        raise Invalid(["body", "images"], "must be a list of images")
     origins: list[Location] = [["body", "images", i] for i in range(len(given))] if isinstance(given, list) else []
     if "assets" not in value:
         if parts:
