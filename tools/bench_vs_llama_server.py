@@ -21,6 +21,12 @@ clef-gguf answers from its state cache (prefilling only the schema) and llama-se
 has no such cache, cold. In the other rows every round's state is new (new_state), so both
 servers prefill all of it.
 
+Before each request (and each round of concurrent requests) the tool waits --gap seconds (0.1):
+llama.cpp's OpenMP threads keep spinning after a graph (libgomp's default wait policy: up to 300,000
+spins, milliseconds), and a server whose request follows the other's at once would share its cores
+with those spinning threads, as it never does when it has the machine to itself (measured: the f32
+ticket at 1.18 to 1.72 without the gap, run to run; 0.99 with OMP_WAIT_POLICY=PASSIVE for both).
+
 Then "clients": the ticket from 1, 4 and 8 concurrent clients (--clients), each over its own kept-alive
 connection and every request about a state of its own, against clef-gguf (which batches the requests
 that wait) and llama-server at -np 1 and at -np 4 (its slots: up to 4 requests decoded together). The
@@ -200,6 +206,12 @@ def main() -> None:
     parser.add_argument("--long-rounds", type=int, default=3, help="rounds of the ~32k request")
     parser.add_argument("--threads", type=int, default=None, help="both servers' threads (default: clef-gguf's)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8], help="concurrent clients of the clients rows")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.1,
+        help="seconds of quiet before each request (or round) to the other server: its threads' spinning dies out first",
+    )
     parser.add_argument("--concurrency-rounds", type=int, default=3)
     parser.add_argument("--concurrency-requests", type=int, default=48, help="requests per round of a clients row")
     rows_by_name = ["ticket", "~2k", "~8k", "~32k", "repeated", "clients"]
@@ -265,6 +277,7 @@ def main() -> None:
                     short = name in ("ticket", "~2k")
                     for r in range(args.short_rounds if short else args.long_rounds if name == "~32k" else args.rounds):
                         for who in servers[:: 1 if r % 2 == 0 else -1]:
+                            time.sleep(args.gap)
                             times[who].append(clients[who].post(new_state(request, r))[0])
                     a = statistics.median(times["ours"])
                     b = statistics.median(times["theirs"]) if times["theirs"] else None
@@ -283,6 +296,7 @@ def main() -> None:
                             order = list(urls) if r % 2 == 0 else list(urls)[::-1]
                             for name in order:
                                 first = 10**7 * (r + 1) + 10**5 * n_clients
+                                time.sleep(args.gap)
                                 per_server[name].append(
                                     concurrent_round(urls[name], requests["ticket"], n_clients, args.concurrency_requests, first)
                                 )
@@ -305,6 +319,7 @@ def main() -> None:
                 for r in range(args.rounds):
                     request = repeated_state(requests["~8k"], r)
                     for who in ["ours", "theirs"][:: 1 if r % 2 == 0 else -1]:
+                        time.sleep(args.gap)
                         seconds, answer = clients[who].post(request)
                         times[who].append(seconds)
                         if who == "ours" and not answer["usage"]["input_tokens_details"]["cached_tokens"]:
@@ -323,7 +338,7 @@ def main() -> None:
         "",
         f"`python tools/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
         f"--rounds {args.rounds} --short-rounds {args.short_rounds} --long-rounds {args.long_rounds} "
-        f"--threads {args.threads}"
+        f"--threads {args.threads} --gap {args.gap}"
         + (f" --clients {' '.join(map(str, args.clients))}" if concurrency else "")
         + "`: fixture hidden 256,",
         "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",

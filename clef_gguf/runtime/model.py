@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class _Plan:
     done: list[np.ndarray] = field(default_factory=list)  # hidden states so far, in order
 
 
+T = TypeVar("T")
+
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
 
@@ -57,6 +60,34 @@ class ClefModel:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
         self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
         self.path = Path(path)
+        self._closed = False
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-compute", initializer=self._mark)
+        try:
+            self.compute(self._load, n_gpu_layers, max_prompt_tokens, n_threads, parallel, mmproj)
+        except BaseException:
+            self._compute.shutdown()
+            raise
+
+    def _mark(self) -> None:
+        self._compute_thread = threading.get_ident()
+
+    def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the model's compute thread, where all of its llama.cpp computation runs (one at a time).
+
+        Why one thread: llama.cpp's CPU backend is built with OpenMP (llama-cpp-python's, libgomp), and each
+        thread that computes a graph owns a team of libgomp threads for the life of the thread. With two such
+        teams alive (the load's probe on the caller's thread, then decisions on a server's worker thread)
+        libgomp manages more threads than there are CPUs and stops spinning at barriers: every ggml barrier
+        (one per graph node) sleeps and is woken. Measured: the ticket's decode at 2 threads took 129 ms with
+        one team, 267 ms with a second team alive (tools/profile_request.py --second-team).
+        """
+        if threading.get_ident() == getattr(self, "_compute_thread", None):
+            return fn(*args)
+        return self._compute.submit(fn, *args).result()
+
+    def _load(
+        self, n_gpu_layers: int, max_prompt_tokens: int, n_threads: int | None, parallel: int, mmproj: str | Path | None
+    ) -> None:
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
             validated = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
@@ -81,7 +112,6 @@ class ClefModel:
             if mmproj is not None:
                 self.vision, self.image_limits = self._load_vision(Path(mmproj), n_gpu_layers != 0, n_threads)
                 stack.callback(self.vision.close)
-            self._lock = threading.Lock()
             # Weights that parse but overflow or hold NaN: refused now, not on every request. A context too
             # small for the probe leaves the check to the first request.
             with suppress(PromptTooLongError):
@@ -138,17 +168,19 @@ class ClefModel:
         if not self.batchable(prompts):
             tokens = sum(len(p.tokens) for p in prompts)
             raise ComputeError(f"{len(prompts)} prompts of {tokens} tokens in all cannot be decided together")
-        with self._lock:
-            hidden = self._hidden_states(prompts)  # a prompt's error, or (its hidden states, tokens the cache gave)
-            answers: list[dict[str, Any] | Exception] = []
-            for prompt, result in zip(prompts, hidden, strict=True):
-                if isinstance(result, Exception):
-                    answers.append(result)
-                    continue
-                try:  # views of llama.cpp's output buffer: the head reads them under the same lock
-                    answers.append(response(prompt, self.name, self.head(result[0], prompt), cached_tokens=result[1]))
-                except (ComputeError, ModelOutputError) as e:
-                    answers.append(e)
+        return self.compute(self._decide_batch, prompts)
+
+    def _decide_batch(self, prompts: Sequence[EncodedPrompt]) -> list[dict[str, Any] | Exception]:
+        hidden = self._hidden_states(prompts)  # a prompt's error, or (its hidden states, tokens the cache gave)
+        answers: list[dict[str, Any] | Exception] = []
+        for prompt, result in zip(prompts, hidden, strict=True):
+            if isinstance(result, Exception):
+                answers.append(result)
+                continue
+            try:  # views of llama.cpp's output buffer: the head reads them before the next decode
+                answers.append(response(prompt, self.name, self.head(result[0], prompt), cached_tokens=result[1]))
+            except (ComputeError, ModelOutputError) as e:
+                answers.append(e)
         return answers
 
     def _hidden_states(self, prompts: Sequence[EncodedPrompt]) -> list[tuple[np.ndarray, int] | Exception]:
@@ -229,8 +261,13 @@ class ClefModel:
         return embeddings
 
     def close(self) -> None:
+        """Free the model; a second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.state_cache.clear()  # host memory only: the saved states are of no use without the context
-        self._resources.close()  # head, backbone, then the mapping: the reverse of loading
+        self.compute(self._resources.close)  # head, backbone, then the mapping: the reverse of loading
+        self._compute.shutdown()
 
     def __enter__(self) -> ClefModel:
         return self

@@ -72,6 +72,15 @@ def render(response: dict[str, Any]) -> bytes:
     return json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
+def _rendered(answer: dict[str, Any] | Exception) -> bytes | Exception:
+    if isinstance(answer, Exception):
+        return answer
+    try:
+        return render(answer)
+    except (TypeError, ValueError) as e:
+        return e
+
+
 def overloaded(pending: int) -> ApiError:
     return ApiError(503, "overloaded_error", f"{pending} requests are already waiting; retry shortly", {"Retry-After": "1"})
 
@@ -132,7 +141,11 @@ class DecideWorker:
                 batch = [self._queue.popleft()]
                 while self._queue and self.model.batchable([*(j.prompt for j in batch), self._queue[0].prompt]):
                     batch.append(self._queue.popleft())
-            self._run(batch)
+            try:
+                self._run(batch)
+            except Exception as e:  # the batch's requests get it; the thread goes on, or every later request would hang
+                for job in batch:
+                    job.settle(None, e)
 
     def _run(self, batch: list[_Job]) -> None:
         started = time.perf_counter()
@@ -140,7 +153,7 @@ class DecideWorker:
             answers = self.model.decide_batch([job.prompt for job in batch])
         except Exception as e:  # the batch's error (a llama.cpp failure): every request's
             answers = [e] * len(batch)
-        bodies = [a if isinstance(a, Exception) else render(a) for a in answers]
+        bodies = [_rendered(a) for a in answers]  # (an error here is its request's, never the thread's end)
         finished = time.perf_counter()
         for job, answer, body in zip(batch, answers, bodies, strict=True):
             if isinstance(body, Exception):
