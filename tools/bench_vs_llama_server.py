@@ -22,10 +22,9 @@ has no such cache, cold. In the other rows every round's state is new (new_state
 servers prefill all of it.
 
 Before each request (and each round of concurrent requests) the tool waits --gap seconds (0.1):
-llama.cpp's OpenMP threads keep spinning after a graph (libgomp's default wait policy: up to 300,000
-spins, milliseconds), and a server whose request follows the other's at once would share its cores
-with those spinning threads, as it never does when it has the machine to itself (measured: the f32
-ticket at 1.18 to 1.72 without the gap, run to run; 0.99 with OMP_WAIT_POLICY=PASSIVE for both).
+llama.cpp's OpenMP threads keep spinning after a graph (libgomp's default wait policy: up to
+300,000 spins), and a request sent at once after the other server's would share its cores with
+them, as it never does when its server has the machine to itself.
 
 Then "clients": the ticket from 1, 4 and 8 concurrent clients (--clients), each over its own kept-alive
 connection and every request about a state of its own, against clef-gguf (which batches the requests

@@ -80,7 +80,7 @@ def entry_bytes(key: bytes, sequence_bytes: int, hidden_bytes: int) -> int:
 
 
 class StateCache:
-    """LRU of prefix key -> Entry within `budget` bytes (0: off). Not thread-safe: the model's lock guards it."""
+    """LRU of prefix key -> Entry within `budget` bytes (0: off). Not thread-safe: only the model's compute thread uses it."""
 
     def __init__(self, budget: int = DEFAULT_STATE_CACHE) -> None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:

@@ -181,7 +181,7 @@ class ClefReplica:
         return await self.worker.decide(prompt)
 
     def check_health(self) -> None:
-        # No decision here: one would wait on the model's lock behind a long prompt, and a check that times out
+        # No decision here: one would wait for the model's compute thread behind a long prompt, and a check that times out
         # (health_check_timeout_s) gets a busy, healthy replica replaced.
         if self.probe_answer is None:
             raise ReplicaNotReady("the model has not answered its probe decision")

@@ -1,6 +1,6 @@
 """Decide on one dedicated thread, in batches of the requests waiting, behind a bounded admission count.
 
-ClefModel.decide_batch is CPU-bound and serialized by the model's lock (one llama.cpp context):
+ClefModel.decide_batch is CPU-bound and serialized on the model's compute thread (one llama.cpp context):
 running it on a worker thread keeps the event loop answering (health, errors, new connections).
 The thread takes the requests waiting when it is free, first come first served: the oldest, and
 the next ones in order while the model can decide them together (ClefModel.batchable), which it
