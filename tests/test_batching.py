@@ -8,7 +8,6 @@ products over more rows). The server batches the requests that wait while a batc
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from test_server import TIMEOUT, reuse_apart, start
+from test_server import TIMEOUT, BlockingModel, reuse_apart, start
 
 import clef_gguf
 from clef_gguf.server.app import create_app
@@ -108,33 +107,17 @@ def test_the_state_cache_hits_and_fills_inside_a_batch(ws):
         cached.close()
 
 
-class GatedModel:
-    """A real model whose first batch waits for a release: the requests sent meanwhile queue up."""
+class GatedModel(BlockingModel):
+    """test_server's BlockingModel (its decisions wait for a release), recording the size of each batch."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
-        self.name, self.path = model.name, model.path
-        self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
-        self.image_limits = model.image_limits
-        self.release = threading.Event()
+        super().__init__(model)
         self.batches: list[int] = []
 
-    def encode(self, request: Any) -> Any:
-        return self.model.encode(request)
-
-    def decide(self, prompt: Any) -> dict[str, Any]:
-        return self.model.decide(prompt)
-
-    def batchable(self, prompts: list[Any]) -> bool:
-        return self.model.batchable(prompts)
-
     def decide_batch(self, prompts: list[Any]) -> list[Any]:
-        assert self.release.wait(60)
+        answers = super().decide_batch(prompts)
         self.batches.append(len(prompts))
-        return self.model.decide_batch(prompts)
-
-    def close(self) -> None:
-        pass
+        return answers
 
 
 def test_the_server_batches_the_requests_that_wait_in_order(loaded):

@@ -214,8 +214,9 @@ class ClefModel:
                 if step == steps - 1:  # a view of llama.cpp's output buffer, valid until the next decode
                     plan.done.append(hidden)
                     continue
-                plan.done.append(hidden.copy())
-                prefix = np.concatenate(plan.done) if len(plan.done) > 1 else plan.done[0]
+                # The hidden states up to this cut, in one array: the cache entry's, and the start of the prompt's.
+                prefix = np.concatenate([*plan.done, hidden]) if plan.done else hidden.copy()
+                plan.done = [prefix]
                 size = entry_bytes(plan.keys[i], self.backbone.sequence_size(plan.seq), prefix.nbytes)
                 if self.state_cache.admits(size):
                     self.state_cache.put(plan.keys[i], Entry(self.backbone.save_sequence(plan.seq), prefix))

@@ -143,16 +143,13 @@ class DecideWorker:
                     batch.append(self._queue.popleft())
             try:
                 self._run(batch)
-            except Exception as e:  # the batch's requests get it; the thread goes on, or every later request would hang
+            except Exception as e:  # the batch's error (a llama.cpp failure) is each of its requests'; the thread goes on
                 for job in batch:
                     job.settle(None, e)
 
     def _run(self, batch: list[_Job]) -> None:
         started = time.perf_counter()
-        try:
-            answers = self.model.decide_batch([job.prompt for job in batch])
-        except Exception as e:  # the batch's error (a llama.cpp failure): every request's
-            answers = [e] * len(batch)
+        answers = self.model.decide_batch([job.prompt for job in batch])  # (its own error: _loop gives it to all)
         bodies = [_rendered(a) for a in answers]  # (an error here is its request's, never the thread's end)
         finished = time.perf_counter()
         for job, answer, body in zip(batch, answers, bodies, strict=True):
