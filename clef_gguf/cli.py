@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -158,13 +158,18 @@ def _signals_clean_up() -> Iterator[None]:
         if not _in_llama_callback(frame):
             raise _Terminated(signum)
 
-    _pending.clear()
     previous = {s: signal.signal(s, unwind) for s in signals}
     try:
         yield
     finally:
+        _pending.clear()  # a later error, outside this block, is not the signal's
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _stopped_by(signum: int) -> NoReturn:
+    _error(f"stopped by {signal.Signals(signum).name}; partial output removed")
+    raise typer.Exit(128 + signum) from None
 
 
 def _run(action: Callable[[], T]) -> T:
@@ -175,8 +180,13 @@ def _run(action: Callable[[], T]) -> T:
         _error(e)
         raise typer.Exit(e.exit_code) from None
     except _Terminated as e:
-        _error(f"stopped by {signal.Signals(e.signum).name}; partial output removed")
-        raise typer.Exit(128 + e.signum) from None
+        _stopped_by(e.signum)
+    except Exception:
+        # C code between the handler and here can swallow its exception and fail another way (numpy's
+        # tofile turned it into a TypeError): once a signal came, what unwinds is that signal.
+        if _pending:
+            _stopped_by(_pending[0])
+        raise
     except KeyboardInterrupt:
         _error("interrupted; partial output removed")
         raise typer.Exit(128 + signal.SIGINT) from None

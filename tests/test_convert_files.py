@@ -19,7 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import typer
 
+from clef_gguf.cli import _run, _signals_clean_up
 from clef_gguf.conversion.convert import backbone_tensors, default_mmproj_path
 from clef_gguf.conversion.graft import graft, head_tensors
 from clef_gguf.conversion.release import open_release
@@ -133,6 +135,22 @@ def test_a_caught_signal_removes_everything_it_wrote(slow_release, tmp_path, poi
     assert f"stopped by {signum.name}" in stderr or "interrupted" in stderr, stderr[-2000:]
     assert "Traceback" not in stderr
     assert beside(out) == []
+
+
+def test_a_signal_that_c_code_swallowed_still_stops_with_its_code(capsys):
+    """numpy's tofile, interrupted, cleared the handler's exception and raised a TypeError instead."""
+
+    def swallowed() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter") from None
+
+    with pytest.raises(typer.Exit) as stop, _signals_clean_up():
+        _run(swallowed)
+    assert stop.value.exit_code == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("point", list(POINTS))
