@@ -17,7 +17,6 @@ class ClefDescription:
     name: str  # general.name, else the file's stem
     shape: C.BackboneShape
     head: C.HeadConfig
-    head_norm_eps: float  # the head's LayerNorm epsilon
     template: PromptTemplate  # the systemone template, compiled once
     nfc: bool  # NFC-normalize prompts (Qwen's tokenizer.json does; llama.cpp's tokenizer does not)
     tensors: Mapping[str, TensorInfo]  # the header's tensor table, read-only

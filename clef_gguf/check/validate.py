@@ -225,7 +225,6 @@ def open_validated(path: str | os.PathLike[str]) -> ValidatedFile:
         name=str(h.get("general.name") or f.path.stem),
         shape=found.shape,
         head=found.head,
-        head_norm_eps=float(h.get(C.KEY_HEAD_NORM_EPS)),
         template=found.template,
         nfc=h.get(C.KEY_NORMALIZER, "NFC") == "NFC",
         tensors=MappingProxyType(h.tensors),

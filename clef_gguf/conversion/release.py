@@ -184,7 +184,8 @@ def open_release(source: str | Path, *, weights: bool = True) -> Release:
     if not (root / HEAD_WEIGHTS).is_file():
         raise ReleaseError(f"{root.name}: not a Clef release: {HEAD_WEIGHTS} is missing (a plain Qwen3.5 model?)")
     try:
-        head = HeadConfig(**{k: int(head_config[k]) for k in HeadConfig.__dataclass_fields__})
+        # The reference's LayerNorms take torch's default epsilon (HeadConfig's): head_config.json has none.
+        head = HeadConfig(**{k: int(head_config[k]) for k in HeadConfig.__dataclass_fields__ if k != "norm_eps"})
     except (KeyError, TypeError, ValueError) as e:
         raise ReleaseError(f"{HEAD_CONFIG}: missing or invalid field {e}") from e
     backbone: dict[str, StoredTensor] = {}

@@ -221,7 +221,7 @@ def write_metadata(
         w.add_uint32(C.KEY_ROUTING_BLOCKS, head.routing_layers)
         w.add_uint32(C.KEY_JOINT_BLOCKS, head.layers)
         w.add_uint32(C.KEY_HEAD_COUNT, head.heads)
-        w.add_float32(C.KEY_HEAD_NORM_EPS, C.HEAD_NORM_EPS)
+        w.add_float32(C.KEY_HEAD_NORM_EPS, head.norm_eps)
         w.add_string(C.KEY_REFERENCE_SHA256, reference_sha256)
         w.add_string(C.KEY_NORMALIZER, vocab.normalizer)
     w.add_tokenizer_model("gpt2")

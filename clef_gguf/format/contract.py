@@ -324,12 +324,15 @@ _ATTENTION_MODULES = ("attention", "self_attn", "multihead_attn")
 
 @dataclass(frozen=True)
 class HeadConfig:
+    """JointSchemaHead's constructor arguments, and its LayerNorms' epsilon (KEY_HEAD_NORM_EPS in a file)."""
+
     hidden_size: int
     width: int
     routing_layers: int
     layers: int
     heads: int
     feedforward: int
+    norm_eps: float = HEAD_NORM_EPS
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,30 @@ def head_tensor_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
         shapes[rule.gguf] = shape if rule.part is None else (shape[0] // 3, *shape[1:])
     shapes[SCALES] = (len(SCALE_PARAMETERS),)
     return shapes
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    """One head tensor as libclef_head binds it: `role`, the reference module and tensor it stands for
+    ("layers.0.self_attn.q.weight"), names the field; the C++ declares no name, shape or type of its own."""
+
+    role: str
+    gguf: str
+    ne: tuple[int, int]  # ggml order, a vector's ne1 1
+    f32: bool  # vectors (norms, biases, decision.scales) are F32; matrices any of WEIGHT_TYPES
+
+
+def head_manifest(c: HeadConfig) -> list[ManifestRow]:
+    """Every tensor libclef_head reads, from head_modules and head_tensor_shapes: the head's one table."""
+    shapes = head_tensor_shapes(c)
+
+    def row(role: str, name: str) -> ManifestRow:
+        shape = shapes[name]
+        return ManifestRow(role, name, (shape[-1], shape[0] if len(shape) == 2 else 1), len(shape) == 1)
+
+    modules = head_modules(c).items()
+    rows = [row(f"{m}.{x}", f"{g}.{x}") for m, g in modules for x in ("weight", "bias") if f"{g}.{x}" in shapes]
+    return [*rows, row("scales", SCALES)]
 
 
 def head_tensor_count(routing_layers: int, layers: int) -> int:

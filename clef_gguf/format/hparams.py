@@ -206,7 +206,7 @@ def read_head_config(h: Header, n_embd: int | None) -> tuple[C.HeadConfig | None
             widths[name] = t.dims[1]
     if problems or n_embd is None:
         return None, problems
-    config = C.HeadConfig(hidden_size=n_embd, **widths, **counts)
+    config = C.HeadConfig(hidden_size=n_embd, **widths, **counts, norm_eps=float(eps.value))
     if config.width % config.heads:
         message = f"the head's width {config.width} is not a multiple of {C.KEY_HEAD_COUNT} = {config.heads}"
         return None, [message]

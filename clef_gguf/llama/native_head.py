@@ -62,7 +62,6 @@ class NativeHead:
         path: str | os.PathLike[str],
         config: C.HeadConfig,
         *,
-        norm_eps: float = C.HEAD_NORM_EPS,
         gpu: bool = False,
         n_threads: int | None = None,
     ) -> None:
@@ -76,7 +75,7 @@ class NativeHead:
         fields = (config.hidden_size, config.width, config.routing_layers, config.layers, config.heads, config.feedforward)
         values = (ctypes.c_int64 * len(fields))(*fields)
         types = _i32(sorted(int(t) for t in C.WEIGHT_TYPES))  # validate's table: the head runs what validate accepts
-        args = (table, _ptr(types), len(types), values, norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE)
+        args = (table, _ptr(types), len(types), values, config.norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE)
         status = self._lib.clef_head_load(os.fsencode(path), *args)
         if status != 0:
             raise ModelFileError(f"{Path(path).name}: {err.value.decode('utf-8', 'replace')}")
