@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from .release_builder import load_reference
+from .reference import load_reference
 
 # Large enough that the reference never truncates the state.
 MAX_LENGTH = 1_000_000

@@ -4,77 +4,30 @@ A Clef release folder holds a ``Qwen3_5ForConditionalGeneration`` checkpoint
 (``config.json`` + ``model*.safetensors``, vision tower included), the joint
 schema head (``joint_head.safetensors`` + ``joint_head_config.json``), the
 tokenizer files and Cloudflare's ``joint_schema_model.py``. ``build_release``
-writes such a folder with random weights and a small trained byte-level BPE
-tokenizer shaped like Qwen's, so that converter and runtime tests can compare
-llama.cpp against Cloudflare's reference without downloading anything.
-
-Random weights are drawn by this module, not left to transformers' init: its
-init puts norms at exactly 0/1 and gates at fixed values, which would let a
-converter that forgets a norm offset or permutes V heads pass unnoticed.
+writes such a folder with random weights (weights.py) and a small trained byte-level
+BPE tokenizer shaped like Qwen's (tokenizer.py), so that converter and runtime tests
+can compare llama.cpp against Cloudflare's reference (reference.py) without
+downloading anything.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
 import json
-import math
 import shutil
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-REFERENCE_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
-REFERENCE_MODULE = "clef_reference_joint_schema_model"
+from .reference import load_reference, reference_path
+from .tokenizer import build_tokenizer
+from .weights import randomize_backbone, randomize_head
 
-# Qwen3.5's pre-tokenizer split; llama.cpp's `qwen35` pre-tokenizer implements
-# exactly this (its `qwen2` one lacks the \p{M} parts).
-QWEN35_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen's special added tokens, in Qwen's id order.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-# Added but not special in Qwen3: they are ordinary text to the chat template.
-PLAIN_ADDED_TOKENS = ("<think>", "</think>")
-BPE_VOCAB_SIZE = 800  # byte alphabet (256) + ~540 merges
 PARTIAL_ROTARY_FACTOR = 0.25
 ROPE_THETA = 10_000.0  # transformers' default for Qwen3_5TextConfig
-# Head scalars, tuned on random heads over the request suite: the median question
-# answers a top probability ~1.5-2.7x uniform, almost none is saturated (an option
-# below 0.01 would hide logit errors), and the lexical prior and the joint path
-# (routing, decoder layers, residual scorer) move the logits about equally, so a
-# converter error in either path shows.
-PRIOR_LOGIT_SCALE = math.log(10.0)
-JOINT_LOGIT_SCALE = math.log(20.0)
-RESIDUAL_GATE = 1.0  # sigmoid(1) ~ 0.73
-
-# Projections that write into the residual stream, and how much smaller they are drawn.
-RESIDUAL_WRITERS = ("o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
-RESIDUAL_WRITE_SCALE = 0.2
 
 # The vision tower and its image processor (preprocessor_config.json).
 VISUAL_PREFIX = "model.visual."
@@ -85,9 +38,6 @@ VISION_MIN_TOKENS = 16
 VISION_MAX_TOKENS = 256
 VISION_IMAGE_MEAN = (0.48, 0.46, 0.41)
 VISION_IMAGE_STD = (0.27, 0.26, 0.28)
-
-# Draws the random value of one named parameter of a given shape.
-_ValueFn = Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -120,7 +70,7 @@ class ReleaseSpec:
 
 
 TINY = ReleaseSpec()
-# The benchmarks' fixture (tools/bench_*.py; issue 12's): hidden 256, 8 layers, a head 128 wide (6 + 3 layers);
+# The benchmarks' fixture (tools/bench_*.py): hidden 256, 8 layers, a head 128 wide (6 + 3 layers);
 # rows of 256, so that the K-quants apply.
 BENCHMARK = ReleaseSpec(
     seed=4,
@@ -135,50 +85,8 @@ BENCHMARK = ReleaseSpec(
     head_layers=3,
 )
 # The released Clef-flash layout (32 layers, every 4th full attention, a
-# 6 + 3 layer head: 160 head tensors) at widths small enough for CPU tests.
-CLEF_FLASH_LAYOUT = ReleaseSpec(
-    layers=32,
-    full_attention_interval=4,
-    hidden=64,
-    intermediate=96,
-    heads=4,
-    kv_heads=2,
-    head_dim=32,
-    linear_key_heads=2,
-    linear_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    head_width=32,
-    routing_layers=6,
-    head_layers=3,
-    head_heads=2,
-    head_feedforward=64,
-)
-
-
-def reference_path() -> Path:
-    """Path of Cloudflare's joint_schema_model.py as shipped in clef-finetune."""
-    spec = importlib.util.find_spec("clef_finetune")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("clef-finetune is not installed: pip install --no-deps clef-finetune==0.1.0")
-    return Path(next(iter(spec.submodule_search_locations))) / "_vendor" / "joint_schema_model.py"
-
-
-def load_reference() -> ModuleType:
-    """Import the reference by file path, so clef_finetune/__init__ (and its deps) never runs."""
-    if REFERENCE_MODULE in sys.modules:
-        return sys.modules[REFERENCE_MODULE]
-    path = reference_path()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != REFERENCE_SHA256:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {REFERENCE_SHA256}: not the reference")
-    module_spec = importlib.util.spec_from_file_location(REFERENCE_MODULE, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    # dataclasses resolve annotations through sys.modules, so register before executing.
-    sys.modules[REFERENCE_MODULE] = module
-    module_spec.loader.exec_module(module)
-    return module
+# 6 + 3 layer head: 160 head tensors) at the tiny fixture's widths, small enough for CPU tests.
+CLEF_FLASH_LAYOUT = ReleaseSpec(layers=32, intermediate=96, routing_layers=6, head_layers=3)
 
 
 def build_release(out_dir: Path, spec: ReleaseSpec = TINY) -> Path:
@@ -226,83 +134,6 @@ def preprocessor_config() -> dict[str, object]:
         "processor_class": "Qwen3VLProcessor",
         "image_processor_type": "Qwen2VLImageProcessorFast",
     }
-
-
-# --- tokenizer -------------------------------------------------------------
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A Qwen-shaped byte-level BPE tokenizer (fresh object on every call)."""
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=262_144,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-@functools.cache
-def _trained_tokenizer_json() -> str:
-    # Training takes ~0.1 s but every build needs the same result: cache the JSON.
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN35_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer.add_tokens(list(PLAIN_ADDED_TOKENS))
-    return tokenizer.to_str()
-
-
-def _corpus() -> list[str]:
-    """Built-in training text: the Clef prompt template, JSON, English, digits, unicode."""
-    system = load_reference().SYSTEM_PROMPT
-    template = [
-        f"system\n{system}\nuser\nSTATE:\n",
-        "\n\nSCHEMA FIELDS:\n",
-        "\nFIELD 1\nID: is_spam\nTYPE: noul\nINSTRUCTION: Is this message spam?",
-        "\nFIELD 2\nID: category\nTYPE: choice\nINSTRUCTION: Which category fits best?",
-        "\nFIELD 3\nID: severity\nTYPE: score\nINSTRUCTION: How severe is the issue?",
-        "\nALLOWED OPTIONS:\nOPTION 1: ",
-        '{"description":"The proposition is true or the answer is yes.","option_id":"true"}\n',
-        '{"description":"The proposition is false or the answer is no.","option_id":"false"}\n',
-        '{"description":"A billing question","option_id":"billing"}\nOPTION 2: ',
-        "END FIELD\n",
-        "\nassistant\n\n\nJOINT SCHEMA DECISIONS:",
-    ]
-    json_text = [
-        '{"user":{"name":"Ada","age":36,"tags":["admin","beta"]},"active":true,"score":0.75}',
-        '{"order_id":10482,"items":[{"sku":"A-17","qty":2},{"sku":"B-3","qty":1}],"note":null}',
-        '[1,2,3,{"nested":{"deep":[true,false,null]}},"end"]',
-    ]
-    english = [
-        "The quick brown fox jumps over the lazy dog while the customer waits for support.",
-        "Please review the following conversation and decide whether the request is urgent.",
-        "Our refund policy allows returns within thirty days of purchase with a receipt.",
-        "The server returned an error after the deployment, so the team rolled it back.",
-        "She said it's fine, they're sure we'll win, and I'd rather you'd not ask again.",
-    ]
-    digits = [" ".join(str(n) for n in range(0, 200, 7)), "3.14159 2.71828 1e-6 -42 1,000,000 2026-11-29"]
-    unicode_text = [
-        "Café crème, naïve résumé, état des lieux, Straße, façade, Ångström, año.",
-        "是否需要人工审核？这是一个测试句子。日本語のテキストも少し。한국어 문장입니다.",
-        "Emoji: 🙂 🚀 👍🏽 ❤️ 🇫🇷 ✅ — and symbols: € £ ¥ © ™ ≤ ≥ ∞.",
-        "Ελληνικά κείμενα και русский текст для проверки юникода.",
-    ]
-    # Repetition weights the template text, as in real Clef prompts.
-    return template * 4 + json_text * 2 + english * 2 + digits + unicode_text * 2
 
 
 # --- backbone --------------------------------------------------------------
@@ -386,8 +217,7 @@ def release_config(spec: ReleaseSpec, tokenizer: PreTrainedTokenizerFast) -> Qwe
 def _save_backbone(out_dir: Path, spec: ReleaseSpec, tokenizer: PreTrainedTokenizerFast) -> None:
     torch.manual_seed(spec.seed)  # transformers' own init; overwritten below, but keep it reproducible
     model = Qwen3_5ForConditionalGeneration(release_config(spec, tokenizer)).eval()
-    generator = torch.Generator().manual_seed(spec.seed)
-    _randomize(model, generator, _backbone_value)
+    randomize_backbone(model, spec.seed)
     model = model.to(getattr(torch, spec.dtype))
     shard = spec.max_shard_bytes if spec.max_shard_bytes is not None else "50GB"
     if spec.vision:
@@ -400,61 +230,6 @@ def _save_backbone(out_dir: Path, spec: ReleaseSpec, tokenizer: PreTrainedTokeni
     config = json.loads(config_path.read_text())
     del config["vision_config"]
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _randomize(
-    module: torch.nn.Module,
-    generator: torch.Generator,
-    value: _ValueFn,
-) -> None:
-    # Sorted names make the draw order independent of module registration order;
-    # copy_ in place keeps tied parameters tied.
-    with torch.no_grad():
-        for name, parameter in sorted(module.named_parameters()):
-            parameter.copy_(value(name, tuple(parameter.shape), generator))
-
-
-def _normal(shape: tuple[int, ...], generator: torch.Generator, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-    return torch.randn(shape, generator=generator) * std + mean
-
-
-def _uniform(shape: tuple[int, ...], generator: torch.Generator, low: float, high: float) -> torch.Tensor:
-    return torch.rand(shape, generator=generator) * (high - low) + low
-
-
-def _fan_in_normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    # Variance-preserving scale: every layer moves the residual stream visibly
-    # without blowing it up.
-    fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
-    return _normal(shape, generator, std=1.0 / math.sqrt(fan_in))
-
-
-def _backbone_value(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if name.endswith("A_log"):
-        # Decay rates exp(A_log) spread over [0.05, 4]: distinct per V head, so a
-        # wrong V-head order changes the output; some heads keep long memory.
-        return _uniform(shape, generator, 0.05, 4.0).log()
-    if name.endswith("dt_bias"):
-        return _normal(shape, generator)
-    if name.endswith("conv1d.weight"):
-        # Asymmetric taps: a time-reversed or transposed kernel gives other outputs.
-        return _normal(shape, generator, std=0.5)
-    if name.endswith("linear_attn.norm.weight") or (".visual." in name and "norm" in name and name.endswith("weight")):
-        # Gated RMSNorm and vision LayerNorms multiply by the weight itself.
-        return _normal(shape, generator, std=0.3, mean=1.0)
-    if "norm" in name and name.endswith("weight"):
-        # Qwen3.5 RMSNorms multiply by (1 + weight): a converter that forgets the
-        # +1 would scale by ~0.3 instead of ~1.
-        return _normal(shape, generator, std=0.3)
-    if name.endswith("bias"):
-        return _normal(shape, generator, std=0.05)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return _normal(shape, generator)
-    if name.endswith(RESIDUAL_WRITERS):
-        # Trained models add small updates to a dominant residual stream; a fixture whose
-        # layers rewrite it amplifies rounding (q8_0) far beyond what real Clef files see.
-        return _fan_in_normal(shape, generator) * RESIDUAL_WRITE_SCALE
-    return _fan_in_normal(shape, generator)
 
 
 # --- head ------------------------------------------------------------------
@@ -476,26 +251,8 @@ def build_head(spec: ReleaseSpec, reference: ModuleType) -> torch.nn.Module:
     config = head_config(spec)
     torch.manual_seed(spec.seed)
     head = reference.JointSchemaHead(**config).eval()
-    # A different stream than the backbone's, so head and backbone draws never coincide.
-    generator = torch.Generator().manual_seed(spec.seed + 1_000_003)
-    _randomize(head, generator, _head_value)
-    with torch.no_grad():
-        head.prior_logit_scale.fill_(PRIOR_LOGIT_SCALE)
-        head.joint_logit_scale.fill_(JOINT_LOGIT_SCALE)
-        head.residual_gate.fill_(RESIDUAL_GATE)
+    randomize_head(head, spec.seed)
     return head
-
-
-def _head_value(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if not shape:  # the three scalars, set explicitly afterwards
-        return torch.zeros(())
-    if "norm" in name and name.endswith("weight"):
-        return _normal(shape, generator, std=0.2, mean=1.0)  # nn.LayerNorm: weight itself
-    if name.endswith("bias"):
-        return _normal(shape, generator, std=0.1)
-    if name.startswith("type_embedding"):
-        return _normal(shape, generator)
-    return _fan_in_normal(shape, generator)
 
 
 def _save_head(out_dir: Path, spec: ReleaseSpec, reference: ModuleType) -> None:
@@ -506,7 +263,7 @@ def _save_head(out_dir: Path, spec: ReleaseSpec, reference: ModuleType) -> None:
     (out_dir / "joint_head_config.json").write_text(json.dumps(head_config(spec), indent=2) + "\n")
 
 
-# Two fixtures, as the parity criteria ask: untied float32, and tied bfloat16 (sharded).
+# The fixtures the tests share: untied float32 and tied bfloat16 (sharded), as the parity criteria ask, and k256.
 RELEASES: dict[str, ReleaseSpec] = {
     "untied_f32": ReleaseSpec(seed=0),
     "tied_bf16": ReleaseSpec(seed=1, tied=True, dtype="bfloat16", max_shard_bytes=200_000),
