@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from .conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES
 from .errors import ClefError, RequestError, SettingsError
 from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, DEFAULT_UBATCH, MAX_PARALLEL
+from .llama.log import inside_callback
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -127,18 +128,9 @@ class _Terminated(KeyboardInterrupt):
 _pending: list[int] = []  # a signal that arrived where raising would have been lost
 
 
-def _in_llama_callback(frame: FrameType | None) -> bool:
-    """Whether Python runs inside llama.cpp's log callback: ctypes drops an exception raised there."""
-    while frame is not None:
-        if frame.f_code.co_name == "_log" and Path(frame.f_code.co_filename).match("*/llama/log.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _raise_pending() -> None:
     """Raise a signal deferred by the handler, once Python runs outside llama.cpp again (progress calls this)."""
-    if _pending and not _in_llama_callback(sys._getframe()):
+    if _pending and not inside_callback():
         raise _Terminated(_pending[0])
 
 
@@ -155,7 +147,7 @@ def _signals_clean_up() -> Iterator[None]:
         for s in signals:  # a second signal must not interrupt the cleanup the first one started
             signal.signal(s, signal.SIG_IGN)
         _pending.append(signum)
-        if not _in_llama_callback(frame):
+        if not inside_callback(frame):
             raise _Terminated(signum)
 
     previous = {s: signal.signal(s, unwind) for s in signals}

@@ -29,6 +29,7 @@ from clef_gguf.conversion.vocab import read_vocab
 from clef_gguf.conversion.writer import GT, header_bytes, remove_stale
 from clef_gguf.errors import ConversionError
 from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.qwen35_view import write_backbone_gguf
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
@@ -151,6 +152,15 @@ def test_a_signal_that_c_code_swallowed_still_stops_with_its_code(capsys):
         _run(swallowed)
     assert stop.value.exit_code == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+def test_inside_callback_tells_llamas_log_callback_from_elsewhere():
+    """The signal handler defers its exception inside the callback (ctypes would drop it): called through the
+    C function pointer llama.cpp calls, as the quantizer's log lines are."""
+    seen: list[bool] = []
+    with llama_log.capture_info(lambda line: seen.append(llama_log.inside_callback())):
+        llama_log._log(2, b"a line\n", None)
+    assert seen == [True] and not llama_log.inside_callback()
 
 
 @pytest.mark.parametrize("point", list(POINTS))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import llama_cpp as L
@@ -25,8 +27,7 @@ _errors: list[str] = []
 _capture: list[Callable[[str], None]] = []
 
 
-@L.llama_log_callback
-def _log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+def _on_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     if not text:
         return
     line = text.decode("utf-8", "replace")
@@ -35,6 +36,25 @@ def _log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         del _errors[:-20]
     for callback in _capture:
         callback(line)
+
+
+_log = L.llama_log_callback(_on_log)  # the C function pointer: kept alive here for as long as llama.cpp may call it
+
+
+def inside_callback(frame: FrameType | None = None) -> bool:
+    """Whether Python runs inside llama.cpp's log callback, in `frame` (default: the caller's).
+
+    ctypes prints and drops an exception raised in a callback, and the C code goes on: a caller that must
+    raise (a signal handler) waits until it is out. The stack is read, not a flag set in the callback's
+    body: a signal that arrives during C code (llama.cpp's quantizer) has its handler run at the next
+    Python instruction, the callback's first one, before any statement of its body.
+    """
+    frame = sys._getframe(1) if frame is None else frame
+    while frame is not None:
+        if frame.f_code is _on_log.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def init_backend() -> None:
