@@ -92,29 +92,21 @@ def apply_transform(x: np.ndarray, t: C.Transform, s: C.BackboneShape) -> np.nda
 def backbone_tensors(release: Release, qtype: GT) -> list[OutTensor]:
     """The backbone in llama.cpp's names and layouts, in the contract's file order, produced on demand."""
     shape = release.backbone_shape()
-    expected = C.backbone_tensor_shapes(shape)
-    rules = []
-    for bid, recurrent in enumerate(shape.recurrent):
-        rules += [(r, f"{C.HF_TEXT_PREFIX}layers.{bid}.{r.hf}", f"blk.{bid}.{r.gguf}") for r in C.layer_rules(recurrent)]
-    rules += [(r, r.hf, r.gguf) for r in C.FINAL_RULES]
     planned: list[OutTensor] = []
     used: set[str] = set()
-    for rule, hf_name, gguf_name in rules:
-        if gguf_name not in expected:
-            continue  # output.weight of a tied release
-        source = release.backbone.get(hf_name)
+    for tensor in C.backbone_tensors(shape):
+        source = release.backbone.get(tensor.hf)
         if source is None:
-            raise ReleaseError(f"{release.name}: tensor {hf_name} is missing")
-        out_shape = expected[gguf_name]
-        if int(np.prod(source.shape)) != int(np.prod(out_shape)):
-            raise ReleaseError(f"{hf_name} has shape {list(source.shape)}, config.json implies {list(out_shape)}")
-        qt = storage_type(gguf_name, out_shape, qtype)
+            raise ReleaseError(f"{release.name}: tensor {tensor.hf} is missing")
+        if int(np.prod(source.shape)) != int(np.prod(tensor.shape)):
+            raise ReleaseError(f"{tensor.hf} has shape {list(source.shape)}, config.json implies {list(tensor.shape)}")
+        qt = storage_type(tensor.gguf, tensor.shape, qtype)
 
-        def produce(src=source, t=rule.transform, s=out_shape, q=qt) -> np.ndarray:
-            return encode(apply_transform(src.load(), t, shape).reshape(s), q)
+        def produce(src=source, t=tensor, q=qt) -> np.ndarray:
+            return encode(apply_transform(src.load(), t.transform, shape).reshape(t.shape), q)
 
-        planned.append(OutTensor(gguf_name, out_shape, qt, produce))
-        used.add(hf_name)
+        planned.append(OutTensor(tensor.gguf, tensor.shape, qt, produce))
+        used.add(tensor.hf)
     unknown = [n for n in release.backbone if n not in used and n.startswith(C.HF_TEXT_PREFIX)]
     if unknown:
         raise ReleaseError(

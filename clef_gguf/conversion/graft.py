@@ -198,7 +198,7 @@ def assemble(
         if arch != C.BACKBONE_ARCH:
             raise MismatchError(f"{backbone_path.name} is not a qwen35 backbone (general.architecture is {arch!r})")
         hparams = _hparams(f.header, backbone_path.name)
-        tied = "output.weight" not in f.header.tensors
+        tied = C.OUTPUT not in f.header.tensors
         if tied != release.tied:
             raise MismatchError(f"the backbone {'ties' if tied else 'unties'} its output embedding, the release does not")
         shape = dataclasses.replace(release.backbone_shape(), tied=tied)

@@ -149,43 +149,46 @@ class Transform(str, Enum):
 
 @dataclass(frozen=True)
 class TensorRule:
-    hf: str  # HF name; {bid} is the layer index
-    gguf: str  # llama.cpp qwen35 name
+    hf: str  # HF name (a layer's below model.language_model.layers.{bid}.)
+    gguf: str  # llama.cpp qwen35 name (a layer's below blk.{bid}.)
+    shape: tuple[str, ...]  # numpy (row-major) order, in the widths of BackboneShape.dims
     transform: Transform = Transform.NONE
 
 
 HF_TEXT_PREFIX = "model.language_model."
-# In file order, after the layers (see the layout rule above).
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT = "output.weight"  # absent from a tied file: llama.cpp reuses token_embd
+# The tensors after the layers, in file order.
 FINAL_RULES = (
-    TensorRule("model.language_model.norm.weight", "output_norm.weight", Transform.NORM_PLUS_ONE),
-    TensorRule("model.language_model.embed_tokens.weight", "token_embd.weight"),
-    TensorRule("lm_head.weight", "output.weight"),
+    TensorRule("model.language_model.norm.weight", "output_norm.weight", ("n_embd",), Transform.NORM_PLUS_ONE),
+    TensorRule("model.language_model.embed_tokens.weight", TOKEN_EMBD, ("n_vocab", "n_embd")),
+    TensorRule("lm_head.weight", OUTPUT, ("n_vocab", "n_embd")),
 )
 COMMON_LAYER_RULES = (
-    TensorRule("input_layernorm.weight", "attn_norm.weight", Transform.NORM_PLUS_ONE),
-    TensorRule("post_attention_layernorm.weight", "post_attention_norm.weight", Transform.NORM_PLUS_ONE),
-    TensorRule("mlp.gate_proj.weight", "ffn_gate.weight"),
-    TensorRule("mlp.up_proj.weight", "ffn_up.weight"),
-    TensorRule("mlp.down_proj.weight", "ffn_down.weight"),
+    TensorRule("input_layernorm.weight", "attn_norm.weight", ("n_embd",), Transform.NORM_PLUS_ONE),
+    TensorRule("post_attention_layernorm.weight", "post_attention_norm.weight", ("n_embd",), Transform.NORM_PLUS_ONE),
+    TensorRule("mlp.gate_proj.weight", "ffn_gate.weight", ("n_ff", "n_embd")),
+    TensorRule("mlp.up_proj.weight", "ffn_up.weight", ("n_ff", "n_embd")),
+    TensorRule("mlp.down_proj.weight", "ffn_down.weight", ("n_embd", "n_ff")),
 )
 FULL_ATTENTION_RULES = (
-    TensorRule("self_attn.q_proj.weight", "attn_q.weight"),
-    TensorRule("self_attn.k_proj.weight", "attn_k.weight"),
-    TensorRule("self_attn.v_proj.weight", "attn_v.weight"),
-    TensorRule("self_attn.o_proj.weight", "attn_output.weight"),
-    TensorRule("self_attn.q_norm.weight", "attn_q_norm.weight", Transform.NORM_PLUS_ONE),
-    TensorRule("self_attn.k_norm.weight", "attn_k_norm.weight", Transform.NORM_PLUS_ONE),
+    TensorRule("self_attn.q_proj.weight", "attn_q.weight", ("q_gate_dim", "n_embd")),
+    TensorRule("self_attn.k_proj.weight", "attn_k.weight", ("kv_dim", "n_embd")),
+    TensorRule("self_attn.v_proj.weight", "attn_v.weight", ("kv_dim", "n_embd")),
+    TensorRule("self_attn.o_proj.weight", "attn_output.weight", ("n_embd", "q_dim")),
+    TensorRule("self_attn.q_norm.weight", "attn_q_norm.weight", ("head_dim",), Transform.NORM_PLUS_ONE),
+    TensorRule("self_attn.k_norm.weight", "attn_k_norm.weight", ("head_dim",), Transform.NORM_PLUS_ONE),
 )
 LINEAR_ATTENTION_RULES = (
-    TensorRule("linear_attn.in_proj_qkv.weight", "attn_qkv.weight", Transform.QKV_ROWS),
-    TensorRule("linear_attn.in_proj_z.weight", "attn_gate.weight", Transform.V_ROWS),
-    TensorRule("linear_attn.in_proj_a.weight", "ssm_alpha.weight", Transform.V_HEAD_ROWS),
-    TensorRule("linear_attn.in_proj_b.weight", "ssm_beta.weight", Transform.V_HEAD_ROWS),
-    TensorRule("linear_attn.conv1d.weight", "ssm_conv1d.weight", Transform.CONV1D),
-    TensorRule("linear_attn.dt_bias", "ssm_dt.bias", Transform.V_HEADS_1D),
-    TensorRule("linear_attn.A_log", "ssm_a", Transform.NEG_EXP),
-    TensorRule("linear_attn.norm.weight", "ssm_norm.weight"),
-    TensorRule("linear_attn.out_proj.weight", "ssm_out.weight", Transform.V_COLUMNS),
+    TensorRule("linear_attn.in_proj_qkv.weight", "attn_qkv.weight", ("conv_dim", "n_embd"), Transform.QKV_ROWS),
+    TensorRule("linear_attn.in_proj_z.weight", "attn_gate.weight", ("value_dim", "n_embd"), Transform.V_ROWS),
+    TensorRule("linear_attn.in_proj_a.weight", "ssm_alpha.weight", ("v_heads", "n_embd"), Transform.V_HEAD_ROWS),
+    TensorRule("linear_attn.in_proj_b.weight", "ssm_beta.weight", ("v_heads", "n_embd"), Transform.V_HEAD_ROWS),
+    TensorRule("linear_attn.conv1d.weight", "ssm_conv1d.weight", ("conv_dim", "conv_kernel"), Transform.CONV1D),
+    TensorRule("linear_attn.dt_bias", "ssm_dt.bias", ("v_heads",), Transform.V_HEADS_1D),
+    TensorRule("linear_attn.A_log", "ssm_a", ("v_heads",), Transform.NEG_EXP),
+    TensorRule("linear_attn.norm.weight", "ssm_norm.weight", ("linear_head_dim",)),
+    TensorRule("linear_attn.out_proj.weight", "ssm_out.weight", ("n_embd", "value_dim"), Transform.V_COLUMNS),
 )
 # llama.cpp keeps these in F32 whatever the file type (its converter does the same).
 F32_ONLY_SUFFIXES = ("_norm.weight", "ssm_conv1d.weight", "ssm_a", "ssm_dt.bias")
@@ -222,54 +225,54 @@ class BackboneShape:
     linear_head_dim: int  # key and value head dim of linear attention (ssm.state_size)
     tied: bool  # no output.weight: llama.cpp reuses token_embd
 
+    def dims(self) -> dict[str, int]:
+        """The widths the tensor rules' shapes name."""
+        q_dim, value_dim = self.n_head * self.head_dim, self.v_heads * self.linear_head_dim
+        return {
+            "n_vocab": self.n_vocab,
+            "n_embd": self.n_embd,
+            "n_ff": self.n_ff,
+            "head_dim": self.head_dim,
+            "q_dim": q_dim,
+            "q_gate_dim": 2 * q_dim,  # attn_q holds the queries and their output gate
+            "kv_dim": self.n_head_kv * self.head_dim,
+            "conv_dim": 2 * self.k_heads * self.linear_head_dim + value_dim,  # linear attention's q, k and v channels
+            "value_dim": value_dim,
+            "v_heads": self.v_heads,
+            "conv_kernel": self.conv_kernel,
+            "linear_head_dim": self.linear_head_dim,
+        }
 
-def layer_rules(recurrent: bool) -> tuple[TensorRule, ...]:
-    return COMMON_LAYER_RULES + (LINEAR_ATTENTION_RULES if recurrent else FULL_ATTENTION_RULES)
+
+@dataclass(frozen=True)
+class BackboneTensor:
+    """One backbone tensor of a given shape: its names, its numpy (row-major) shape, what convert does to it."""
+
+    hf: str
+    gguf: str
+    shape: tuple[int, ...]
+    transform: Transform
+
+
+def backbone_tensors(s: BackboneShape) -> list[BackboneTensor]:
+    """Every tensor llama.cpp's qwen35 loader asks for, in file order: the rules, layers expanded."""
+    dims = s.dims()
+
+    def expand(rule: TensorRule, hf_prefix: str = "", gguf_prefix: str = "") -> BackboneTensor:
+        shape = tuple(dims[d] for d in rule.shape)
+        return BackboneTensor(hf_prefix + rule.hf, gguf_prefix + rule.gguf, shape, rule.transform)
+
+    tensors = [
+        expand(rule, f"{HF_TEXT_PREFIX}layers.{bid}.", f"blk.{bid}.")
+        for bid, recurrent in enumerate(s.recurrent)
+        for rule in COMMON_LAYER_RULES + (LINEAR_ATTENTION_RULES if recurrent else FULL_ATTENTION_RULES)
+    ]
+    return tensors + [expand(rule) for rule in FINAL_RULES if not (s.tied and rule.gguf == OUTPUT)]
 
 
 def backbone_tensor_shapes(s: BackboneShape) -> dict[str, tuple[int, ...]]:
     """Every tensor llama.cpp's qwen35 loader asks for, in file order, in numpy (row-major) shape order."""
-    key_dim = s.k_heads * s.linear_head_dim
-    value_dim = s.v_heads * s.linear_head_dim
-    conv_dim = 2 * key_dim + value_dim
-    q_dim = s.n_head * s.head_dim
-    kv_dim = s.n_head_kv * s.head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    for bid, recurrent in enumerate(s.recurrent):
-        layer = {
-            "attn_norm.weight": (s.n_embd,),
-            "post_attention_norm.weight": (s.n_embd,),
-            "ffn_gate.weight": (s.n_ff, s.n_embd),
-            "ffn_up.weight": (s.n_ff, s.n_embd),
-            "ffn_down.weight": (s.n_embd, s.n_ff),
-        }
-        if recurrent:
-            layer |= {
-                "attn_qkv.weight": (conv_dim, s.n_embd),
-                "attn_gate.weight": (value_dim, s.n_embd),
-                "ssm_alpha.weight": (s.v_heads, s.n_embd),
-                "ssm_beta.weight": (s.v_heads, s.n_embd),
-                "ssm_conv1d.weight": (conv_dim, s.conv_kernel),
-                "ssm_dt.bias": (s.v_heads,),
-                "ssm_a": (s.v_heads,),
-                "ssm_norm.weight": (s.linear_head_dim,),
-                "ssm_out.weight": (s.n_embd, value_dim),
-            }
-        else:
-            layer |= {
-                "attn_q.weight": (2 * q_dim, s.n_embd),  # queries and their output gate
-                "attn_k.weight": (kv_dim, s.n_embd),
-                "attn_v.weight": (kv_dim, s.n_embd),
-                "attn_output.weight": (s.n_embd, q_dim),
-                "attn_q_norm.weight": (s.head_dim,),
-                "attn_k_norm.weight": (s.head_dim,),
-            }
-        shapes |= {f"blk.{bid}.{name}": shape for name, shape in layer.items()}
-    shapes["output_norm.weight"] = (s.n_embd,)
-    shapes["token_embd.weight"] = (s.n_vocab, s.n_embd)
-    if not s.tied:
-        shapes["output.weight"] = (s.n_vocab, s.n_embd)
-    return shapes
+    return {t.gguf: t.shape for t in backbone_tensors(s)}
 
 
 # --- The decision head, in llama.cpp's Clef layout (docs/format.md) --------------------

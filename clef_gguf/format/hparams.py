@@ -170,7 +170,7 @@ def read_backbone_shape(h: Header, prefix: str) -> tuple[C.BackboneShape | None,
         k_heads=k_heads,
         v_heads=v_heads,
         linear_head_dim=state,
-        tied="output.weight" not in h.tensors,
+        tied=C.OUTPUT not in h.tensors,
     )
     return shape, r.problems
 
