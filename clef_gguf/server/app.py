@@ -6,7 +6,6 @@ import asyncio
 import datetime as dt
 import hmac
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,25 +19,12 @@ from ..errors import RequestError
 from . import workers_ai
 from .body import DEFAULT_BODY_TIMEOUT_S, body_limit
 from .intake import Intake
-from .problems import ApiError, Invalid, from_request_error, json_bytes
+from .problems import ApiError, Invalid, from_request_error, render_problem, response_headers
 from .worker import Decider, DecideWorker, Encoder, Model
 
 DEFAULT_MAX_PENDING = 64
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
-REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
-
-
-def _headers(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {REQUEST_ID_HEADER: uuid.uuid4().hex, **(extra or {})}
-
-
-def render_problem(path: str, problem: ApiError | Invalid) -> tuple[int, dict[str, str], bytes]:
-    """The one rendering of an error: its status, headers and JSON, in TypeSafe's shape or, on its routes,
-    the Workers AI envelope. The HTTP protocol (protocol.py) writes the same for what it refuses itself."""
-    status, headers = (422, {}) if isinstance(problem, Invalid) else (problem.status, dict(problem.headers))
-    body = workers_ai.failure(problem) if workers_ai.is_workers_ai_path(path) else problem.body()
-    return status, _headers(headers), json_bytes(body)
 
 
 def check_api_key(key: str) -> str:
@@ -198,20 +184,20 @@ def create_app(
     @router.post("/systemone")
     async def systemone(request: Request) -> Response:
         body, headers = await answer(request)
-        return Response(body, media_type="application/json", headers=_headers(headers))
+        return Response(body, media_type="application/json", headers=response_headers(headers))
 
     async def workers_ai_run(request: Request, model_id: str) -> Response:
         # Any account id: the server holds one model, and the key (when set) is the access control.
         workers_ai.check_model(model_id)
         body, headers = await answer(request)
-        return Response(workers_ai.success(body), media_type="application/json", headers=_headers(headers))
+        return Response(workers_ai.success(body), media_type="application/json", headers=response_headers(headers))
 
     for prefix in workers_ai.PREFIXES:
         app.add_api_route(prefix + workers_ai.ROUTE, workers_ai_run, methods=["POST"], dependencies=auth)
 
     @router.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse(_models_listing(model), headers=_headers())
+        return JSONResponse(_models_listing(model), headers=response_headers())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -225,7 +211,7 @@ def create_app(
             "pending": worker.pending,
             "reading": intake.reading,
         }
-        return JSONResponse(status, headers=_headers())
+        return JSONResponse(status, headers=response_headers())
 
     app.include_router(router)
     return app

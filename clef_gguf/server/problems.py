@@ -1,13 +1,17 @@
-"""HTTP errors of the server, and the one place where library errors become statuses.
+"""HTTP errors of the server, and the one place where errors become statuses and bodies.
 
 Two shapes, as TypeSafe's API answers: a malformed request gets 422 with `detail` a list of
 {loc, msg, type} (FastAPI's shape, which the typesafe-sdk reads); every other error gets
-`detail` = {error_type, message}.
+`detail` = {error_type, message}. On Workers AI's routes (workers_ai.py) either keeps its status
+and headers (Retry-After included) and becomes `success: false` with `errors: [{code, message}]`,
+which is what its clients read.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +19,11 @@ from typing import Any
 from ..errors import PromptTooLongError, RequestError
 
 Location = list[str | int]
+REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
+_WORKERS_AI_PATH = re.compile(r"^(?:/client/v4)?/accounts/[^/]+/ai/run/")
+# Workers AI's own internal codes where one fits (developers.cloudflare.com/workers-ai/platform/errors);
+# any other error carries its HTTP status as the code.
+_WORKERS_AI_CODES = {"no_such_model": 5007, "prompt_too_long": 3006, "request_too_large": 3006}
 
 
 def json_bytes(value: Any) -> bytes:
@@ -86,3 +95,30 @@ def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
     if isinstance(error, PromptTooLongError):
         return ApiError(413, "prompt_too_long", str(error))
     return Invalid(location(error.field, body), error.reason, "missing" if error.reason == "is required" else "value_error")
+
+
+def response_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The headers of every answer: a request id (typesafe-sdk's), and `extra`."""
+    return {REQUEST_ID_HEADER: uuid.uuid4().hex, **(extra or {})}
+
+
+def is_workers_ai_path(path: str) -> bool:
+    """Whether a request path is on Workers AI's routes (so its errors get that envelope)."""
+    return bool(_WORKERS_AI_PATH.match(path))
+
+
+def workers_ai_failure(problem: ApiError | Invalid) -> dict[str, Any]:
+    if isinstance(problem, Invalid):
+        where = ".".join(str(part) for part in problem.loc)  # ["body", "questions", "q", "criteria", 1] -> body.questions...
+        errors = [{"code": 422, "message": f"{where}: {problem.msg}"}]
+    else:
+        errors = [{"code": _WORKERS_AI_CODES.get(problem.error_type, problem.status), "message": problem.message}]
+    return {"result": None, "success": False, "errors": errors, "messages": []}
+
+
+def render_problem(path: str, problem: ApiError | Invalid) -> tuple[int, dict[str, str], bytes]:
+    """The one rendering of an error: its status, headers and JSON, in TypeSafe's shape or, on its routes,
+    the Workers AI envelope. The HTTP protocol (protocol.py) writes the same for what it refuses itself."""
+    status, headers = (422, {}) if isinstance(problem, Invalid) else (problem.status, dict(problem.headers))
+    body = workers_ai_failure(problem) if is_workers_ai_path(path) else problem.body()
+    return status, response_headers(headers), json_bytes(body)

@@ -16,7 +16,7 @@ This subclass adds, per connection:
     at once would reset the connection before the client reads its answer) but only until
     `body_timeout_s` after the head; the app itself answers a body slower than that with 408 (body.py).
 
-Every answer it writes is the app's JSON error (app.render_problem), never plain text.
+Every answer it writes is the app's JSON error (problems.render_problem), never plain text.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .app import render_problem
 from .body import DEFAULT_BODY_TIMEOUT_S
-from .problems import ApiError
+from .problems import ApiError, render_problem
 
 
 @dataclass(frozen=True)
