@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <string>
 
 #include "head.h"
@@ -38,23 +39,26 @@ void set_threads(ggml_backend_t cpu, int n_threads) {
     if (set != nullptr && n_threads > 0) set(cpu, n_threads);
 }
 
-std::map<std::string, std::string> parse_names(const char * text) {
-    std::map<std::string, std::string> names;
+// "role<TAB>type<TAB>ne0<TAB>ne1<TAB>offset" lines (clef_gguf/llama/native_head.py manifest_text).
+clef::Manifest parse_manifest(const char * text) {
+    clef::Manifest manifest;
+    std::istringstream lines(text);
     std::string line;
-    for (const char * c = text; ; c++) {
-        if (*c == '\n' || *c == '\0') {
-            size_t tab = line.find('\t');
-            if (tab != std::string::npos) names[line.substr(0, tab)] = line.substr(tab + 1);
-            line.clear();
-            if (*c == '\0') break;
-        } else {
-            line += *c;
+    while (std::getline(lines, line)) {
+        std::istringstream fields(line);
+        std::string role;
+        int type = 0;
+        clef::ManifestRow row{};
+        if (!std::getline(fields, role, '\t') || !(fields >> type >> row.ne0 >> row.ne1 >> row.offset)) {
+            throw clef::Error("a head manifest line is not role, type, ne0, ne1, offset: " + line);
         }
+        row.type = (ggml_type) type;
+        manifest[role] = row;
     }
-    return names;
+    return manifest;
 }
 
-void init_backends(clef_head & head, const char * path, const clef::Format & format, bool use_gpu, int n_threads) {
+void init_backends(clef_head & head, const char * path, const clef::Manifest & manifest, bool use_gpu, int n_threads) {
     head.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     if (head.cpu == nullptr) throw clef::Error("ggml has no CPU backend");
     set_threads(head.cpu, n_threads);
@@ -68,7 +72,7 @@ void init_backends(clef_head & head, const char * path, const clef::Format & for
     int n_backends = head.device ? 2 : 1;  // the scheduler wants the CPU last
     head.sched = ggml_backend_sched_new(backends, nullptr, n_backends, SCHED_GRAPH_SIZE, false, false);
     head.model.on_cpu = head.device == nullptr;
-    clef::load_model(head.model, path, format, ggml_backend_get_default_buffer_type(primary));
+    clef::load_model(head.model, path, manifest, ggml_backend_get_default_buffer_type(primary));
 }
 
 void free_head(clef_head * head) {
@@ -146,14 +150,12 @@ void run(clef_head & head, const clef::Decision & d, float * logits) {
 
 extern "C" {
 
-int clef_head_load(const char * path, const char * names, const int32_t * weight_types, int32_t n_weight_types,
-                   const int64_t * config, float norm_eps, int use_gpu, int n_threads, clef_head ** out, char * err,
-                   size_t err_size) {
+int clef_head_load(const char * path, const char * manifest, const int64_t * config, float norm_eps, int use_gpu, int n_threads,
+                   clef_head ** out, char * err, size_t err_size) {
     auto * head = new clef_head();
     try {
         head->model.config = {config[0], config[1], config[2], config[3], config[4], config[5], norm_eps};
-        clef::Format format{parse_names(names), std::set<int32_t>(weight_types, weight_types + n_weight_types)};
-        init_backends(*head, path, format, use_gpu != 0, n_threads);
+        init_backends(*head, path, parse_manifest(manifest), use_gpu != 0, n_threads);
     } catch (const std::exception & e) {
         free_head(head);
         report(err, err_size, e.what());

@@ -16,16 +16,14 @@ extern "C" {
 
 typedef struct clef_head clef_head;
 
-// Read the head's tensors (in their stored types) and the output-embedding table's location
-// from the Clef GGUF at `path`. names: the format's table of head modules, one
-// "reference<TAB>gguf" pair a line (clef_gguf/format/contract.py head_modules, plus "scales");
-// weight_types: the n_weight_types ggml types a matrix may have (contract.WEIGHT_TYPES, the table
-// validate checks; vectors must be F32); config: hidden_size, width, routing_layers, layers, heads, feedforward; norm_eps: the
-// head's LayerNorm epsilon. use_gpu: run on the first GPU device ggml knows (CUDA when
-// llama-cpp-python was built with it), else on the CPU.
-CLEF_HEAD_API int clef_head_load(const char * path, const char * names, const int32_t * weight_types, int32_t n_weight_types,
-                                 const int64_t * config, float norm_eps, int use_gpu, int n_threads, clef_head ** out,
-                                 char * err, size_t err_size);
+// Read the head's tensors (in their stored types) from the Clef GGUF at `path`, as `manifest` says:
+// one "role<TAB>ggml type<TAB>ne0<TAB>ne1<TAB>absolute offset" line a tensor, checked against the file
+// by the caller (clef_gguf/llama/native_head.py, from contract.head_manifest). config: hidden_size,
+// width, routing_layers, layers, heads, feedforward; norm_eps: the head's LayerNorm epsilon. use_gpu:
+// run on the first GPU device ggml knows (CUDA or Vulkan when llama-cpp-python was built with it),
+// else on the CPU.
+CLEF_HEAD_API int clef_head_load(const char * path, const char * manifest, const int64_t * config, float norm_eps, int use_gpu,
+                                 int n_threads, clef_head ** out, char * err, size_t err_size);
 CLEF_HEAD_API void clef_head_free(clef_head * head);
 
 // The device the head runs on ("CPU", "CUDA0", ...) and the hidden size it expects.

@@ -3,7 +3,6 @@
 
 #include <cstdint>
 #include <map>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -78,18 +77,19 @@ struct Model {
     bool on_cpu = true;  // the head's graph runs on the CPU backend (no GPU)
 };
 
-// The format's tables, handed over by Python (clef_gguf/format/contract.py), so that the head reads
-// exactly what validate accepts:
-//   names: reference module name (joint_head.safetensors, "evidence_layers.0.attention.q") -> GGUF
-//          name ("dec.blk.0.cross_attn_q");
-//   weight_types: the ggml types a matrix may have (contract.WEIGHT_TYPES); vectors are F32.
-struct Format {
-    std::map<std::string, std::string> names;
-    std::set<int32_t> weight_types;
+// One tensor libclef_head reads, by role: the reference module and tensor it stands for
+// ("layers.0.self_attn.q.weight"), plus "scales" and "lexicon" (the output-embedding table). Python
+// builds the manifest from the format's table (clef_gguf/format/contract.py head_manifest) and checks
+// it against the file: names, shapes and types are its business, not this library's.
+struct ManifestRow {
+    ggml_type type;
+    int64_t ne0, ne1;
+    uint64_t offset;  // absolute, in the file
 };
+using Manifest = std::map<std::string, ManifestRow>;
 
 // Load the head's tensors into a buffer of `buft`; throws Error.
-void load_model(Model & model, const char * path, const Format & format, ggml_backend_buffer_type_t buft);
+void load_model(Model & model, const char * path, const Manifest & manifest, ggml_backend_buffer_type_t buft);
 void free_model(Model & model);
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids);
 

@@ -63,7 +63,7 @@ def test_native_head_equals_the_numpy_reference(ws, release, file_type, head_typ
     try:
         config = hparams.head_config(f.header)
         reference = reference_head(f, config)
-        native = NativeHead(path, config, n_threads=2)
+        native = NativeHead(f, config, n_threads=2)
         n_vocab = f.header.tensors["token_embd.weight"].shape[0]
         rng = np.random.default_rng(0)
         # Few queries take the folded attention over the memory, many (17 questions of up to 9 options
@@ -92,7 +92,7 @@ def test_span_means_split_into_chunks_give_the_same_logits(ws):
         prompt = random_prompt(rng, 6000, f.header.tensors["token_embd.weight"].shape[0], 64, 40)
         hidden = rng.normal(0.0, 1.0, size=(6000, config.hidden_size)).astype(np.float32)
         expected = reference_head(f, config)(hidden, prompt, lexical_rows(f, prompt))
-        got = NativeHead(path, config, n_threads=2)(hidden, prompt)
+        got = NativeHead(f, config, n_threads=2)(hidden, prompt)
         np.testing.assert_allclose(np.concatenate(got), np.concatenate(expected), rtol=1e-4, atol=1e-4)
     finally:
         f.close()
@@ -106,7 +106,7 @@ def test_decide_uses_the_native_head(ws):
 def test_bad_spans_and_tokens_are_errors_not_crashes(ws):
     path = ws.gguf("untied_f32", "f32")
     f = GGUFFile.open(path)
-    head = NativeHead(path, hparams.head_config(f.header), n_threads=1)
+    head = NativeHead(f, hparams.head_config(f.header), n_threads=1)
     f.close()
     rng = np.random.default_rng(2)
     prompt = random_prompt(rng, 20, 100, 1, 2)
@@ -180,12 +180,14 @@ def test_validate_and_the_native_head_accept_the_same_types(ws, tmp_path, name, 
     path = _retyped(ws.gguf("untied_f32", "f32"), tmp_path / "retyped.gguf", name, qtype)
     report = validate(path)
     f = GGUFFile.open(path)
-    config = hparams.head_config(f.header)
-    f.close()
-    if accepted:
-        assert report.ok, report.summary
-        NativeHead(path, config, n_threads=1).close()
-    else:
-        assert [p.check for p in report.problems] == ["types"] and name in report.summary
-        with pytest.raises(ModelFileError, match=rf"{name} is \w+, (which the head does not run|expected F32)"):
-            NativeHead(path, config, n_threads=1)
+    try:
+        config = hparams.head_config(f.header)
+        if accepted:
+            assert report.ok, report.summary
+            NativeHead(f, config, n_threads=1).close()
+        else:
+            assert [p.check for p in report.problems] == ["types"] and name in report.summary
+            with pytest.raises(ModelFileError, match=rf"{name} is \w+, (which the head does not run|expected F32)"):
+                NativeHead(f, config, n_threads=1)
+    finally:
+        f.close()

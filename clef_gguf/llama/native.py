@@ -34,8 +34,6 @@ _PROTOTYPES = {
         [
             _char_p,
             _char_p,
-            _i32p,
-            ctypes.c_int32,
             ctypes.POINTER(ctypes.c_int64),
             ctypes.c_float,
             _int,

@@ -7,15 +7,18 @@ llama/cpu_buffers.py). tests/numpy_head.py is the reference the tests hold this 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as GT
 
 from ..errors import ComputeError, ModelFileError
 from ..format import contract as C
+from ..format.header import GGUFFile, Header, TensorInfo
 from .native import library
 from .threads import default_threads
 
@@ -54,31 +57,52 @@ def _ptr(array: np.ndarray) -> ctypes._Pointer:
     return array.ctypes.data_as(_i32p)
 
 
+# The lexical prior's table: the output embedding, or the token embedding when the two are tied.
+LEXICONS = tuple(f"{gguf.TENSOR_NAMES[t]}.weight" for t in (gguf.MODEL_TENSOR.OUTPUT, gguf.MODEL_TENSOR.TOKEN_EMBD))
+
+
+def manifest_text(header: Header, config: C.HeadConfig) -> bytes:
+    """contract.head_manifest checked against the file, as libclef_head reads it: one line a tensor,
+    `role, ggml type, ne0, ne1, absolute offset`. The head runs what validate accepts: vectors F32,
+    matrices of contract.WEIGHT_TYPES."""
+    lines = []
+
+    def add(role: str, t: TensorInfo) -> None:
+        lines.append(f"{role}\t{int(t.type)}\t{t.dims[0]}\t{math.prod(t.dims[1:])}\t{header.data_offset + t.offset}")
+
+    for row in C.head_manifest(config):
+        t = header.tensors.get(row.gguf)
+        if t is None:
+            raise ModelFileError(f"the head tensor {row.gguf} is missing")
+        if (*t.dims, 1)[:2] != row.ne or len(t.dims) > 2:
+            raise ModelFileError(f"the head tensor {row.gguf} has shape {list(t.dims)}, the head config implies {list(row.ne)}")
+        if row.f32 and t.type != GT.F32:
+            raise ModelFileError(f"the head tensor {row.gguf} is {t.type.name}, expected F32")
+        if not row.f32 and t.type not in C.WEIGHT_TYPES:
+            raise ModelFileError(f"the head tensor {row.gguf} is {t.type.name}, which the head does not run")
+        add(row.role, t)
+    lexicon = next((header.tensors[name] for name in LEXICONS if name in header.tensors), None)
+    if lexicon is None or len(lexicon.dims) != 2 or lexicon.dims[0] != config.hidden_size:
+        raise ModelFileError(f"the output embedding ({' or '.join(LEXICONS)}) is missing or not {config.hidden_size} wide")
+    add("lexicon", lexicon)
+    return "\n".join(lines).encode()
+
+
 class NativeHead:
     """The head of one Clef GGUF, on the GPU when `gpu` and ggml has one, else on the CPU."""
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        config: C.HeadConfig,
-        *,
-        gpu: bool = False,
-        n_threads: int | None = None,
-    ) -> None:
+    def __init__(self, file: GGUFFile, config: C.HeadConfig, *, gpu: bool = False, n_threads: int | None = None) -> None:
         self._lib = library()
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_SIZE)
         threads = n_threads or default_threads()
-        # The format's table of head modules: the C++ side looks its tensors up through it.
-        names = C.head_modules(config) | {"scales": C.SCALES}
-        table = "\n".join(f"{reference}\t{gguf}" for reference, gguf in names.items()).encode()
+        manifest = manifest_text(file.header, config)
         fields = (config.hidden_size, config.width, config.routing_layers, config.layers, config.heads, config.feedforward)
         values = (ctypes.c_int64 * len(fields))(*fields)
-        types = _i32(sorted(int(t) for t in C.WEIGHT_TYPES))  # validate's table: the head runs what validate accepts
-        args = (table, _ptr(types), len(types), values, config.norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE)
-        status = self._lib.clef_head_load(os.fsencode(path), *args)
+        args = (manifest, values, config.norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE)
+        status = self._lib.clef_head_load(os.fsencode(file.path), *args)
         if status != 0:
-            raise ModelFileError(f"{Path(path).name}: {err.value.decode('utf-8', 'replace')}")
+            raise ModelFileError(f"{file.path.name}: {err.value.decode('utf-8', 'replace')}")
         self._handle = handle
         self.device = self._lib.clef_head_device(handle).decode()
         self.hidden_size = self._lib.clef_head_hidden_size(handle)

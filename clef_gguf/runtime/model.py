@@ -105,7 +105,7 @@ class ClefModel:
             )
             stack.callback(self.backbone.close)
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
-            self.head = NativeHead(self.path, d.head, gpu=n_gpu_layers != 0, n_threads=n_threads)
+            self.head = NativeHead(self.file, d.head, gpu=n_gpu_layers != 0, n_threads=n_threads)
             stack.callback(self.head.close)
             self.vision: VisionEncoder | None = None
             self.image_limits: ImageLimits | None = None
