@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import Keys
 
 import clef_gguf
 from clef_gguf.conversion.convert import convert_files, default_mmproj_path
@@ -28,7 +29,7 @@ from make_golden import describe, make_golden  # noqa: E402
 
 # general.name: clef-gguf names the mmproj as it names the model file (the release folder), where the
 # converter runs gguf-py's Metadata heuristics on it ("untied_f32" -> "Untied_F32"; docs/format.md).
-NAMED_DIFFERENTLY = {V.KEY_NAME}
+NAMED_DIFFERENTLY = {Keys.General.NAME}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_names_and_switches(ws, tmp_path):
     elsewhere.parent.mkdir()
     assert clef_gguf.convert(release, tmp_path / "b.gguf", "f32", mmproj=elsewhere, mmproj_type="f16") == tmp_path / "b.gguf"
     f = GGUFFile.open(elsewhere)
-    assert f.header.get(V.KEY_FILE_TYPE) == int(MMPROJ_TYPES["f16"][1])
+    assert f.header.get(Keys.General.FILE_TYPE) == int(MMPROJ_TYPES["f16"][1])
     f.close()
     clef_gguf.convert(release, tmp_path / "c.gguf", "f32", mmproj=False)
     assert not default_mmproj_path(tmp_path / "c.gguf").exists()
@@ -216,7 +217,7 @@ def test_make_golden_describes_the_converters_mmproj(golden):
     """tools/make_golden.py --mmproj --describe: the in-tree gguf-py reads the converter's file."""
     info = describe(golden("untied_f32", "f32"))
     keys = {k["name"]: k for k in info["keys"]}
-    assert keys[V.KEY_PROJECTOR]["value"] == V.PROJECTOR and keys[V.KEY_ARCH]["value"] == V.ARCH
+    assert keys[V.KEY_PROJECTOR]["value"] == V.PROJECTOR and keys[Keys.General.ARCHITECTURE]["value"] == V.ARCH
     assert len(info["tensors"]) == 34 and {t["name"] for t in info["tensors"]} >= {V.PATCH_EMBD, V.PATCH_EMBD_1}
 
 
@@ -224,7 +225,7 @@ def test_under_llama_cpps_quantizations_the_mmproj_is_f16(ws):
     """llama.cpp never K-quantizes an mmproj: auto is F16 beside a Q4_K_M model (the converter's F16 rules)."""
     f = GGUFFile.open(ws.mmproj("k256", "q4_k_m"))
     types = {n: t.type.name for n, t in f.header.tensors.items()}
-    file_type = f.header.get(V.KEY_FILE_TYPE)
+    file_type = f.header.get(Keys.General.FILE_TYPE)
     f.close()
     assert file_type == int(MMPROJ_TYPES["f16"][1])
     assert types["mm.0.weight"] == types[V.PATCH_EMBD] == "F16" and types["mm.0.bias"] == "F32"

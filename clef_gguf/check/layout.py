@@ -6,6 +6,7 @@ import struct
 from typing import Any
 
 from gguf import GGUFValueType as VT
+from gguf import Keys
 
 from ..errors import ModelFileError
 from ..format.header import GGUF_MAGIC, Header, TruncatedHeader, parse_header
@@ -67,9 +68,9 @@ def _pad(n: int, alignment: int) -> int:
 def check_layout(h: Header, file_size: int) -> list[Problem]:
     """What ggml's GGUF reader and llama.cpp's loader refuse: names, alignment, offsets, data past EOF."""
     problems = []
-    alignment = h.fields.get("general.alignment")
+    alignment = h.fields.get(Keys.General.ALIGNMENT)
     if alignment is not None and alignment.type != VT.UINT32:
-        problems.append(corrupt("layout", f"general.alignment is stored as {alignment.type.name}; GGUF requires UINT32"))
+        problems.append(corrupt("layout", f"{Keys.General.ALIGNMENT} is stored as {alignment.type.name}; GGUF requires UINT32"))
     long_names = [n for n in h.tensors if len(n.encode()) >= GGML_MAX_NAME]
     if long_names:
         problems.append(corrupt("layout", f"tensor name {long_names[0][:80]!r} is longer than ggml's {GGML_MAX_NAME - 1} bytes"))

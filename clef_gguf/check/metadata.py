@@ -6,6 +6,7 @@ from itertools import repeat
 
 import gguf
 from gguf import GGUFValueType as VT
+from gguf import Keys
 
 from ..errors import ModelFileError
 from ..format import contract as C
@@ -33,29 +34,29 @@ def _string_array(h: Header, key: str) -> list[str] | None:
 def check_tokenizer(h: Header) -> list[Problem]:
     """llama.cpp's BPE vocabulary (tokens, types, merges) and the special tokens the prompt template uses."""
     bad = []
-    if h.get("tokenizer.ggml.model") != "gpt2":
-        bad.append(f"tokenizer.ggml.model is {h.get('tokenizer.ggml.model')!r}, not 'gpt2' (byte-level BPE)")
-    if h.get("tokenizer.ggml.pre") != C.BACKBONE_ARCH:
-        bad.append(f"tokenizer.ggml.pre is {h.get('tokenizer.ggml.pre')!r}, not 'qwen35': prompts would tokenize differently")
-    tokens = _string_array(h, "tokenizer.ggml.tokens")
+    if h.get(Keys.Tokenizer.MODEL) != "gpt2":
+        bad.append(f"{Keys.Tokenizer.MODEL} is {h.get(Keys.Tokenizer.MODEL)!r}, not 'gpt2' (byte-level BPE)")
+    if h.get(Keys.Tokenizer.PRE) != C.BACKBONE_ARCH:
+        bad.append(f"{Keys.Tokenizer.PRE} is {h.get(Keys.Tokenizer.PRE)!r}, not 'qwen35': prompts would tokenize differently")
+    tokens = _string_array(h, Keys.Tokenizer.LIST)
     if not tokens:
-        return [Problem("tokenizer", m) for m in [*bad, "tokenizer.ggml.tokens is missing or not a list of strings"]]
-    types_field = h.fields.get("tokenizer.ggml.token_type")
+        return [Problem("tokenizer", m) for m in [*bad, f"{Keys.Tokenizer.LIST} is missing or not a list of strings"]]
+    types_field = h.fields.get(Keys.Tokenizer.TOKEN_TYPE)
     types = types_field.value if types_field is not None and types_field.item_type == VT.INT32 else None
     if types is None or len(types) != len(tokens):
-        bad.append(f"tokenizer.ggml.token_type must be {len(tokens)} INT32 values, one per token")
+        bad.append(f"{Keys.Tokenizer.TOKEN_TYPE} must be {len(tokens)} INT32 values, one per token")
         types = None
     elif min(types) < 1 or max(types) > max(gguf.TokenType):
-        bad.append("tokenizer.ggml.token_type holds values that are not token types")
-    merges = _string_array(h, "tokenizer.ggml.merges")
+        bad.append(f"{Keys.Tokenizer.TOKEN_TYPE} holds values that are not token types")
+    merges = _string_array(h, Keys.Tokenizer.MERGES)
     if not merges:
-        bad.append("tokenizer.ggml.merges is missing or empty: llama.cpp refuses a BPE vocabulary without merges")
+        bad.append(f"{Keys.Tokenizer.MERGES} is missing or empty: llama.cpp refuses a BPE vocabulary without merges")
     elif min(map(str.find, merges, repeat(" "), repeat(1))) < 0:  # str.find(m, " ", 1) over ~250k merges, in C
-        bad.append("tokenizer.ggml.merges holds entries that are not two tokens separated by a space")
+        bad.append(f"{Keys.Tokenizer.MERGES} holds entries that are not two tokens separated by a space")
     # llama.cpp renames an empty token i to "[EMPTY_i]" and asserts (aborts) when two tokens share a text.
     if len(set(t or f"[EMPTY_{i}]" for i, t in enumerate(tokens))) != len(tokens):
-        bad.append("tokenizer.ggml.tokens holds the same token twice (llama.cpp reads an empty token i as [EMPTY_i])")
-    for key in (k for k in h.fields if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
+        bad.append(f"{Keys.Tokenizer.LIST} holds the same token twice (llama.cpp reads an empty token i as [EMPTY_i])")
+    for key in (k for k in h.fields if k.startswith(C.KEY_TOKENIZER_PREFIX) and k.endswith("_token_id")):
         f = h.fields[key]
         if f.type != VT.UINT32 or not 0 <= f.value < len(tokens):
             bad.append(f"{key} = {f.value!r} is not a UINT32 token id below {len(tokens)}")
@@ -80,7 +81,7 @@ def _template_tokens(tokens: list[str], types: list[int] | None) -> list[str]:
 def check_decision_metadata(h: Header) -> tuple[list[Problem], PromptTemplate | None]:
     """The decision contract: architecture, decision type, and a systemone template the runtime renders (compiled)."""
     bad, template = [], None
-    for key, want in {"general.architecture": C.ARCH, C.KEY_DECISION_TYPE: C.DECISION_TYPE}.items():
+    for key, want in {Keys.General.ARCHITECTURE: C.ARCH, C.KEY_DECISION_TYPE: C.DECISION_TYPE}.items():
         if h.get(key) != want:
             bad.append(f"{key} is {h.get(key)!r}; a Clef decision model has {want!r}")
     if h.get(C.KEY_NORMALIZER, "NFC") not in ("NFC", "none"):

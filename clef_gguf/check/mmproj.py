@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from gguf import GGMLQuantizationType as GT
 from gguf import GGUFValueType as VT
+from gguf import Keys
 
 from ..format import contract as C
 from ..format import vision as V
@@ -39,8 +40,8 @@ OPTIONAL_KEY_TYPES = {
     V.KEY_USE_SILU: VT.BOOL,
     V.KEY_HAS_AUDIO: VT.BOOL,
     "clip.has_gen_audio_encoder": VT.BOOL,
-    V.KEY_NAME: VT.STRING,
-    "general.description": VT.STRING,
+    Keys.General.NAME: VT.STRING,
+    Keys.General.DESCRIPTION: VT.STRING,
 }
 # What clip.cpp runs the tower's tensors in: the converter's types (F32 vectors and positions; the patch kernel
 # F32 or F16, ggml's im2col writes no other type); matrices in any type ggml's matrix product reads.
@@ -49,7 +50,7 @@ PATCH_TYPES = frozenset({GT.F32, GT.F16})
 
 
 def is_mmproj(h: Header) -> bool:
-    return h.get(V.KEY_ARCH) == V.ARCH
+    return h.get(Keys.General.ARCHITECTURE) == V.ARCH
 
 
 def _projector(h: Header) -> tuple[str | None, list[Problem]]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gguf import Keys
+
 from ..errors import IncompleteModelError, ModelFileError, NotADecisionModelError
 from ..format import contract as C
 from ..format import vision as V
@@ -22,7 +24,7 @@ from .validate import judge_source
 
 
 def _vision_tokens(model: Header) -> list[str]:
-    tokens = model.get("tokenizer.ggml.tokens")
+    tokens = model.get(Keys.Tokenizer.LIST)
     present = set(tokens) if isinstance(tokens, list) else set()
     return [t for t in V.VISION_TOKENS if t not in present]
 
@@ -93,9 +95,10 @@ def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str],
     if model_header is not None and is_mmproj(model_header) and model_report.verdict is not Verdict.CORRUPT:
         model_report = _wrong_kind(model_report, "a vision tower (mmproj), not a Clef model: give the model first")
     if mmproj_header is not None and not is_mmproj(mmproj_header) and mmproj_report.verdict is not Verdict.CORRUPT:
-        arch = mmproj_header.get(V.KEY_ARCH)
+        arch = mmproj_header.get(Keys.General.ARCHITECTURE)
         mmproj_report = _wrong_kind(
-            mmproj_report, f"a GGUF of architecture {arch!r}, not an mmproj (a vision tower has general.architecture {V.ARCH!r})"
+            mmproj_report,
+            f"a GGUF of architecture {arch!r}, not an mmproj (a vision tower has {Keys.General.ARCHITECTURE} {V.ARCH!r})",
         )
     if model_report.ok and mmproj_report.ok and model_header is not None and mmproj_header is not None:
         problems += check_pairing(model_header, mmproj_header)
@@ -115,7 +118,7 @@ def open_vision(model: Header, mmproj: str | os.PathLike[str]) -> VisionDescript
     report, header = judge_source(mmproj)
     if header is not None and not is_mmproj(header) and report.verdict is not Verdict.CORRUPT:
         raise NotADecisionModelError(
-            f"{mmproj}: a GGUF of architecture {header.get(V.KEY_ARCH)!r}, not an mmproj (a vision tower)"
+            f"{mmproj}: a GGUF of architecture {header.get(Keys.General.ARCHITECTURE)!r}, not an mmproj (a vision tower)"
         )
     report.raise_for_verdict()
     assert header is not None

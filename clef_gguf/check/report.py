@@ -9,6 +9,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from gguf import Keys
+
 from ..errors import CorruptModelError, IncompleteModelError, ModelFileError, NotADecisionModelError
 from ..format import contract as C
 from ..format.header import Header
@@ -144,7 +146,7 @@ def _summary(verdict: Verdict, found: Findings, h: Header | None, source: str) -
 
 
 def _not_a_decision_model(found: Findings, h: Header | None, source: str) -> str:
-    arch = h.get("general.architecture") if h else None
+    arch = h.get(Keys.General.ARCHITECTURE) if h else None
     if arch != C.BACKBONE_ARCH:
         return (
             f"a GGUF of architecture {arch!r} with {found.counts.tensors} tensors, not a Clef decision model "
@@ -178,7 +180,7 @@ def printable(text: str, limit: int = 600) -> str:
 
 def make_report(source: str, found: Findings, h: Header | None, file_size: int | None, started: float, **extra: Any) -> Report:
     verdict = _verdict(found)
-    arch = h.get("general.architecture") if h else None
+    arch = h.get(Keys.General.ARCHITECTURE) if h else None
     return Report(
         source=source,
         verdict=verdict,

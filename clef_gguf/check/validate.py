@@ -28,6 +28,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from gguf import Keys
+
 from ..errors import ModelFileError, NotADecisionModelError, SettingsError
 from ..format import contract as C
 from ..format.header import GGUFFile, Header
@@ -49,10 +51,10 @@ def judge_header(h: Header, file_size: int) -> Findings:
         return judge_mmproj(h, file_size)
     tensors = h.tensors
     n_head = sum(C.is_head_tensor(n) for n in tensors)
-    arch = h.get("general.architecture")
+    arch = h.get(Keys.General.ARCHITECTURE)
     found = Findings(decision=arch == C.ARCH or C.KEY_DECISION_TYPE in h.fields or n_head > 0)
     found.problems += check_layout(h, file_size)
-    tokens = h.get("tokenizer.ggml.tokens")
+    tokens = h.get(Keys.Tokenizer.LIST)
     counts = {"tensors": len(tensors), "backbone": len(tensors) - n_head, "head": n_head}
     counts["vocab"] = len(tokens) if isinstance(tokens, list) else 0
     if arch not in (C.ARCH, C.BACKBONE_ARCH) and not found.decision:
@@ -222,7 +224,7 @@ def open_validated(path: str | os.PathLike[str]) -> ValidatedFile:
     h = f.header
     description = ClefDescription(
         path=f.path,
-        name=str(h.get("general.name") or f.path.stem),
+        name=str(h.get(Keys.General.NAME) or f.path.stem),
         shape=found.shape,
         head=found.head,
         template=found.template,

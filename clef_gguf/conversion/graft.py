@@ -15,6 +15,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import Keys
 
 from ..errors import ConversionError, ModelFileError
 from ..format import contract as C
@@ -116,11 +117,11 @@ def _hparams(h: Header, what: str) -> dict[str, object]:
 def _vocab(h: Header, normalizer: str) -> Vocab:
     try:
         return Vocab(
-            tokens=list(h.get("tokenizer.ggml.tokens")),
-            token_types=list(h.get("tokenizer.ggml.token_type")),
-            merges=list(h.get("tokenizer.ggml.merges")),
-            eos_id=int(h.get("tokenizer.ggml.eos_token_id")),
-            pad_id=h.get("tokenizer.ggml.padding_token_id"),
+            tokens=list(h.get(Keys.Tokenizer.LIST)),
+            token_types=list(h.get(Keys.Tokenizer.TOKEN_TYPE)),
+            merges=list(h.get(Keys.Tokenizer.MERGES)),
+            eos_id=int(h.get(Keys.Tokenizer.EOS_ID)),
+            pad_id=h.get(Keys.Tokenizer.PAD_ID),
             normalizer=normalizer,
         )
     except TypeError as e:
@@ -194,9 +195,9 @@ def assemble(
     """Write the Clef file: the backbone's tensors as they are, then the release's head (F32 unless head_type)."""
     f = GGUFFile.open(backbone_path)
     try:
-        arch = f.header.get("general.architecture")
+        arch = f.header.get(Keys.General.ARCHITECTURE)
         if arch != C.BACKBONE_ARCH:
-            raise MismatchError(f"{backbone_path.name} is not a qwen35 backbone (general.architecture is {arch!r})")
+            raise MismatchError(f"{backbone_path.name} is not a qwen35 backbone ({Keys.General.ARCHITECTURE} is {arch!r})")
         hparams = _hparams(f.header, backbone_path.name)
         tied = C.OUTPUT not in f.header.tensors
         if tied != release.tied:
@@ -211,7 +212,7 @@ def assemble(
         if release.head_config.hidden_size != shape.n_embd:
             raise MismatchError(f"the head reads hidden size {release.head_config.hidden_size}, the backbone has {shape.n_embd}")
         tensors = _backbone_tensors(f, shape) + head_tensors(release, head_qtype(head_type, None))
-        file_type = int(f.header.get("general.file_type", 0))
+        file_type = int(f.header.get(Keys.General.FILE_TYPE, 0))
         write_clef(
             out, release, hparams, vocab, file_type, tensors, reference_sha256=reference_sha256, force=force, progress=progress
         )

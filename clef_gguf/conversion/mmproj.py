@@ -19,6 +19,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from gguf import Keys
 
 from ..errors import ConversionError, ReleaseError
 from ..format import vision as V
@@ -262,10 +263,10 @@ def mmproj_tensors(tower: VisionTower, qtype: GT) -> list[OutTensor]:
 def write_mmproj_metadata(w: gguf.GGUFWriter, *, name: str, tower: VisionTower, file_type: int) -> None:
     """The converter's keys, in its order (base.py:2698-2719, qwen3vl.py:43-62), then clef-gguf's pixel limits."""
     s, p = tower.shape, tower.processor
-    w.add_string(V.KEY_TYPE, V.FILE_KIND)
-    w.add_string(V.KEY_NAME, name)
-    w.add_string(V.KEY_SIZE_LABEL, gguf.size_label(tower.n_params, tower.n_params, 0, 0))
-    w.add_uint32(V.KEY_FILE_TYPE, file_type)
+    w.add_string(Keys.General.TYPE, V.FILE_KIND)
+    w.add_string(Keys.General.NAME, name)
+    w.add_string(Keys.General.SIZE_LABEL, gguf.size_label(tower.n_params, tower.n_params, 0, 0))
+    w.add_uint32(Keys.General.FILE_TYPE, file_type)
     w.add_bool(V.KEY_HAS_VISION, True)
     w.add_uint32(V.KEY_PROJECTION_DIM, s.out_width)
     w.add_uint32(V.KEY_IMAGE_SIZE, s.image_size)
@@ -281,7 +282,7 @@ def write_mmproj_metadata(w: gguf.GGUFWriter, *, name: str, tower: VisionTower, 
     w.add_uint32(V.KEY_SPATIAL_MERGE_SIZE, V.MERGE_SIZE)
     w.add_float32(V.KEY_LAYER_NORM_EPS, tower.layer_norm_eps)
     w.add_array(V.KEY_DEEPSTACK_LAYERS, [False] * s.n_layer)
-    w.add_uint32(V.KEY_QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
+    w.add_uint32(Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
     w.add_uint32(V.KEY_IMAGE_MIN_PIXELS, p.min_pixels)
     w.add_uint32(V.KEY_IMAGE_MAX_PIXELS, p.max_pixels)
 

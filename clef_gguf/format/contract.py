@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from gguf import GGMLQuantizationType as GT
+from gguf import Keys
 
 ARCH = "clef"
 BACKBONE_ARCH = "qwen35"
@@ -28,6 +29,8 @@ REFERENCE_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2d
 KEY_DECISION_TYPE = "clef.decision.type"
 KEY_REFERENCE_SHA256 = "clef.reference.sha256"
 KEY_NORMALIZER = "clef.tokenizer.normalizer"
+# The prefix of llama.cpp's tokenizer keys (gguf.Keys.Tokenizer.MODEL, .LIST, ...; gguf-py has no constant for it).
+KEY_TOKENIZER_PREFIX = "tokenizer.ggml."
 
 # Backbone hyperparameters: stored as `clef.<suffix>`, read by llama.cpp as `qwen35.<suffix>`.
 BACKBONE_KEY_SUFFIXES = (
@@ -61,9 +64,9 @@ def backbone_key(suffix: str) -> str:
 # The reference's encode_record() as the Jinja template llama.cpp's converter stores
 # (`tokenizer.chat_template.systemone`); format/template.py says how it is rendered.
 # Literal text is a JSON-quoted Jinja string, so the stored template is exactly llama.cpp's.
-KEY_TEMPLATE = "tokenizer.chat_template.systemone"
-KEY_TEMPLATE_NAMES = "tokenizer.chat_templates"
 TEMPLATE_NAME = "systemone"
+KEY_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=TEMPLATE_NAME)
+KEY_TEMPLATE_NAMES = Keys.Tokenizer.CHAT_TEMPLATES
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. Each answer "
     "must be exactly one of that field's allowed options."

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from ..errors import ModelFileError
 
@@ -257,9 +257,9 @@ def parse_header(buf: bytes | mmap.mmap | memoryview) -> Header:
         if dims[0] % GGML_QUANT_SIZES[info.type][0]:  # ggml quantizes rows: each row is whole blocks
             raise ModelFileError(f"tensor {name}: rows of {dims[0]} elements are not whole {info.type.name} blocks")
         tensors[name] = info
-    alignment = fields["general.alignment"].value if "general.alignment" in fields else DEFAULT_ALIGNMENT
+    alignment = fields[Keys.General.ALIGNMENT].value if Keys.General.ALIGNMENT in fields else DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ModelFileError(f"general.alignment {alignment} is not a power of two")
+        raise ModelFileError(f"{Keys.General.ALIGNMENT} {alignment} is not a power of two")
     data_offset = -(-c.pos // alignment) * alignment
     return Header(version, fields, tensors, alignment, c.pos, data_offset)
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from gguf import GGUFValueType as VT
+from gguf import Keys
 
 from ..errors import IncompleteModelError
 from . import contract as C
@@ -152,7 +153,7 @@ def read_backbone_shape(h: Header, prefix: str) -> tuple[C.BackboneShape | None,
         r.bad(f"{prefix}.ssm.inner_size {inner} != time_step_rank {v_heads} x state_size {state}")
     if head_dim:
         _rope(r, head_dim)
-    tokens = h.get("tokenizer.ggml.tokens")
+    tokens = h.get(Keys.Tokenizer.LIST)
     n_vocab = len(tokens) if isinstance(tokens, list) else 0
     values = (n_vocab, n_embd, n_ff, n_layer, n_head, n_head_kv, head_dim, recurrent, conv_kernel, k_heads, v_heads, state)
     if any(not v for v in values):
@@ -215,7 +216,7 @@ def read_head_config(h: Header, n_embd: int | None) -> tuple[C.HeadConfig | None
 
 def prefix_of(h: Header) -> str:
     """The key prefix of the backbone's hyperparameters: clef.* in a Clef file, qwen35.* in a backbone-only one."""
-    return C.ARCH if h.get("general.architecture") == C.ARCH else C.BACKBONE_ARCH
+    return C.ARCH if h.get(Keys.General.ARCHITECTURE) == C.ARCH else C.BACKBONE_ARCH
 
 
 def context_length(h: Header) -> int:

@@ -21,13 +21,7 @@ ARCH = "clip"
 FILE_KIND = "mmproj"  # general.type, as llama.cpp's converter writes for every mmproj
 PROJECTOR = "qwen3vl_merger"  # clip-impl.h PROJECTOR_TYPE_QWEN3VL
 
-# --- Keys (clip-impl.h:30-66) -----------------------------------------------------------
-KEY_ARCH = "general.architecture"
-KEY_TYPE = "general.type"
-KEY_NAME = "general.name"
-KEY_SIZE_LABEL = "general.size_label"
-KEY_FILE_TYPE = "general.file_type"
-KEY_QUANTIZATION_VERSION = "general.quantization_version"
+# --- Keys (clip-impl.h:30-66; the general.* ones are gguf.Keys.General's) ----------------
 KEY_HAS_VISION = "clip.has_vision_encoder"
 KEY_HAS_AUDIO = "clip.has_audio_encoder"
 KEY_PROJECTOR = "clip.projector_type"

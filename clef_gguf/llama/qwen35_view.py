@@ -23,13 +23,13 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGUFValueType, Keys
 
 from ..errors import ModelFileError
 from ..format import contract as C
 from ..format.header import GGUF_MAGIC, GGUFFile
 
-_GLOBAL_KEYS = ("general.alignment", "general.name", "general.file_type", "general.quantization_version")
+_GLOBAL_KEYS = (Keys.General.ALIGNMENT, Keys.General.NAME, Keys.General.FILE_TYPE, Keys.General.QUANTIZATION_VERSION)
 LEAN_TOKENS = 258  # the lean view's tokenizer: a byte alphabet, one merge, an end token (then fillers)
 F32 = 0  # ggml_type
 
@@ -115,17 +115,17 @@ def _lean_tokenizer(n_tokens: int) -> list[bytes]:
     tokens = [*alphabet, "\u0120t", *fillers, "<|im_end|>"]
     types = [1] * (len(tokens) - 1) + [3]  # normal tokens, one control token
     return [
-        _pack_kv("tokenizer.ggml.model", GGUFValueType.STRING, _pack_string("gpt2")),
-        _pack_kv("tokenizer.ggml.pre", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH)),
-        _pack_strings("tokenizer.ggml.tokens", tokens),
+        _pack_kv(Keys.Tokenizer.MODEL, GGUFValueType.STRING, _pack_string("gpt2")),
+        _pack_kv(Keys.Tokenizer.PRE, GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH)),
+        _pack_strings(Keys.Tokenizer.LIST, tokens),
         _pack_kv(
-            "tokenizer.ggml.token_type",
+            Keys.Tokenizer.TOKEN_TYPE,
             GGUFValueType.ARRAY,
             struct.pack(f"<Q{len(types)}i", len(types), *types),
             GGUFValueType.INT32,
         ),
-        _pack_strings("tokenizer.ggml.merges", ["\u0120 t"]),
-        _pack_kv("tokenizer.ggml.eos_token_id", GGUFValueType.UINT32, struct.pack("<I", n_tokens - 1)),
+        _pack_strings(Keys.Tokenizer.MERGES, ["\u0120 t"]),
+        _pack_kv(Keys.Tokenizer.EOS_ID, GGUFValueType.UINT32, struct.pack("<I", n_tokens - 1)),
     ]
 
 
@@ -140,9 +140,9 @@ def qwen35_header(f: GGUFFile, extents: list[Extent], lean: bool = False) -> byt
     (embeddings would split a batch into one ubatch per sequence).
     """
     h, buf = f.header, f.map
-    kvs = [_pack_kv("general.architecture", GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH))]
+    kvs = [_pack_kv(Keys.General.ARCHITECTURE, GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH))]
     for key, field in h.fields.items():
-        if key in _GLOBAL_KEYS or (key.startswith("tokenizer.ggml.") and not lean):
+        if key in _GLOBAL_KEYS or (key.startswith(C.KEY_TOKENIZER_PREFIX) and not lean):
             kvs.append(bytes(buf[field.start : field.end]))
         elif key.partition(".")[0] in (C.ARCH, C.BACKBONE_ARCH) and key.partition(".")[2] in C.BACKBONE_KEY_SUFFIXES:
             renamed = f"{C.BACKBONE_ARCH}.{key.partition('.')[2]}"  # clef.* in a Clef file, qwen35.* in a backbone
