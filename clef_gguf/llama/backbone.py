@@ -45,10 +45,25 @@ MAX_UBATCH = 28672
 _MULTI_POSITION_ROPE = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE, L.LLAMA_ROPE_TYPE_VISION)
 
 
-def _load(f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = False) -> L.llama_model_p:
+# llama_model_params.devices: a NULL-terminated list; an empty one gives llama.cpp no device at all.
+_NO_DEVICES = (ctypes.c_void_p * 1)(None)
+
+
+def load_model(
+    f: GGUFFile, *, lean: bool, n_gpu_layers: int = 0, vocab_only: bool = False, no_alloc: bool = False
+) -> L.llama_model_p:
+    """A view of `f` loaded by llama.cpp (no_alloc: every buffer planned, none allocated: llama/plan.py).
+
+    n_gpu_layers 0 is the CPU alone. With a device, llama.cpp would still offload the ops of a large batch
+    whose weights stay on the host, and keep a compute buffer on the device for them (4 MiB at a 512-token
+    context on Vulkan): the head and the vision tower run on the CPU then, and plan says 0 device bytes.
+    """
     params = L.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
     params.vocab_only = vocab_only
+    params.no_alloc = no_alloc
+    if n_gpu_layers == 0:
+        params.devices = ctypes.cast(_NO_DEVICES, ctypes.c_void_p)
     params.load_mode = L.LLAMA_LOAD_MODE_NONE  # a FILE* from fopencookie cannot be mmapped
     tensors = {n: f.header.tensors[n] for n in view_tensor_names(f, lean)}
     cpu_buffers.placement(tensors, n_gpu_layers=n_gpu_layers).apply(params)  # never AMX: it segfaults
@@ -162,7 +177,7 @@ class Vocabulary:
     def __init__(self, f: GGUFFile, *, nfc: bool = True) -> None:
         llama_log.init_backend()
         self.nfc = nfc
-        self.model = _load(f, lean=False, vocab_only=True)
+        self.model = load_model(f, lean=False, vocab_only=True)
         self.vocab = L.llama_model_get_vocab(self.model)
         # A prompt is tokenized piece by piece (runtime/prompt.py), and most pieces recur from request to
         # request: the template's own text ("OPTION 1: ", its header and footer) and a schema's instructions
@@ -227,7 +242,7 @@ class Backbone:
         with ExitStack() as stack:  # a failure at any stage frees what the earlier ones made
             self.vocabulary = Vocabulary(f, nfc=nfc)
             stack.callback(self.vocabulary.close)
-            self.model = _load(f, lean=True, n_gpu_layers=n_gpu_layers)
+            self.model = load_model(f, lean=True, n_gpu_layers=n_gpu_layers)
             stack.callback(L.llama_model_free, self.model)
             self.n_embd = L.llama_model_n_embd(self.model)
             self.token_embd = RowTable(f, "token_embd.weight")

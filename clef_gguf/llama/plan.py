@@ -25,11 +25,10 @@ from ..format import contract as C
 from ..format import hparams
 from ..format import vision as V
 from ..format.header import GGUFFile
-from . import cpu_buffers
 from . import log as llama_log
-from .backbone import MAX_UBATCH, context_params
+from .backbone import MAX_UBATCH, context_params, load_model
 from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_UBATCH
-from .qwen35_view import lean_vocab, open_qwen35_view, view_tensor_names
+from .qwen35_view import lean_vocab
 
 MIB = 1 << 20
 _SIZE = re.compile(r"(\w+)\s+compute buffer size =\s+([\d.]+) MiB")
@@ -75,22 +74,9 @@ class _NoAllocModel:
 
     def __init__(self, f: GGUFFile, n_gpu_layers: int) -> None:
         llama_log.init_backend()
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        params.no_alloc = True
-        params.load_mode = L.LLAMA_LOAD_MODE_NONE
-        llama_log.clear_errors()
         # The lean view, as the runtime loads it (no n_vocab logits), of a Clef or a plain qwen35 file,
-        # its weights placed as the runtime places them (cpu_buffers): the figures describe what runs.
-        names = view_tensor_names(f, lean=True)
-        cpu_buffers.placement({n: f.header.tensors[n] for n in names}, n_gpu_layers=n_gpu_layers).apply(params)
-        view = open_qwen35_view(f, lean=True)
-        try:
-            self.model = L.llama_model_load_from_file_ptr(view.fp, params)
-        finally:
-            view.close()
-        if not self.model:
-            raise ModelFileError(f"llama.cpp could not plan {f.path.name}: {llama_log.last_error('no reason given')}")
+        # its weights placed as the runtime places them: the figures describe what runs.
+        self.model = load_model(f, lean=True, n_gpu_layers=n_gpu_layers, no_alloc=True)
 
     def measure(self, n_ctx: int, n_ubatch: int | None = None, parallel: int = DEFAULT_PARALLEL) -> dict[str, float]:
         """MiB of KV cache, recurrent state and compute buffers (per backend) for one context, as the runtime
