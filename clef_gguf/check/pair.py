@@ -14,10 +14,9 @@ from typing import Any
 from gguf import Keys
 
 from ..errors import IncompleteModelError, ModelFileError, NotADecisionModelError
-from ..format import contract as C
 from ..format import vision as V
 from ..format.header import Header
-from ..format.hparams import VisionDescription
+from ..format.hparams import VisionDescription, backbone_shape
 from .mmproj import describe_mmproj, is_mmproj
 from .report import Problem, Report, Verdict
 from .validate import judge_source
@@ -35,7 +34,7 @@ def check_pairing(model: Header, mmproj: Header) -> list[Problem]:
     if d is None:
         return [Problem("pairing", "the mmproj does not validate, so it cannot be paired")]
     problems = []
-    n_embd = model.get(C.backbone_key("embedding_length"), model.get(f"{C.BACKBONE_ARCH}.embedding_length"))
+    n_embd = backbone_shape(model, "the model").n_embd
     if n_embd != d.embedding_width:
         problems.append(
             Problem(

@@ -326,6 +326,11 @@ JOINT_BLOCK = {
     "layers.{i}.linear2": "dec.blk.{bid}.ffn_down",
 }
 _ATTENTION_MODULES = ("attention", "self_attn", "multihead_attn")
+# The tensors whose rows are the head's widths, as llama.cpp's Clef loader reads them (HeadConfig field -> tensor).
+HEAD_WIDTH_TENSORS = {
+    "width": f"{HEAD_GLOBALS['memory_projection']}.weight",
+    "feedforward": f"{ROUTING_BLOCK['evidence_layers.{i}.feedforward.0'].format(bid=0)}.weight",  # a joint block's alike
+}
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,7 @@ def read_backbone_shape(h: Header, prefix: str) -> tuple[C.BackboneShape | None,
 
 def read_head_config(h: Header, n_embd: int | None) -> tuple[C.HeadConfig | None, list[str]]:
     """The head's config as llama.cpp's Clef loader reads it: counts from clef.decision.* (UINT32), widths
-    from tensor shapes (decision.proj_memory: width, dec.blk.0.ffn_up: feedforward), bounded before any
-    shape is derived."""
+    from tensor shapes (contract.HEAD_WIDTH_TENSORS), bounded before any shape is derived."""
     problems = []
     counts: dict[str, int] = {}
     keys = {"routing_layers": C.KEY_ROUTING_BLOCKS, "layers": C.KEY_JOINT_BLOCKS, "heads": C.KEY_HEAD_COUNT}
@@ -199,7 +198,7 @@ def read_head_config(h: Header, n_embd: int | None) -> tuple[C.HeadConfig | None
         message = f"{C.KEY_HEAD_NORM_EPS} (the head's LayerNorm epsilon) is missing or not a FLOAT32 in (0, 1)"
         problems.append(message)
     widths = {}
-    for name, tensor in (("width", "decision.proj_memory.weight"), ("feedforward", "dec.blk.0.ffn_up.weight")):
+    for name, tensor in C.HEAD_WIDTH_TENSORS.items():
         t = h.tensors.get(tensor)
         if t is None or len(t.dims) != 2 or not 1 <= t.dims[1] <= MAX_WIDTH:
             problems.append(f"{tensor}, whose rows give the head's {name}, is missing or not 2-D")
