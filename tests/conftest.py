@@ -1,5 +1,11 @@
 """Session fixtures: tiny random Clef releases, their GGUF conversions, loaded models
-and the reference oracle. Everything is built once per session, on demand."""
+and the reference oracle. Everything is built once per session, on demand.
+
+`pytest -m device --on-device` (tools/device_check.sh) is the device set: the tests marked `device`, with every
+model, head and vision tower on the build's device backend (Vulkan, CUDA) wherever a test leaves
+n_gpu_layers at its default, `clef-gguf` subprocesses included (CLEF_GGUF_N_GPU_LAYERS). On a CPU build of
+llama-cpp-python, --on-device skips them and says why.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,57 @@ from clef_gguf.testing.oracle import Oracle  # noqa: E402
 from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402
 
 MAX_PROMPT_TOKENS = 8192  # the long-state request has several thousand tokens
+NO_DEVICE = "--on-device: this llama-cpp-python has no device backend (a CPU build); tools/vulkan_env.sh builds one with Vulkan"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--on-device", action="store_true", help="Run models on the device backend (see tests/conftest.py).")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "device: in the device set (tools/device_check.sh)")
+    if config.getoption("on_device") and device_build():
+        _offload_by_default()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("on_device") and not device_build():
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=NO_DEVICE))
+
+
+def device_build() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def _set_default(function: Callable[..., object], name: str, value: object) -> None:
+    """Change one parameter's default in place, keyword-only or not, so that every caller that omits it gets `value`."""
+    if function.__kwdefaults__ and name in function.__kwdefaults__:
+        function.__kwdefaults__[name] = value
+        return
+    code = function.__code__
+    positional = code.co_varnames[: code.co_argcount]
+    defaults = list(function.__defaults__ or ())
+    defaults[positional.index(name) - (len(positional) - len(defaults))] = value
+    function.__defaults__ = tuple(defaults)
+
+
+def _offload_by_default() -> None:
+    import os
+
+    from clef_gguf.llama.backbone import Backbone
+    from clef_gguf.llama.mtmd import VisionEncoder
+    from clef_gguf.llama.native_head import NativeHead
+    from clef_gguf.runtime import model
+
+    _set_default(model.load, "n_gpu_layers", -1)
+    _set_default(model.ClefModel.__init__, "n_gpu_layers", -1)
+    _set_default(Backbone.__init__, "n_gpu_layers", -1)
+    _set_default(NativeHead.__init__, "gpu", True)
+    _set_default(VisionEncoder.__init__, "use_gpu", True)
+    os.environ["CLEF_GGUF_N_GPU_LAYERS"] = "-1"
 
 
 class Workspace:

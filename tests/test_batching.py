@@ -27,6 +27,8 @@ from clef_gguf.testing.request_suite import (
     ten_level_score_request,
 )
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 N_CTX = 8192
 # Hidden states (RMS about 1, largest values about 10): float noise, measured up to 1.3e-4 at f32. Probabilities:
 # at f32 the responses' rounding to 4 decimals can move a last digit; q8_0 requantizes every activation row to

@@ -27,6 +27,8 @@ from clef_gguf.data import DEMO_MODEL
 from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from clef_gguf.testing.request_suite import long_state_request, long_state_text, wide_choice_request
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 ACCOUNT_ID = "0123456789abcdef0123456789abcdef"
 API_TOKEN = "local-token"  # the server has no --api-key: any Bearer token is accepted, as the clients always send one
 TIMEOUT = 300.0

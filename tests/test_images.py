@@ -217,6 +217,7 @@ def test_the_images_cover_every_format_and_resize(limits):
     assert ratios["webp_wide"] == ratios["jpeg_gray_tall"] == 15 and ratios["png_ratio_200"] == ratios["jpeg_ratio_200"] == 200
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("conversion", list(CONVERSIONS))
 def test_answers_match_the_reference(model_of, reference, conversion, case):
@@ -250,6 +251,7 @@ def test_the_reference_response_is_ours(ws, model_of):
             assert answer.get(key) == pytest.approx(expected.get(key), abs=0.002)
 
 
+@pytest.mark.device
 def test_the_images_change_the_answers(model_of):
     """Not a tower whose output is ignored: another image, or none, gives other answers."""
     model = model_of("f32")
@@ -416,6 +418,7 @@ def test_image_parts_of_chat_messages_are_taken_out_and_placed_with_the_others(m
 
 
 # --- 4. The state cache with images ----------------------------------------------------------------------
+@pytest.mark.device
 def test_the_state_cache_keys_a_state_by_its_images(ws, model_of):
     gguf = ws.gguf(RELEASE, "f32")
     state = {"ticket": long_state_text(2)}

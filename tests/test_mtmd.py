@@ -23,6 +23,8 @@ from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.backbone import Backbone, prompt_positions
 from clef_gguf.llama.mtmd import VisionEncoder
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 # Max |difference| of an embedding from transformers' (embeddings have a std of ~0.66); measured: f32 0.0014,
 # f16 0.0027, bf16 0.012, q8_0 0.038.
 TOLERANCE = {"f32": 0.005, "f16": 0.005, "bf16": 0.05, "q8_0": 0.1}

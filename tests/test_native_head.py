@@ -25,6 +25,8 @@ from clef_gguf.runtime.prompt import EncodedPrompt, EncodedQuestion, Question, R
 from clef_gguf.testing.gguf_bytes import rebuild
 from clef_gguf.testing.request_suite import all_requests
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 # (release, file type, head type, tolerance on |logit difference| relative to 1 + |logit|).
 # With F32 head weights both sides compute in float32 (only the order of sums differs);
 # F16 / Q8_0 weights make ggml round the activations to that type too, as llama.cpp does.

@@ -7,6 +7,8 @@ import pytest
 
 from clef_gguf.testing.request_suite import all_requests
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 REQUESTS = all_requests()
 # (release, file type, head type, tolerance). A q8_0 backbone under an F32 head: the runtime's own error
 # budget. Under the Q8_0 head llama.cpp's converter writes (the default), the head's weight rounding adds

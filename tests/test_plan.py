@@ -13,6 +13,8 @@ from clef_gguf.llama.backbone import MAX_UBATCH
 from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from clef_gguf.llama.plan import memory_plan, parse_size
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 
 def _line(plan, prefix: str):
     return next(line for line in plan.lines if line.component.startswith(prefix))

@@ -26,6 +26,8 @@ from clef_gguf.llama.backbone import prompt_positions
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS, Entry, StateCache, entry_bytes, prefix_key
 from clef_gguf.testing.request_suite import largest_difference, long_state_request, long_state_text, response_probabilities
 
+pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
+
 N_CTX = 8192
 # A new 3-question schema about the suite's long state (whose own schema the oracle fixture answers).
 OTHER_QUESTIONS: dict[str, Any] = {
