@@ -15,6 +15,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import gguf
 import numpy as np
@@ -26,7 +27,7 @@ from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
 from .mmproj import MmprojPlan, no_tower_reason, plan_mmproj
 from .mmproj import mmproj_type as resolve_mmproj_type
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
-from .release import Release, backbone_hparams, open_release, reference_sha256
+from .release import Release, backbone_hparams, open_release
 from .vocab import Vocab, read_vocab
 from .writer import (
     GT,
@@ -43,6 +44,9 @@ from .writer import (
     write_gguf,
     write_metadata,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11; the annotation is never evaluated
 
 NUMPY_FILE_TYPES: dict[str, tuple[GT, gguf.LlamaFileType]] = {
     "f32": (GT.F32, gguf.LlamaFileType.ALL_F32),
@@ -144,36 +148,27 @@ def _mmproj_path(out: Path, mmproj: str | Path | bool | None) -> Path | None:
     return path
 
 
-def convert(
-    source: str | Path,
-    out: str | Path,
-    file_type: str = DEFAULT_FILE_TYPE,
-    *,
-    head_type: str = "auto",
-    imatrix: str | Path | None = None,
-    mmproj: str | Path | bool | None = True,
-    mmproj_type: str = "auto",
-    force: bool = False,
-    progress: Progress | None = None,
-) -> Path:
+class ConvertOptions(TypedDict, total=False):
+    """convert_files' keyword arguments (and their defaults there), which convert passes on."""
+
+    head_type: str
+    imatrix: str | Path | None
+    mmproj: str | Path | bool | None
+    mmproj_type: str
+    force: bool
+    progress: Progress | None
+
+
+def convert(source: str | Path, out: str | Path, file_type: str = DEFAULT_FILE_TYPE, **options: Unpack[ConvertOptions]) -> Path:
     """Convert a Clef release (folder or Hub repo id) to one Clef GGUF file at `out`; returns its path.
 
     The vision tower goes into llama.cpp's mmproj file: `mmproj=True` (the default) writes it beside
     `out` as `mmproj-<stem>.gguf` (default_mmproj_path), a path writes it there, False skips it. A release
     without a vision tower gets none, without an error (convert_files says so). `mmproj_type` is auto
-    (the file type for f32/f16/bf16/q8_0, else f16) or one of those four.
+    (the file type for f32/f16/bf16/q8_0, else f16) or one of those four. `head_type`, `imatrix`, `force`
+    and `progress` are convert_files'.
     """
-    return convert_files(
-        source,
-        out,
-        file_type,
-        head_type=head_type,
-        imatrix=imatrix,
-        mmproj=mmproj,
-        mmproj_type=mmproj_type,
-        force=force,
-        progress=progress,
-    ).model
+    return convert_files(source, out, file_type, **options).model
 
 
 def convert_files(
@@ -246,7 +241,6 @@ def _convert_model(
         vocab,
         ftype,
         tensors,
-        reference_sha256=reference_sha256(release),
         force=force,
         progress=progress,
         stage="converting",
@@ -286,5 +280,4 @@ def _convert_with_llama(
             head_type=head_type,
             force=force,
             progress=progress,
-            reference_sha256=reference_sha256(release),
         )

@@ -190,7 +190,6 @@ def assemble(
     head_type: str = "auto",
     force: bool = False,
     progress: Progress | None = None,
-    reference_sha256: str = "",
 ) -> Path:
     """Write the Clef file: the backbone's tensors as they are, then the release's head (F32 unless head_type)."""
     f = GGUFFile.open(backbone_path)
@@ -213,9 +212,7 @@ def assemble(
             raise MismatchError(f"the head reads hidden size {release.head_config.hidden_size}, the backbone has {shape.n_embd}")
         tensors = _backbone_tensors(f, shape) + head_tensors(release, head_qtype(head_type, None))
         file_type = int(f.header.get(Keys.General.FILE_TYPE, 0))
-        write_clef(
-            out, release, hparams, vocab, file_type, tensors, reference_sha256=reference_sha256, force=force, progress=progress
-        )
+        write_clef(out, release, hparams, vocab, file_type, tensors, force=force, progress=progress)
     finally:
         f.close()
     return out
@@ -229,14 +226,14 @@ def write_clef(
     file_type: int,
     tensors: list[OutTensor],
     *,
-    reference_sha256: str,
     force: bool,
     progress: Progress | None,
     stage: str = "writing",
 ) -> Path:
-    """Write a Clef file: its metadata, then `tensors`."""
+    """Write a Clef file: its metadata (the release's head config and reference sha256 among them), then `tensors`."""
     refuse_inputs(out, release_files(release))
     check_free_space(out.parent, header_bytes(vocab, tensors) + data_bytes(tensors))
+    sha256 = reference_sha256(release)
 
     def metadata(w: gguf.GGUFWriter) -> None:
         write_metadata(
@@ -246,7 +243,7 @@ def write_clef(
             vocab=vocab,
             file_type=file_type,
             head=release.head_config,
-            reference_sha256=reference_sha256,
+            reference_sha256=sha256,
         )
 
     with atomic_output(out, force) as tmp:
@@ -276,5 +273,4 @@ def graft(
         head_type=head_type,
         force=force,
         progress=progress,
-        reference_sha256=reference_sha256(release),
     )
