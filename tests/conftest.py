@@ -43,6 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=NO_DEVICE))
 
 
+@pytest.fixture(scope="session")
+def default_gpu_layers(request: pytest.FixtureRequest) -> int:
+    """The n_gpu_layers a test that omits it runs at: -1 in the device set, else 0."""
+    return -1 if request.config.getoption("on_device") and device_build() else 0
+
+
 def device_build() -> bool:
     import llama_cpp
 

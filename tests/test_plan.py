@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import clef_gguf
@@ -9,15 +11,58 @@ from clef_gguf.errors import SettingsError
 from clef_gguf.format import contract as C
 from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.backbone import MAX_UBATCH
 from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
-from clef_gguf.llama.plan import memory_plan, parse_size
+from clef_gguf.llama.plan import MIB, memory_plan, parse_size
 
 pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
 
 
 def _line(plan, prefix: str):
     return next(line for line in plan.lines if line.component.startswith(prefix))
+
+
+_BUFFER = re.compile(r"(\S+) +(model|KV|RS|compute) buffer size = +([\d.]+) MiB")
+
+
+def _allocated(path, **load_args) -> dict[tuple[str, str], int]:
+    """Bytes of each kind of buffer llama.cpp allocated while the runtime loaded `path`, on the device and on the
+    host, from its own log lines ("Vulkan0 KV buffer size = 0.25 MiB")."""
+    lines: list[str] = []
+    with llama_log.capture_info(lines.append):
+        clef_gguf.load(path, **load_args).close()
+    sizes: dict[tuple[str, str], int] = {}
+    for m in _BUFFER.finditer("".join(lines)):
+        side = "host" if m[1].startswith("CPU") or m[1].endswith("_Host") else "device"
+        sizes[m[2], side] = sizes.get((m[2], side), 0) + int(float(m[3]) * MIB)
+    return sizes
+
+
+def _close(planned: int, allocated: int) -> bool:
+    """Within 5%, or 0.02 MiB (llama.cpp logs sizes to 0.01 MiB, and the fixtures' buffers are small)."""
+    return abs(planned - allocated) <= max(0.05 * allocated, 0.02 * MIB)
+
+
+@pytest.mark.parametrize("offload", ["default", "none"])
+def test_the_plan_is_what_llama_cpp_allocates(ws, default_gpu_layers, offload):
+    """The runtime's real load against the plan, buffer by buffer, where they are: on the device in the device set
+    (n_gpu_layers -1), on the host otherwise. n_gpu_layers 0 is the CPU alone, a device build's too: no buffer
+    on the device, as the plan says."""
+    path, n_ctx = ws.gguf("k256", "q4_k_m"), 1024
+    n_gpu_layers = default_gpu_layers if offload == "default" else 0
+    plan = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers)
+    allocated = _allocated(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
+    side = "device" if n_gpu_layers else "host"
+    for kind, component in (("KV", "KV cache"), ("RS", "recurrent state"), ("compute", "compute buffer")):
+        line = _line(plan, component)
+        planned = line.device_bytes if side == "device" else line.host_bytes
+        assert _close(planned, allocated[kind, side]), (component, planned, allocated)
+    if n_gpu_layers:
+        weights = _line(plan, "backbone weights").device_bytes + _line(plan, "identity LM head").device_bytes
+        assert _close(weights, allocated["model", "device"]), (weights, allocated)
+    else:
+        assert not [key for key in allocated if key[1] == "device"] and plan.device_bytes == 0, allocated
 
 
 def test_weights_come_from_the_file_and_llama_cpp_holds_only_the_layers(ws):
