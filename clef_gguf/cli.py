@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from .conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES
-from .errors import ClefError, RequestError, SettingsError
+from .errors import ClefError, SettingsError
 from .llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, DEFAULT_UBATCH, MAX_PARALLEL
 from .llama.log import inside_callback
 
@@ -290,89 +288,13 @@ def graft(
     err.print(f"wrote {_line(_run(work))}", markup=False, highlight=False, soft_wrap=True)
 
 
-MAX_REQUEST_NESTING = 256  # arrays and objects inside each other; json and the prompt renderer recurse per level
-
-
-def _read_request(path: str) -> dict[str, Any]:
-    """The request file (or stdin) as JSON; anything that is not UTF-8 JSON text is a RequestError, never a traceback."""
-    try:
-        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as e:
-        raise RequestError(f"cannot read the request: {e.strerror or e}") from e
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(f"the request is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start}") from e
-    try:
-        body = json.loads(text)
-    except RecursionError as e:
-        raise RequestError(f"the request nests arrays and objects more than {MAX_REQUEST_NESTING} deep") from e
-    except ValueError as e:
-        raise RequestError(f"the request is not valid JSON: {e}") from e
-    _check_text(body)
-    return body
-
-
-def _check_text(body: Any) -> None:
-    """Bounded nesting, and no lone surrogate (a `\\ud800` escape): it is no Unicode text, and tokenizing it fails.
-
-    Iterative, so that the walk itself never hits Python's recursion limit.
-    """
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
-    while stack:
-        value, where, depth = stack.pop()
-        if depth > MAX_REQUEST_NESTING:  # named by its top-level field: the full path would be as deep
-            raise RequestError(f"nests arrays and objects more than {MAX_REQUEST_NESTING} deep", where.split(".")[0])
-        if isinstance(value, str):
-            _check_unicode(value, where)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                _check_unicode(key, where)
-                stack.append((item, f"{where}.{key}" if where else key, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, f"{where}.{i}" if where else str(i), depth + 1) for i, item in enumerate(value))
-
-
-def _check_unicode(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        surrogate = f"U+{ord(text[e.start]):04X}"
-        raise RequestError(f"holds a lone surrogate ({surrogate}), which is not Unicode text", where or None) from None
-
-
 def _decide(model_path: Path, request_path: str, images: list[Path], **settings: Any) -> dict[str, Any]:
     from .runtime.model import load
+    from .runtime.reader import read_request
 
-    request = _read_request(request_path)
-    if images:  # after the request's own, as files (bytes: the runtime reads their format)
-        if not isinstance(request, dict):
-            raise RequestError("the request must be a JSON object")
-        given = request.get("images") or []
-        if not isinstance(given, list):
-            raise RequestError("must be a list of images", "images")
-        request["images"] = [*given, *(_read_image(path) for path in images)]
+    request = read_request(request_path, images)  # before loading: a bad request is refused at once
     with load(model_path, **settings) as model:
         return model.decide(request)
-
-
-def _read_image(path: Path) -> bytes:
-    """An --image file, under the API's limits: a regular file (not a FIFO that never ends, nor /dev/zero), read
-    no further than one byte past the limit of an image (MAX_IMAGE_BYTES)."""
-    from .runtime.images import MAX_IMAGE_BYTES
-
-    try:
-        # O_NONBLOCK: opening a FIFO does not wait for a writer; fstat then refuses it.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise RequestError(f"{path} is not a regular file", "images")
-            data = file.read(MAX_IMAGE_BYTES + 1)
-    except OSError as e:
-        raise RequestError(f"cannot read {path}: {e.strerror or e}", "images") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise RequestError(f"{path} is over the limit of an image, {MAX_IMAGE_BYTES >> 20} MiB", "images")
-    return data
 
 
 @app.command()

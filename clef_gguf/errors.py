@@ -84,6 +84,23 @@ class RequestError(ClefError):
         return type(self), (self.reason, self.field)
 
 
+class RequestJsonError(RequestError):
+    """A request that is not strict JSON text. `path` holds the keys and indexes of the value at fault (its
+    field), `offset` where in the text a syntax error is; `kind` names the failure for an HTTP 422
+    (json_invalid, or string_unicode for a lone surrogate)."""
+
+    def __init__(
+        self, message: str, path: tuple[str | int, ...] = (), *, offset: int | None = None, kind: str = "json_invalid"
+    ) -> None:
+        super().__init__(message, ".".join(str(part) for part in path) or None)
+        self.path = path
+        self.offset = offset
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[str | int, ...]], dict[str, object]]:  # type: ignore[override]
+        return type(self), (self.reason, self.path), {"offset": self.offset, "kind": self.kind}
+
+
 class PromptTooLongError(RequestError):
     """The prompt needs more tokens than the context was sized for."""
 

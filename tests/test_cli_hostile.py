@@ -20,8 +20,8 @@ import pytest
 from clef_gguf.check import remote
 from clef_gguf.check.report import Verdict
 from clef_gguf.check.validate import validate
-from clef_gguf.cli import MAX_REQUEST_NESTING
 from clef_gguf.data import DEMO_MODEL
+from clef_gguf.runtime.reader import MAX_REQUEST_NESTING
 from clef_gguf.testing.gguf_bytes import kv_str, rebuild
 
 NOUL = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
@@ -59,19 +59,21 @@ REQUESTS = {
     ),
     "a lone surrogate in a question id": (
         json.dumps({**NOUL, "questions": {"q\udfff": {"type": "noul"}}}).encode(),
-        "questions: holds a lone surrogate (U+DFFF)",
+        "questions.q\\udfff: holds a lone surrogate (U+DFFF)",  # the key itself (as the server's loc names it), escaped
     ),
     "a lone surrogate in an option name": (
         json.dumps({**NOUL, "questions": {"c": {"type": "choice", "criteria": {"a": None, "\udc80b": None}}}}).encode(),
-        "questions.c.criteria: holds a lone surrogate (U+DC80)",
+        "questions.c.criteria.\\udc80b: holds a lone surrogate (U+DC80)",
     ),
     "a lone surrogate in a state key": (
         json.dumps({**NOUL, "state": {"k\ud83d": 1}}).encode(),
-        "state: holds a lone surrogate (U+D83D)",
+        "state.k\\ud83d: holds a lone surrogate (U+D83D)",
     ),
     "nesting past the limit": (_nested(MAX_REQUEST_NESTING + 5).encode(), f"state: nests arrays and objects more than {LIMIT}"),
     "nesting past Python's recursion limit": (_nested(5000).encode(), f"more than {MAX_REQUEST_NESTING} deep"),
-    "not JSON": (b"{'model': 1}", "not valid JSON"),
+    "not JSON": (b"{'model': 1}", "JSON decode error: Expecting property name enclosed in double quotes: line 1 column 2"),
+    "NaN": (json.dumps({**NOUL, "state": float("nan")}).encode(), "NaN is not valid JSON"),  # json.dumps writes it
+    "Infinity": (json.dumps({**NOUL, "state": [float("-inf")]}).encode(), "-Infinity is not valid JSON"),
 }
 
 

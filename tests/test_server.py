@@ -10,6 +10,8 @@ import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -30,6 +32,7 @@ from live_server import free_port, rss_bytes, serve_process, wait_healthy
 
 import clef_gguf
 from clef_gguf.errors import ModelFileError
+from clef_gguf.runtime.reader import MAX_REQUEST_NESTING
 from clef_gguf.server import HttpLimits, create_app, uvicorn_config
 from clef_gguf.server.body import DECODERS
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request, within
@@ -331,6 +334,44 @@ def test_a_malformed_request_gets_422_with_the_location(client, name):
     [problem] = response.json()["detail"]
     assert problem["loc"] == loc and isinstance(problem["msg"], str) and problem["msg"]
     assert problem["type"] in {"json_invalid", "missing", "value_error", "string_unicode"}
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"state": ' + b"[" * depth + b"]" * depth + b', "questions": {"q": {"type": "noul"}}}'
+
+
+# What the one strict reader (runtime/reader.py) decides of a request's bytes, whoever reads them.
+STRICT: dict[str, tuple[bytes, bool]] = {  # the bytes, and whether they are read
+    "NaN": (b'{"state": NaN, "questions": {"q": {"type": "noul"}}}', False),
+    "-Infinity": (b'{"state": [-Infinity], "questions": {"q": {"type": "noul"}}}', False),
+    "NaN as text": (b'{"state": "NaN", "questions": {"q": {"type": "noul"}}}', True),
+    "not UTF-8": (b'{"state": "caf\xe9", "questions": {"q": {"type": "noul"}}}', False),
+    "a UTF-8 BOM": (b'\xef\xbb\xbf{"state": "s", "questions": {"q": {"type": "noul"}}}', False),
+    "a lone surrogate in a key": (b'{"state": {"k\\ud800": 1}, "questions": {"q": {"type": "noul"}}}', False),
+    "a huge integer": (b'{"state": ' + b"9" * 5000 + b', "questions": {"q": {"type": "noul"}}}', False),
+    "nesting at the limit": (_nested(MAX_REQUEST_NESTING), True),  # the innermost array is at depth 256
+    "nesting past the limit": (_nested(MAX_REQUEST_NESTING + 1), False),
+    "nesting past Python's recursion limit": (_nested(5000), False),
+}
+
+
+@pytest.mark.parametrize("name", list(STRICT))
+def test_the_server_and_the_cli_read_a_request_by_the_same_rules(client, name, tmp_path):
+    """The server's 422 and `clef-gguf decide`'s exit 2 for the same bytes, with the same message; or both answer."""
+    raw, read = STRICT[name]
+    response = client.post("/v1/systemone", content=raw, headers={"content-type": "application/json"})
+    (tmp_path / "request.json").write_bytes(raw)
+    run = subprocess.run(  # on the demo model: a request the reader refuses is refused before any model loads
+        [sys.executable, "-m", "clef_gguf.cli", "decide", str(tmp_path / "request.json")], capture_output=True, timeout=300
+    )
+    stderr = run.stderr.decode()
+    if read:
+        assert response.status_code == 200 and run.returncode == 0, (response.text, stderr[-2000:])
+        return
+    assert response.status_code == 422 and run.returncode == 2, (response.text, stderr[-2000:])
+    [problem] = response.json()["detail"]
+    assert problem["type"] in {"json_invalid", "string_unicode"}
+    assert stderr.startswith("error: ") and stderr.rstrip("\n").endswith(problem["msg"].encode("unicode_escape").decode()), stderr
 
 
 def _api_error(response: httpx.Response, status: int, error_type: str) -> str:

@@ -1,32 +1,30 @@
 """A request body: bounded in size, Content-Encoding undone, parsed as strict JSON.
 
 Everything a client can get wrong here is a 4xx: a body over the limit (413), an encoding or
-media type the server cannot read (415), bytes that are not UTF-8 JSON (422). Strict JSON
-means no NaN or Infinity (Python's json accepts them), and no lone UTF-16 surrogates
-(escapes like "\\ud800" decode to strings that cannot be encoded again, which would fail
-deep in tokenization or in writing the response).
+media type the server cannot read (415), bytes that are not strict UTF-8 JSON (422: the runtime's
+reader, runtime/reader.py, which `clef-gguf decide` reads its files with too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from .problems import ApiError, Invalid, Location
+from ..errors import RequestJsonError
+from ..runtime.reader import parse_json
+from .problems import ApiError, Invalid, from_request_error
 
 # The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
-# could fit is refused while it is decoded (in milliseconds), never tokenized. Measured on Qwen3.5's vocabulary
-# (the Clef backbone's): a state of English text is 4.1 body bytes per prompt token, code 3.7, CJK, Japanese or
-# emoji 4.0 to 5.8 as UTF-8 and 11.1 to 12.0 as the \uXXXX escapes json.dumps writes by default. Only runs of
-# one character (a token covers up to 128 spaces) go past 16: such a body is refused as too large.
+# could fit is refused while it is decoded (in milliseconds), never tokenized. On Qwen3.5's vocabulary (the Clef
+# backbone's), text of any script costs a few bytes per token as UTF-8, and about three times as many as the
+# \uXXXX escapes json.dumps writes by default: 16 is above both. Only runs of one character (a token covers
+# up to 128 spaces) go past it: such a body is refused as too large.
 BYTES_PER_TOKEN = 16
-DEFAULT_BODY_TIMEOUT_S = 30.0  # to send a whole body: 35 KB/s for the 1 MiB cap of a 65,536-token context
+DEFAULT_BODY_TIMEOUT_S = 30.0  # to send a whole body: a slow link still sends the largest text body in time
 
 
 # With a vision tower, room for the images on top (Workers AI's: 8 MiB of image files, base64 in JSON, and a
@@ -37,11 +35,6 @@ IMAGE_ALLOWANCE = 13 << 20
 def body_limit(max_prompt_tokens: int, images: bool = False) -> int:
     """The largest decoded (and raw) body worth reading for a model with this token limit (and images)."""
     return max_prompt_tokens * BYTES_PER_TOKEN + (IMAGE_ALLOWANCE if images else 0)
-
-
-# A \uD800-\uDFFF escape in the raw bytes is the only way a JSON text yields a surrogate
-# (strict UTF-8 decoding rejects encoded ones): only then is the parsed value walked.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _zstd_decompressor() -> Callable[[bytes, int], tuple[bytes, bool]] | None:
@@ -132,50 +125,9 @@ def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
     return raw
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _surrogate_at(value: Any, loc: Location) -> Location | None:
-    """Where the first string (or key) with a lone surrogate is, if any."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return loc
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = _surrogate_at(key, [*loc, key]) or _surrogate_at(item, [*loc, key])
-            if found:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _surrogate_at(item, [*loc, index])
-            if found:
-                return found
-    return None
-
-
 def parse(raw: bytes) -> Any:
-    """Strict JSON (RFC 8259) of a UTF-8 body; every failure is a 422 naming where."""
+    """Strict JSON of a UTF-8 body (the runtime's reader, as `clef-gguf decide` reads a file): a 422 naming where."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Invalid(["body", e.start], "the body is not UTF-8", "json_invalid") from e
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as e:
-        raise Invalid(["body", e.pos], f"JSON decode error: {e.msg}", "json_invalid") from e
-    except RecursionError as e:
-        raise Invalid(["body"], "the JSON is nested too deeply", "json_invalid") from e
-    except ValueError as e:  # NaN/Infinity, integers over Python's digit limit
-        raise Invalid(["body"], f"JSON decode error: {e}", "json_invalid") from e
-    if _SURROGATE_ESCAPE.search(raw):
-        try:
-            where = _surrogate_at(value, ["body"])
-        except RecursionError as e:
-            raise Invalid(["body"], "the JSON is nested too deeply", "json_invalid") from e
-        if where:
-            raise Invalid(where, "a string holds a lone UTF-16 surrogate (not Unicode text)", "string_unicode")
-    return value
+        return parse_json(raw)
+    except RequestJsonError as e:
+        raise from_request_error(e, None) from e

@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from ..errors import PromptTooLongError, RequestError
 from . import body, media
-from .problems import ApiError, Invalid, from_request_error
+from .problems import ApiError, from_request_error
 from .worker import Encoder
 
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
@@ -68,10 +68,8 @@ class Intake:
         value, origins = media.take_assets(value, parts)
         try:
             prompt = self.model.encode(value)
-        except RequestError as e:
+        except RequestError as e:  # (nesting was bounded by body.parse: the prompt renderer recurses per level)
             raise media.relocate(from_request_error(e, value), origins) from e
-        except RecursionError as e:  # a state nested deeper than the prompt renderer recurses
-            raise Invalid(["body", "state"], "nested too deeply", "json_invalid") from e
         if len(prompt.tokens) > self.model.max_prompt_tokens:
             raise from_request_error(PromptTooLongError(len(prompt.tokens), self.model.max_prompt_tokens), value)
         return prompt

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import PromptTooLongError, RequestError
+from ..errors import PromptTooLongError, RequestError, RequestJsonError
 
 Location = list[str | int]
 REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
@@ -94,6 +94,8 @@ def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
     """The HTTP form of the runtime's request errors (PromptTooLongError is one of them)."""
     if isinstance(error, PromptTooLongError):
         return ApiError(413, "prompt_too_long", str(error))
+    if isinstance(error, RequestJsonError):  # FastAPI's loc of a syntax error is its offset in the body
+        return Invalid(["body", *((error.offset,) if error.offset is not None else error.path)], error.reason, error.kind)
     return Invalid(location(error.field, body), error.reason, "missing" if error.reason == "is required" else "value_error")
 
 
