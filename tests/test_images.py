@@ -146,7 +146,7 @@ def model_of(ws):
     def get(conversion: str) -> clef_gguf.ClefModel:
         if conversion not in loaded:
             gguf = ws.gguf(RELEASE, conversion.split("_q8_0_head")[0], CONVERSIONS[conversion][0])
-            loaded[conversion] = clef_gguf.load(gguf, n_ctx=N_CTX, state_cache=0, mmproj=default_mmproj_path(gguf))
+            loaded[conversion] = clef_gguf.load(gguf, max_prompt_tokens=N_CTX, state_cache=0, mmproj=default_mmproj_path(gguf))
         return loaded[conversion]
 
     yield get
@@ -423,7 +423,7 @@ def test_the_state_cache_keys_a_state_by_its_images(ws, model_of):
     gguf = ws.gguf(RELEASE, "f32")
     state = {"ticket": long_state_text(2)}
     first, same_size = data_url(IMAGES["jpeg"]), data_url(file_of(picture(300, 200, 99), "JPEG", quality=90))
-    with clef_gguf.load(gguf, n_ctx=N_CTX, state_cache=1 << 30, mmproj=default_mmproj_path(gguf)) as model:
+    with clef_gguf.load(gguf, max_prompt_tokens=N_CTX, state_cache=1 << 30, mmproj=default_mmproj_path(gguf)) as model:
         prompt = model.encode(_request([first], state=state))
         assert prompt.state_prefix >= MIN_PREFIX_TOKENS
         assert model.encode(_request([same_size], state=state)).tokens == prompt.tokens  # only the pixels differ
@@ -676,7 +676,7 @@ def test_corrupt_images_are_request_errors_or_answered(model_of):
 def llama_cpp_model(ws, tmp_path_factory):
     """The f32 model with the vision tower llama.cpp's convert_hf_to_gguf.py --mmproj writes (tools/make_golden.py)."""
     mmproj = make_golden(ws.release(RELEASE), tmp_path_factory.mktemp("golden-mmproj"), "f32", mmproj=True)
-    with clef_gguf.load(ws.gguf(RELEASE, "f32"), n_ctx=N_CTX, state_cache=0, mmproj=mmproj) as model:
+    with clef_gguf.load(ws.gguf(RELEASE, "f32"), max_prompt_tokens=N_CTX, state_cache=0, mmproj=mmproj) as model:
         yield model
 
 
@@ -699,3 +699,37 @@ def test_llama_cpps_mmproj_gives_our_answers(llama_cpp_model, model_of, limits):
     small = _request([data_url(IMAGES["png_up"])])
     theirs, ours = llama_cpp_model.encode(small).images[0].image, model_of("f32").encode(small).images[0].image
     assert (theirs.nx, theirs.ny) == (5, 3) and ours.n_tokens >= 16
+
+
+# --- Sizes the reference gives that mtmd would change ---------------------------------------------------
+@pytest.mark.parametrize(("min_tokens", "max_tokens"), [(4, 64), (16, 1024), (256, 256)])
+def test_every_image_size_is_answered_or_refused_naming_the_image(ws, tmp_path, min_tokens, max_tokens):
+    """A seeded fuzz of sides (1 to 20,000 px, aspect ratios up to 300) against a tower's pixel limits: the
+    reference's size where mtmd encodes it as such, else a RequestError naming the image: never a ComputeError
+    (mtmd resizes an image outside the limits to another grid; smart_resize can end there at extreme ratios,
+    and nearly always with equal limits)."""
+    from clef_gguf.testing.gguf_bytes import kv_u32, rebuild
+
+    gguf = ws.gguf(RELEASE, "f32")
+    per_token = 32 * 32  # the fixture's patch 16, merge 2
+    replace = {
+        key: kv_u32(key, n * per_token) for key, n in ((V.KEY_IMAGE_MIN_PIXELS, min_tokens), (V.KEY_IMAGE_MAX_PIXELS, max_tokens))
+    }
+    mmproj = rebuild(default_mmproj_path(gguf), tmp_path / "limits.mmproj.gguf", replace=replace)
+    rng = np.random.default_rng(min_tokens + max_tokens)
+    sides = [(1, 20_000), (20_000, 2), (32, 6400), (6400, 32), (64, 4300), (300, 1)]
+    while len(sides) < 14:
+        h, ratio = int(np.exp(rng.uniform(0, math.log(20_000)))), float(np.exp(rng.uniform(0, math.log(300))))
+        w = max(1, min(20_000, int(h * ratio) if rng.random() < 0.5 else int(h / ratio)))
+        if h * w <= 4_000_000:  # the image is made and encoded for real: keep the fuzz fast
+            sides.append((h, w))
+    answered = refused = 0
+    with clef_gguf.load(gguf, max_prompt_tokens=N_CTX, state_cache=0, mmproj=mmproj) as model:
+        for h, w in sides:
+            try:
+                model.decide(_request([data_url(file_of(Image.new("RGB", (w, h), (200, 30, 90)), "PNG"))]))
+                answered += 1
+            except RequestError as e:
+                assert e.field == "images.0" and "pixels" in e.reason, e
+                refused += 1
+    assert refused and (answered or min_tokens == max_tokens), (answered, refused)

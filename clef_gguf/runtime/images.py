@@ -185,6 +185,15 @@ def prepare(value: Any, limits: ImageLimits, where: str) -> PreparedImage:
     if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise RequestError(f"the image is {width} x {height} pixels: its aspect ratio is over {MAX_ASPECT_RATIO}", where)
     h, w = smart_resize(height, width, limits)
+    if not limits.min_pixels <= h * w <= limits.max_pixels:
+        # smart_resize keeps a side at one token at least, so an extreme ratio can end above max_pixels (or,
+        # rounding, below min_pixels). mtmd resizes such an image again, to another grid than the reference's.
+        raise RequestError(
+            f"the image is {width} x {height} pixels: the reference's processor sizes it to {w} x {h}, outside this "
+            f"vision tower's {limits.min_pixels} to {limits.max_pixels} pixels, and llama.cpp would resize it again; "
+            "send it cropped closer to square",
+            where,
+        )
     # As transformers' PIL backend: a resize even to the same size (PIL returns a copy then).
     pixels = np.asarray(image.resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.uint8)
     digest = hashlib.sha256(np.array(pixels.shape, dtype=np.int64).tobytes() + pixels.tobytes()).digest()
