@@ -14,6 +14,7 @@ from clef_gguf.errors import ConversionError, ReleaseError
 from clef_gguf.format import contract as C
 from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
+from clef_gguf.format.template import SYSTEMONE_TEMPLATE
 from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release
 
 GT = gguf.GGMLQuantizationType
@@ -47,8 +48,8 @@ def test_metadata_holds_the_decision_contract(ws):
     assert h.fields[C.KEY_HEAD_NORM_EPS].type == gguf.GGUFValueType.FLOAT32
     assert h.get(C.KEY_REFERENCE_SHA256) == C.REFERENCE_SHA256
     assert h.get(C.KEY_NORMALIZER) == "NFC"
-    assert all(C.backbone_key(s) in h.fields for s in C.BACKBONE_KEY_SUFFIXES)
-    assert h.get(C.KEY_TEMPLATE) == C.SYSTEMONE_TEMPLATE and h.get(C.KEY_TEMPLATE_NAMES) == ["systemone"]
+    assert all(f"{C.ARCH}.{s}" in h.fields for s in C.BACKBONE_KEY_SUFFIXES)
+    assert h.get(C.KEY_TEMPLATE) == SYSTEMONE_TEMPLATE and h.get(C.KEY_TEMPLATE_NAMES) == ["systemone"]
     assert h.get("tokenizer.ggml.pre") == "qwen35" and h.get("tokenizer.ggml.model") == "gpt2"
     assert h.get("tokenizer.ggml.merges")
     types = {t.type for n, t in h.tensors.items() if not C.is_head_tensor(n)}

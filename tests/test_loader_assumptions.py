@@ -29,7 +29,7 @@ from clef_gguf.check.validate import validate
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile, Header
-from clef_gguf.format.template import PromptTemplate
+from clef_gguf.format.template import SYSTEMONE_TEMPLATE, PromptTemplate
 from clef_gguf.testing.gguf_bytes import (
     Tensor,
     build,
@@ -404,7 +404,7 @@ def test_decide_exits_with_validates_code_instead_of_a_signal(mutant, demo_heade
 
 def test_the_runtime_renders_the_template_as_data():
     """Request text is never template code, and the file's template renders the reference's prompt."""
-    template = PromptTemplate(C.SYSTEMONE_TEMPLATE)
+    template = PromptTemplate(SYSTEMONE_TEMPLATE)
     hostile = "{{ range(10**9) }}{% for x in y %}{index:>1000000000}"
     questions = [{"id": hostile, "type": "noul", "instructions": hostile, "options": [{"key": "true", "description": None}]}]
     pieces = list(template.pieces(hostile, questions))

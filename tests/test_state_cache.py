@@ -21,7 +21,7 @@ from live_server import served
 import clef_gguf
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.errors import PromptTooLongError, SettingsError
-from clef_gguf.format import contract as C
+from clef_gguf.format.template import SYSTEM_PROMPT
 from clef_gguf.llama.backbone import prompt_positions
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS, Entry, StateCache, entry_bytes, prefix_key
 from clef_gguf.testing.request_suite import largest_difference, long_state_request, long_state_text, response_probabilities
@@ -55,7 +55,7 @@ def test_the_state_prefix_is_the_prompt_up_to_the_end_of_the_state(ws):
     n = one.state_prefix
     assert n == other.state_prefix > 0 and one.tokens[:n] == other.tokens[:n]
     # Exactly the system preamble and the state's JSON, each tokenized on its own (as the reference does).
-    preamble = f"<|im_start|>system\n{C.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
+    preamble = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
     text = json.dumps(state, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
     assert one.tokens[:n] == model.backbone.tokenize(preamble) + model.backbone.tokenize(text)
     assert one.tokens[n:] != other.tokens[n:]  # the schemas differ right after it
@@ -95,8 +95,8 @@ def test_a_hit_gives_the_answers_of_the_cache_off_and_of_the_reference(ws, oracl
     path = ws.gguf(release, file_type)
     first, second = long_state_request(), _new_schema()  # one state, two schemas
     with (
-        clef_gguf.load(path, n_ctx=N_CTX, ubatch=ubatch) as on,
-        clef_gguf.load(path, n_ctx=N_CTX, ubatch=ubatch, state_cache=0) as off,
+        clef_gguf.load(path, max_prompt_tokens=N_CTX, ubatch=ubatch) as on,
+        clef_gguf.load(path, max_prompt_tokens=N_CTX, ubatch=ubatch, state_cache=0) as off,
     ):
         prefix, preamble = on.encode(first).state_prefix, on.encode(first).preamble
         assert prefix > 2 * ubatch  # the prefix alone spans ubatches
@@ -120,7 +120,7 @@ def test_a_hit_gives_the_answers_of_the_cache_off_and_of_the_reference(ws, oracl
 def test_a_hit_is_float_noise_away_from_one_unsplit_prefill(ws, release, ubatch, paragraphs, tolerance):
     """A hit's answers against the whole prompt in one decode (no split, no cache), at f32."""
     state = long_state_text(paragraphs)  # 18: about 3,700 tokens, the prefix alone over one ubatch of 1024
-    with clef_gguf.load(ws.gguf(release, "f32"), n_ctx=N_CTX, ubatch=ubatch) as model:
+    with clef_gguf.load(ws.gguf(release, "f32"), max_prompt_tokens=N_CTX, ubatch=ubatch) as model:
         prompt = model.encode(_request(state))
         assert prompt.state_prefix > ubatch
         unsplit = model.decide(dataclasses.replace(prompt, state_prefix=0, preamble=0))
@@ -139,7 +139,7 @@ def test_a_hit_is_float_noise_away_from_one_unsplit_prefill(ws, release, ubatch,
 
 
 def test_a_short_state_is_not_cached(ws):
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX) as model:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX) as model:
         short = _request("The printer on floor 3 prints blank pages.")
         assert model.encode(short).state_prefix < MIN_PREFIX_TOKENS
         preamble = model.encode(short).preamble  # the template's, kept for every request
@@ -148,7 +148,7 @@ def test_a_short_state_is_not_cached(ws):
 
 
 def test_zero_turns_the_cache_off(ws):
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=0) as model:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX, state_cache=0) as model:
         request = _request(long_state_text(4))
         assert [_cached(model.decide(request)) for _ in range(2)] == [0, 0]
         assert len(model.state_cache) == 0 and model.state_cache.nbytes == 0
@@ -157,11 +157,11 @@ def test_zero_turns_the_cache_off(ws):
 @pytest.mark.parametrize("size", [-1, 1.5, "1GiB", True])
 def test_a_bad_size_is_a_settings_error(ws, size):
     with pytest.raises(SettingsError, match="state cache"):
-        clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=size)
+        clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX, state_cache=size)
 
 
 def test_a_prompt_over_the_limit_fails_before_any_compute_even_with_its_state_cached(ws):
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=4096) as model:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=4096) as model:
         state = long_state_text(3)
         model.decide(_request(state))
         many = {f"q{i}": {"type": "noul", "instructions": "Is it so? " * 30} for i in range(64)}
@@ -192,7 +192,7 @@ def test_a_decode_that_leaves_nan_in_memory_does_not_reach_the_next_prompt(ws):
 
 # --- Bounded ----------------------------------------------------------------------------------------------
 def test_many_distinct_states_never_exceed_the_budget(ws):
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=0) as probe:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX, state_cache=0) as probe:
         one_entry = None
         prompt = probe.encode(_request(long_state_text(2)))
         probe.backbone.clear()
@@ -203,7 +203,7 @@ def test_many_distinct_states_never_exceed_the_budget(ws):
             sizes.append(entry_bytes(prefix_key(prompt.tokens[:end]), probe.backbone.sequence_size(), hidden.nbytes))
     preamble_entry, one_entry = sizes
     budget = preamble_entry + int(3.5 * one_entry)  # room for the template's preamble and three states of this length
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=budget) as model:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX, state_cache=budget) as model:
         for i in range(8):
             model.decide(_request(f"Request {i}. " + long_state_text(2)))
             cache = model.state_cache
@@ -216,7 +216,7 @@ def test_many_distinct_states_never_exceed_the_budget(ws):
 
 
 def test_an_entry_larger_than_the_budget_is_not_stored(ws):
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=N_CTX, state_cache=64 << 10) as model:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX, state_cache=64 << 10) as model:
         request = _request(long_state_text(4))
         prompt = model.encode(request)
         reused = [_cached(model.decide(request)) for _ in range(2)]

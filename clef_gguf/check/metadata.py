@@ -11,7 +11,7 @@ from gguf import Keys
 from ..errors import ModelFileError
 from ..format import contract as C
 from ..format.header import Header
-from ..format.template import PromptTemplate
+from ..format.template import TEMPLATE_SPECIAL_TOKENS, PromptTemplate
 from .report import Problem
 
 # clef-gguf 0.1.0 wrote its own layout under the same architecture name: recognized, and refused with the remedy.
@@ -65,8 +65,8 @@ def check_tokenizer(h: Header) -> list[Problem]:
 
 
 def _template_tokens(tokens: list[str], types: list[int] | None) -> list[str]:
-    ids = {t: tokens.index(t) for t in C.TEMPLATE_SPECIAL_TOKENS if t in tokens}
-    missing = [t for t in C.TEMPLATE_SPECIAL_TOKENS if t not in ids]
+    ids = {t: tokens.index(t) for t in TEMPLATE_SPECIAL_TOKENS if t in tokens}
+    missing = [t for t in TEMPLATE_SPECIAL_TOKENS if t not in ids]
     if missing:
         return [f"the vocabulary lacks the prompt template's special tokens {', '.join(missing)}"]
     plain = [t for t, i in ids.items() if types is not None and types[i] not in _SPECIAL_TOKEN_TYPES]

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import ConversionError
 from ..format import contract as C
+from ..format.template import SYSTEMONE_TEMPLATE
 from .vocab import Vocab
 
 GT = gguf.GGMLQuantizationType
@@ -234,7 +235,7 @@ def write_metadata(
         w.add_pad_token_id(vocab.pad_id)
     w.add_add_bos_token(False)
     if head is not None:
-        w.add_chat_template([{"name": C.TEMPLATE_NAME, "template": C.SYSTEMONE_TEMPLATE}])
+        w.add_chat_template([{"name": C.TEMPLATE_NAME, "template": SYSTEMONE_TEMPLATE}])
 
 
 def write_gguf(

@@ -6,12 +6,11 @@ is its specification, with file:line references into llama.cpp's source. A Clef 
 a llama.cpp `qwen35` backbone (llama.cpp's tensor names and layouts, hyperparameters
 under `clef.*` with the suffixes `qwen35.*` would use) plus the joint schema head
 (`dec.blk.N.*`, `decision.*`, `token_types.weight`) and the `systemone` prompt template
-of Cloudflare's `joint_schema_model.py`. Tensor order is not part of the format.
+of Cloudflare's `joint_schema_model.py` (format/template.py). Tensor order is not part of the format.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -29,8 +28,11 @@ REFERENCE_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2d
 KEY_DECISION_TYPE = "clef.decision.type"
 KEY_REFERENCE_SHA256 = "clef.reference.sha256"
 KEY_NORMALIZER = "clef.tokenizer.normalizer"
-# The prefix of llama.cpp's tokenizer keys (gguf.Keys.Tokenizer.MODEL, .LIST, ...; gguf-py has no constant for it).
-KEY_TOKENIZER_PREFIX = "tokenizer.ggml."
+KEY_TOKENIZER_PREFIX = "tokenizer.ggml."  # of gguf.Keys.Tokenizer.MODEL, .LIST, ...: gguf-py has no constant for it
+# The prompt: a named chat template (format/template.py holds the one convert writes, and renders a file's).
+TEMPLATE_NAME = "systemone"
+KEY_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=TEMPLATE_NAME)
+KEY_TEMPLATE_NAMES = Keys.Tokenizer.CHAT_TEMPLATES
 
 # Backbone hyperparameters: stored as `clef.<suffix>`, read by llama.cpp as `qwen35.<suffix>`.
 BACKBONE_KEY_SUFFIXES = (
@@ -54,85 +56,6 @@ BACKBONE_KEY_SUFFIXES = (
     "ssm.inner_size",
     "full_attention_interval",
 )
-
-
-def backbone_key(suffix: str) -> str:
-    return f"{ARCH}.{suffix}"
-
-
-# --- The prompt template --------------------------------------------------------------
-# The reference's encode_record() as the Jinja template llama.cpp's converter stores
-# (`tokenizer.chat_template.systemone`); format/template.py says how it is rendered.
-# Literal text is a JSON-quoted Jinja string, so the stored template is exactly llama.cpp's.
-TEMPLATE_NAME = "systemone"
-KEY_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=TEMPLATE_NAME)
-KEY_TEMPLATE_NAMES = Keys.Tokenizer.CHAT_TEMPLATES
-SYSTEM_PROMPT = (
-    "Read the complete state and schema. Decide every field jointly. Each answer "
-    "must be exactly one of that field's allowed options."
-)
-NOUL_DEFAULTS = {
-    "true": "The proposition is true or the answer is yes.",
-    "false": "The proposition is false or the answer is no.",
-}
-
-
-def _text(value: str) -> str:
-    return "{{ " + json.dumps(value) + " }}"
-
-
-def _value(name: str) -> str:  # strings as they are, anything else compact JSON
-    return "{{ " + name + " if " + name + " is string else " + name + " | tojson(separators=[',', ':']) }}"
-
-
-_OPTION = (
-    "{% set d = o.description %}"
-    "{% if q.type == 'noul' and d is none %}"
-    f"{{% set d = '{NOUL_DEFAULTS['true']}' if o.key == 'true' else '{NOUL_DEFAULTS['false']}' %}}"
-    "{% endif %}"
-    "{{ ({'option_id': o.key} if d is none else {'description': d, 'option_id': o.key}) | tojson(separators=[',', ':']) }}"
-)
-SYSTEMONE_TEMPLATE = (
-    _text(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n")
-    + "{% if images %}{{ sep }}{% for image in images %}{{ image }}{% endfor %}"
-    + _text("\n")
-    + "{% endif %}"
-    + "{{ sep }}"
-    + _value("state")
-    + "{{ sep }}"
-    + _text("\n\nSCHEMA FIELDS:\n")
-    + "{% for q in questions %}"
-    + "{{ sep }}"
-    + _text("\nFIELD ")
-    + "{{ loop.index }}"
-    + _text("\nID: ")
-    + "{{ q.id }}"
-    + _text("\nTYPE: ")
-    + "{{ q.type }}"
-    + _text("\nINSTRUCTION: ")
-    + "{{ sep }}{{ mark_question }}"
-    + _value("q.instructions")
-    + "{{ sep }}"
-    + _text("\nALLOWED OPTIONS:\n")
-    + "{% for o in q.options %}"
-    + "{{ sep }}"
-    + _text("OPTION ")
-    + "{{ loop.index }}"
-    + _text(": ")
-    + "{{ sep }}{{ mark_option }}"
-    + _OPTION
-    + "{{ sep }}"
-    + _text("\n")
-    + "{% endfor %}"
-    + "{{ sep }}"
-    + _text("END FIELD\n")
-    + "{% endfor %}"
-    + "{{ sep }}"
-    + _text("\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:")
-)
-
-# Special tokens the template relies on; validate checks the vocabulary has them.
-TEMPLATE_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
 
 # --- Backbone tensors ------------------------------------------------------------------
@@ -159,12 +82,11 @@ class TensorRule:
 
 
 HF_TEXT_PREFIX = "model.language_model."
-TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"  # absent from a tied file: llama.cpp reuses token_embd
 # The tensors after the layers, in file order.
 FINAL_RULES = (
     TensorRule("model.language_model.norm.weight", "output_norm.weight", ("n_embd",), Transform.NORM_PLUS_ONE),
-    TensorRule("model.language_model.embed_tokens.weight", TOKEN_EMBD, ("n_vocab", "n_embd")),
+    TensorRule("model.language_model.embed_tokens.weight", "token_embd.weight", ("n_vocab", "n_embd")),
     TensorRule("lm_head.weight", OUTPUT, ("n_vocab", "n_embd")),
 )
 COMMON_LAYER_RULES = (
@@ -229,21 +151,15 @@ class BackboneShape:
     tied: bool  # no output.weight: llama.cpp reuses token_embd
 
     def dims(self) -> dict[str, int]:
-        """The widths the tensor rules' shapes name."""
+        """The widths the tensor rules' shapes name: the shape's own, and those made of them."""
         q_dim, value_dim = self.n_head * self.head_dim, self.v_heads * self.linear_head_dim
-        return {
-            "n_vocab": self.n_vocab,
-            "n_embd": self.n_embd,
-            "n_ff": self.n_ff,
-            "head_dim": self.head_dim,
+        own = ("n_vocab", "n_embd", "n_ff", "head_dim", "v_heads", "conv_kernel", "linear_head_dim")
+        return {name: getattr(self, name) for name in own} | {
             "q_dim": q_dim,
             "q_gate_dim": 2 * q_dim,  # attn_q holds the queries and their output gate
             "kv_dim": self.n_head_kv * self.head_dim,
             "conv_dim": 2 * self.k_heads * self.linear_head_dim + value_dim,  # linear attention's q, k and v channels
             "value_dim": value_dim,
-            "v_heads": self.v_heads,
-            "conv_kernel": self.conv_kernel,
-            "linear_head_dim": self.linear_head_dim,
         }
 
 

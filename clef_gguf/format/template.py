@@ -1,4 +1,4 @@
-"""The `systemone` prompt template of a Clef file, rendered into the pieces the model reads.
+"""The `systemone` prompt template of a Clef file: the one convert writes, and its rendering into the pieces the model reads.
 
 A Clef GGUF carries its prompt as the Jinja chat template `tokenizer.chat_template.systemone`
 (llama.cpp's converter writes it; docs/format.md). It is rendered with the input llama.cpp's
@@ -59,6 +59,79 @@ _FORBIDDEN = (
 )
 
 
+# --- The template convert writes ---------------------------------------------------------
+# The reference's encode_record() as the Jinja template llama.cpp's converter stores
+# (`tokenizer.chat_template.systemone`, contract.KEY_TEMPLATE). Literal text is a JSON-quoted
+# Jinja string, so the stored template is exactly llama.cpp's.
+SYSTEM_PROMPT = (
+    "Read the complete state and schema. Decide every field jointly. Each answer "
+    "must be exactly one of that field's allowed options."
+)
+NOUL_DEFAULTS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+
+
+def _text(value: str) -> str:
+    return "{{ " + json.dumps(value) + " }}"
+
+
+def _value(name: str) -> str:  # strings as they are, anything else compact JSON
+    return "{{ " + name + " if " + name + " is string else " + name + " | tojson(separators=[',', ':']) }}"
+
+
+_OPTION = (
+    "{% set d = o.description %}"
+    "{% if q.type == 'noul' and d is none %}"
+    f"{{% set d = '{NOUL_DEFAULTS['true']}' if o.key == 'true' else '{NOUL_DEFAULTS['false']}' %}}"
+    "{% endif %}"
+    "{{ ({'option_id': o.key} if d is none else {'description': d, 'option_id': o.key}) | tojson(separators=[',', ':']) }}"
+)
+SYSTEMONE_TEMPLATE = (
+    _text(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n")
+    + "{% if images %}{{ sep }}{% for image in images %}{{ image }}{% endfor %}"
+    + _text("\n")
+    + "{% endif %}"
+    + "{{ sep }}"
+    + _value("state")
+    + "{{ sep }}"
+    + _text("\n\nSCHEMA FIELDS:\n")
+    + "{% for q in questions %}"
+    + "{{ sep }}"
+    + _text("\nFIELD ")
+    + "{{ loop.index }}"
+    + _text("\nID: ")
+    + "{{ q.id }}"
+    + _text("\nTYPE: ")
+    + "{{ q.type }}"
+    + _text("\nINSTRUCTION: ")
+    + "{{ sep }}{{ mark_question }}"
+    + _value("q.instructions")
+    + "{{ sep }}"
+    + _text("\nALLOWED OPTIONS:\n")
+    + "{% for o in q.options %}"
+    + "{{ sep }}"
+    + _text("OPTION ")
+    + "{{ loop.index }}"
+    + _text(": ")
+    + "{{ sep }}{{ mark_option }}"
+    + _OPTION
+    + "{{ sep }}"
+    + _text("\n")
+    + "{% endfor %}"
+    + "{{ sep }}"
+    + _text("END FIELD\n")
+    + "{% endfor %}"
+    + "{{ sep }}"
+    + _text("\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:")
+)
+
+# Special tokens the template relies on; validate checks the vocabulary has them.
+TEMPLATE_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+
+
+# --- Rendering a file's template ----------------------------------------------------------
 @dataclass(frozen=True)
 class Piece:
     text: str
