@@ -1,0 +1,47 @@
+"""Offload in part: the last layers on the device, the first ones and the token embeddings on the host.
+
+In the device set (tests/conftest.py) the layers really split between Vulkan or CUDA and the CPU; on a CPU build
+llama.cpp keeps every layer on the host, and these tests check the answers and the host placement only.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import clef_gguf
+from clef_gguf.format import hparams
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama import cpu_buffers
+from clef_gguf.llama import log as llama_log
+from clef_gguf.testing.request_suite import all_requests, largest_difference, response_probabilities
+
+pytestmark = pytest.mark.device
+
+# The device's kernels sum in other orders than the CPU's (and Q8_1 activations on the device): float noise on
+# probabilities, measured at most 1.5e-4 on Vulkan (lavapipe) with every layer there.
+TOLERANCE = 5e-4
+
+
+def test_half_the_layers_on_the_device_answer_as_the_cpu(ws, default_gpu_layers):
+    path = ws.gguf("k256", "q4_k_m")
+    f = GGUFFile.open(path)
+    n_layer = hparams.backbone_shape(f.header).n_layer
+    f.close()
+    half = n_layer // 2
+    lines: list[str] = []
+    with llama_log.capture_info(lines.append):
+        partial = clef_gguf.load(path, n_gpu_layers=half)
+    log = "".join(lines)
+    with partial, clef_gguf.load(path, n_gpu_layers=0) as cpu:
+        for name, request in all_requests().items():
+            if name == "long_state":  # thousands of tokens: minutes on a software device
+                continue
+            ours, theirs = (response_probabilities(m.decide(request)) for m in (partial, cpu))
+            assert largest_difference(ours, theirs) < TOLERANCE, name
+        assert partial.head.device == cpu.head.device if default_gpu_layers == 0 else partial.head.device != "CPU"
+    host_buffers = {m[1] for m in re.finditer(r"(\S+) model buffer size", log) if m[1].startswith("CPU")}
+    assert cpu_buffers.AMX not in host_buffers and host_buffers, log  # the host part: never AMX (it segfaults)
+    if default_gpu_layers:
+        assert f"offloaded {half}/{n_layer + 1} layers to GPU" in log, log
