@@ -322,7 +322,12 @@ def decide(
         raise typer.Exit(2)
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     _check_ubatch(ubatch, max_prompt_tokens)
-    settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": max_prompt_tokens, "ubatch": ubatch, "state_cache": state_cache}
+    settings = {
+        "n_gpu_layers": n_gpu_layers,
+        "max_prompt_tokens": max_prompt_tokens,
+        "ubatch": ubatch,
+        "state_cache": state_cache,
+    }
     answer = _run(lambda: _decide(model_path, request_path, image or [], mmproj=mmproj, **settings))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
@@ -333,7 +338,9 @@ def plan(
     vram: Annotated[
         str | None, typer.Option("--vram", help="Device memory to fit, e.g. 8GiB: reports the largest prompt that fits.")
     ] = None,
-    ctx: Annotated[int, typer.Option("--ctx", help="Prompt limit to plan for (load's n_ctx).")] = DEFAULT_MAX_PROMPT_TOKENS,
+    max_prompt_tokens: Annotated[
+        int, typer.Option("--ctx", help="Prompt limit to plan for (load's max_prompt_tokens).")
+    ] = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
     parallel: Parallel = DEFAULT_PARALLEL,
     n_gpu_layers: GpuLayers = -1,
@@ -347,13 +354,16 @@ def plan(
 
     from .llama.plan import memory_plan, parse_size
 
-    _check_ubatch(ubatch, ctx)
-    result = _run(lambda: memory_plan(model, ctx, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj, parallel))
+    _check_ubatch(ubatch, max_prompt_tokens)
+    result = _run(
+        lambda: memory_plan(model, max_prompt_tokens, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj, parallel)
+    )
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
     mib = 1 << 20
-    title = f"{_line(model.name)}: prompt limit {ctx} tokens in ubatches of {result.ubatch}, n_gpu_layers {n_gpu_layers}"
+    limit = f"prompt limit {max_prompt_tokens} tokens in ubatches of {result.ubatch}"
+    title = f"{_line(model.name)}: {limit}, n_gpu_layers {n_gpu_layers}"
     table = Table(title=escape(title))  # the file name is text, not markup
     for column in ("component", "device MiB", "host MiB", "source"):
         table.add_column(column, justify="left" if column in ("component", "source") else "right")
@@ -377,7 +387,7 @@ def demo(n_gpu_layers: GpuLayers = 0) -> None:
     from .data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
 
     err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
-    settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": DEMO_CONTEXT, "state_cache": 0}
+    settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": DEMO_CONTEXT, "state_cache": 0}
     answer = _run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), [], **settings))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
@@ -494,9 +504,10 @@ def serve(
         int, typer.Option(min=1, help="Requests read at once, and admitted to decide (running + waiting); more get 503.")
     ] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
-    threads: Annotated[
+    n_threads: Annotated[
         int | None,
         typer.Option(
+            "--threads",
             help="llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica).",
             show_default=False,
         ),
@@ -537,7 +548,7 @@ def serve(
 
     _check_ubatch(ubatch, max_prompt_tokens)
     if on_ray:
-        ray_options = {"threads": threads or 1, "gpus": gpus_per_replica, "n_gpu_layers": n_gpu_layers, "ubatch": ubatch}
+        ray_options = {"n_threads": n_threads or 1, "gpus": gpus_per_replica, "n_gpu_layers": n_gpu_layers, "ubatch": ubatch}
         ray_options |= {"state_cache": state_cache, "mmproj": None if mmproj is None else str(mmproj.resolve())}
         ray_options |= {"parallel": parallel}
         ray_options |= {"max_prompt_tokens": max_prompt_tokens, "api_key": api_key, "max_queue": max_queue}
@@ -552,8 +563,8 @@ def serve(
         lambda: load(
             model,
             n_gpu_layers=n_gpu_layers,
-            n_ctx=max_prompt_tokens,
-            n_threads=threads,
+            max_prompt_tokens=max_prompt_tokens,
+            n_threads=n_threads,
             ubatch=ubatch,
             state_cache=state_cache,
             mmproj=mmproj,

@@ -108,7 +108,7 @@ class PromptTooLongError(RequestError):
         super().__init__(
             f"the prompt has {n_tokens} tokens but this model was loaded with a limit of "
             f"{limit} tokens (its context); shorten the state or load the model with a larger "
-            f"context (n_ctx, --max-prompt-tokens / --ctx), at the cost of a larger KV cache"
+            f"context (max_prompt_tokens, --max-prompt-tokens / --ctx), at the cost of a larger KV cache"
         )
         self.n_tokens = n_tokens
         self.limit = limit

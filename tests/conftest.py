@@ -115,7 +115,9 @@ class Workspace:
 
     def _model(self, name: str, file_type: str, head_type: str) -> clef_gguf.ClefModel:
         # One physical batch (ubatch = n_ctx): the reference the ubatch tests compare the default prefill with.
-        model = clef_gguf.load(self.gguf(name, file_type, head_type), n_ctx=MAX_PROMPT_TOKENS, ubatch=MAX_PROMPT_TOKENS)
+        model = clef_gguf.load(
+            self.gguf(name, file_type, head_type), max_prompt_tokens=MAX_PROMPT_TOKENS, ubatch=MAX_PROMPT_TOKENS
+        )
         self._models.append(model)
         return model
 

@@ -51,7 +51,7 @@ def requests(n: int, *, long_state: bool = False) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module", params=["f32", "q8_0"])
 def loaded(ws, request) -> Any:
     file_type = request.param
-    model = clef_gguf.load(ws.gguf("untied_f32", file_type), n_ctx=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
+    model = clef_gguf.load(ws.gguf("untied_f32", file_type), max_prompt_tokens=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
     yield file_type, model
     model.close()
 
@@ -88,8 +88,8 @@ def test_what_is_batchable(loaded):
 
 def test_the_state_cache_hits_and_fills_inside_a_batch(ws):
     path = ws.gguf("untied_f32", "f32")
-    cold = clef_gguf.load(path, n_ctx=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
-    cached = clef_gguf.load(path, n_ctx=N_CTX, ubatch=N_CTX, parallel=4)
+    cold = clef_gguf.load(path, max_prompt_tokens=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
+    cached = clef_gguf.load(path, max_prompt_tokens=N_CTX, ubatch=N_CTX, parallel=4)
     try:
         first = requests(3, long_state=True)
         # Two repeat a state the cache has (after the first batch), one is new.

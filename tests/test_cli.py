@@ -52,7 +52,7 @@ def test_decide_reads_images_as_the_api_does(ws, tmp_path):
     request = {**mixed_request(), "images": [url]}
     (tmp_path / "request.json").write_text(json.dumps(request))
     (tmp_path / "text.json").write_text(json.dumps(mixed_request()))
-    with clef_gguf_api.load(model, n_ctx=4096, mmproj=mmproj, state_cache=0) as loaded:
+    with clef_gguf_api.load(model, max_prompt_tokens=4096, mmproj=mmproj, state_cache=0) as loaded:
         want = loaded.decide(request)
     for args in (("request.json",), ("text.json", "--image", "photo.webp")):  # a data URL, or the file itself
         run = clef_gguf(

@@ -52,7 +52,7 @@ def test_amx_is_seen_where_the_cpu_and_the_build_have_it():
 @pytest.mark.parametrize("file_type", QUANTIZED)
 def test_no_weight_lands_in_amx(ws, file_type):
     path = ws.gguf("k256", file_type)
-    buffers = _model_buffers(lambda: clef_gguf.load(path, n_ctx=512, n_threads=1))
+    buffers = _model_buffers(lambda: clef_gguf.load(path, max_prompt_tokens=512, n_threads=1))
     assert cpu_buffers.AMX not in buffers
     assert "CPU" in buffers
     if cpu_buffers.AMX in cpu_buffers.extra_buffer_types():  # the measured default there: no repacking

@@ -115,14 +115,14 @@ def test_a_failed_load_leaves_nothing_open(model_copy: Path, monkeypatch: pytest
         objects = LlamaObjects(mp)
         STAGES[stage](mp)
         with pytest.raises(ClefError) as failure:
-            clef_gguf.load(model_copy, n_ctx=512)
+            clef_gguf.load(model_copy, max_prompt_tokens=512)
     del failure  # its traceback holds the frames of the failed load
     gc.collect()
     assert held(model_copy) == [], stage
     assert objects.leaked() == 0, f"{stage}: {objects.leaked()} llama.cpp models or contexts not freed"
     with monkeypatch.context() as mp:
         objects = LlamaObjects(mp)
-        with clef_gguf.load(model_copy, n_ctx=512) as model:  # the file itself is fine
+        with clef_gguf.load(model_copy, max_prompt_tokens=512) as model:  # the file itself is fine
             assert held(model_copy) and len(objects.made) == 3  # two models, one context
             model.decide(runtime_model.PROBE)
         assert held(model_copy) == [] and objects.leaked() == 0  # close() released it all, the object still alive
@@ -131,6 +131,6 @@ def test_a_failed_load_leaves_nothing_open(model_copy: Path, monkeypatch: pytest
 def test_a_file_validation_refuses_leaves_nothing_open(model_copy: Path) -> None:
     broken = rebuild(model_copy, model_copy.with_name("no-head.gguf"), keep=lambda name: name != "decision.scales")
     with pytest.raises(ModelFileError):
-        clef_gguf.load(broken, n_ctx=512)
+        clef_gguf.load(broken, max_prompt_tokens=512)
     gc.collect()
     assert held(broken) == []

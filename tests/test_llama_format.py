@@ -57,7 +57,7 @@ def test_llama_cpp_converter_output_is_complete_and_decides_as_the_reference(
     report = validate(path)
     assert report.verdict is Verdict.COMPLETE, report.summary
     assert list(GGUFFile.open(path).header.tensors)[0] == "output.weight" or release.startswith("tied")
-    with clef_gguf.load(path, n_ctx=8192) as model:
+    with clef_gguf.load(path, max_prompt_tokens=8192) as model:
         for name in ("mixed", "many_questions", "long_state"):
             request = REQUESTS[name]
             response = model.decide(request)
@@ -96,7 +96,7 @@ def test_the_runtime_is_exact_on_their_weights(golden):
 
     path = golden("untied_f32", "q8_0")
     f = GGUFFile.open(path)
-    with clef_gguf.load(path, n_ctx=8192) as model:
+    with clef_gguf.load(path, max_prompt_tokens=8192) as model:
         exact = reference_head(f, hparams.head_config(f.header))
         for name in ("mixed", "many_questions"):
             prompt = model.encode(REQUESTS[name])

@@ -143,7 +143,7 @@ def test_prefill_in_ubatches_gives_the_same_hidden_states(ws, ubatch):
     whole = ws.model("untied_f32", "f32")
     prompt = whole.encode(request)
     assert len(prompt.tokens) > 2 * ubatch  # really split
-    with clef_gguf.load(path, n_ctx=8192, ubatch=ubatch) as split:
+    with clef_gguf.load(path, max_prompt_tokens=8192, ubatch=ubatch) as split:
         difference = np.abs(split.backbone.hidden_states(prompt.tokens) - whole.backbone.hidden_states(prompt.tokens))
         # Other ubatch sizes change ggml's summation order (and the DeltaNet chunking): float noise,
         # on hidden states of RMS ~1 and up to ~5 here.
@@ -156,7 +156,7 @@ def test_prefill_in_ubatches_gives_the_same_hidden_states(ws, ubatch):
 
 def test_ubatch_out_of_range_is_refused(ws):
     with pytest.raises(ValueError, match="ubatch"):
-        clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=1024, ubatch=2048)
+        clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=1024, ubatch=2048)
 
 
 def _retyped(src: Path, dst: Path, name: str, qtype: GT) -> Path:

@@ -52,7 +52,7 @@ def test_the_plan_is_what_llama_cpp_allocates(ws, default_gpu_layers, offload):
     path, n_ctx = ws.gguf("k256", "q4_k_m"), 1024
     n_gpu_layers = default_gpu_layers if offload == "default" else 0
     plan = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers)
-    allocated = _allocated(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
+    allocated = _allocated(path, max_prompt_tokens=n_ctx, n_gpu_layers=n_gpu_layers)
     side = "device" if n_gpu_layers else "host"
     for kind, component in (("KV", "KV cache"), ("RS", "recurrent state"), ("compute", "compute buffer")):
         line = _line(plan, component)
@@ -152,7 +152,7 @@ def test_sizes_read_like_a_card_label(text, value):
 def test_a_physical_batch_llama_cpp_cannot_plan_is_refused_before_loading(ws):
     # A context that large is fine in ubatches (the default); as one physical batch it is refused.
     with pytest.raises(SettingsError, match="ubatch"):
-        clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=MAX_UBATCH + 1, ubatch=MAX_UBATCH + 1)
+        clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=MAX_UBATCH + 1, ubatch=MAX_UBATCH + 1)
 
 
 def test_the_plan_command_prints_a_table_or_json(ws):

@@ -219,7 +219,7 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(clu
     assert application["import_path"] == "clef_gguf.server.ray_serve:app_builder"
     args = application["args"]
     args.pop("replicas")
-    args |= {"model": str(DEMO_MODEL), "autoscale": "1:2", "threads": 1, "gpus": 0, "n_gpu_layers": 0, "api_key": "s3cret"}
+    args |= {"model": str(DEMO_MODEL), "autoscale": "1:2", "n_threads": 1, "gpus": 0, "n_gpu_layers": 0, "api_key": "s3cret"}
     path = tmp_path / "ray-serve.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", str(path)]
@@ -273,8 +273,8 @@ def test_serve_on_ray_refuses_a_file_that_is_not_a_clef_model(tmp_path):
 
 def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environment(monkeypatch):
     monkeypatch.delenv("CLEF_GGUF_API_KEY", raising=False)
-    settings = settings_from_args({"model": str(DEMO_MODEL), "autoscale": "1:4", "threads": 2, "gpus": 0.5})
-    assert (settings.autoscale, settings.threads, settings.gpus, settings.api_key) == ((1, 4), 2, 0.5, None)
+    settings = settings_from_args({"model": str(DEMO_MODEL), "autoscale": "1:4", "n_threads": 2, "gpus": 0.5})
+    assert (settings.autoscale, settings.n_threads, settings.gpus, settings.api_key) == ((1, 4), 2, 0.5, None)
     monkeypatch.setenv("CLEF_GGUF_API_KEY", "from-env")
     assert settings_from_args({"model": "m.gguf"}).api_key == "from-env"
     assert settings_from_args({"model": "m.gguf", "api_key": "given"}).api_key == "given"
@@ -282,7 +282,7 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
         ({"model": "m.gguf", "replica": 2}, "Extra inputs are not permitted"),  # a typo is refused, not ignored
         ({"model": "m.gguf", "autoscale": "4:1"}, "1 <= MIN <= MAX"),
         ({"model": "m.gguf", "api_key": "has space"}, "visible ASCII"),
-        ({"model": "m.gguf", "threads": 0}, "greater than or equal to 1"),
+        ({"model": "m.gguf", "n_threads": 0}, "greater than or equal to 1"),
     ]:
         with pytest.raises(ValidationError, match=why):
             settings_from_args(bad)

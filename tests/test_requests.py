@@ -78,7 +78,7 @@ def test_invalid_requests_name_the_field_and_compute_nothing(ws, case):
 
 
 def test_an_oversized_prompt_names_its_size_the_limit_and_the_remedy(ws):
-    model = clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=256)
+    model = clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=256)
     try:
         before = _evaluated_tokens(model)
         with pytest.raises(PromptTooLongError) as raised:
@@ -130,7 +130,7 @@ def test_the_prompt_encoder_sizes_images_as_the_model(ws, tmp_path):
     image = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 200, 3), dtype=np.uint8)).save(image, "PNG")
     request = {**mixed_request(), "images": [image.getvalue()]}
-    with clef_gguf.load(path, n_ctx=4096, mmproj=mmproj, state_cache=0) as model:
+    with clef_gguf.load(path, max_prompt_tokens=4096, mmproj=mmproj, state_cache=0) as model:
         encoder = PromptEncoder(path, max_prompt_tokens=4096, mmproj=mmproj)
         try:
             encoded = encoder.encode(request)

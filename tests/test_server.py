@@ -466,7 +466,7 @@ def test_server_timing_and_usage_say_how_many_prompt_tokens_the_state_cache_reus
     assert usage["input_tokens_details"] == {"cached_tokens": prefix}
     assert usage["input_tokens"] == len(model.encode(second).tokens)  # still every prompt token
     # The answers are the cache's own business: a direct decide of the same request, on a cold cache, answers the same.
-    with clef_gguf.load(model.path, n_ctx=model.max_prompt_tokens, ubatch=model.ubatch) as cold:
+    with clef_gguf.load(model.path, max_prompt_tokens=model.max_prompt_tokens, ubatch=model.ubatch) as cold:
         assert cold.decide(second)["answers"] == hit.json()["answers"]
 
 

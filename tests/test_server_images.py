@@ -50,7 +50,7 @@ def data_url(data: bytes, media: str) -> str:
 
 @pytest.fixture(scope="module")
 def model(ws) -> Iterator[clef_gguf.ClefModel]:
-    with clef_gguf.load(ws.gguf("untied_f32", "f32"), n_ctx=4096, mmproj=ws.mmproj("untied_f32", "f32")) as m:
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=4096, mmproj=ws.mmproj("untied_f32", "f32")) as m:
         yield m
 
 

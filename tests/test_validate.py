@@ -474,7 +474,7 @@ def test_a_model_whose_scores_overflow_is_refused_at_load(ws, tmp_path):
     edited = rebuild(src, tmp_path / "overflow.gguf", keep=lambda n: n != name, extra=[_filled(f, name, 3e38)])
     f.close()
     with pytest.raises(ModelOutputError, match="not finite"):
-        clef_gguf.load(edited, n_ctx=1024)
+        clef_gguf.load(edited, max_prompt_tokens=1024)
     request = json.dumps({"state": "s", "questions": {"q": {"type": "noul"}}})
     command = [sys.executable, "-m", "clef_gguf.cli", "decide", str(edited), "-"]
     run = subprocess.run(command, input=request, capture_output=True, text=True, timeout=300)

@@ -147,7 +147,7 @@ def main() -> None:
         print("| model | variant | max abs dp | max abs dscore | choice/score flips |")
         print("| --- | --- | ---: | ---: | ---: |")
         for name, path in models.items():
-            with clef_gguf.load(path, n_ctx=8192) as model:
+            with clef_gguf.load(path, max_prompt_tokens=8192) as model:
                 for variant, m in measure(model, requests).items():
                     print(f"| {name} | {variant} | {m.max_dp:.4f} | {m.max_dscore:.4f} | {m.flips}/{m.compared} |", flush=True)
 

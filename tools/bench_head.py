@@ -228,7 +228,8 @@ mode, path, n_ctx, gpu, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), in
 request = json.loads(sys.stdin.read())
 if mode == "clef":
     import clef_gguf
-    model = clef_gguf.load(path, n_gpu_layers=gpu, n_ctx=n_ctx, n_threads=threads, ubatch=n_ctx)  # one batch, as the bare side
+    # One batch, as the bare side.
+    model = clef_gguf.load(path, n_gpu_layers=gpu, max_prompt_tokens=n_ctx, n_threads=threads, ubatch=n_ctx)
     model.decide(request["request"])
 else:
     from bench_head import BareLlama
@@ -399,7 +400,9 @@ def main() -> None:
         write_backbone_gguf(f, plain)
         f.close()
         # ubatch = n_ctx: one physical batch, the same context as the bare llama.cpp it is compared with.
-        model = clef_gguf.load(clef, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, n_threads=args.threads, ubatch=n_ctx)
+        model = clef_gguf.load(
+            clef, n_gpu_layers=args.n_gpu_layers, max_prompt_tokens=n_ctx, n_threads=args.threads, ubatch=n_ctx
+        )
         bare = BareLlama(plain, n_ctx, args.n_gpu_layers, args.threads)
         results = Results(
             machine=machine(),

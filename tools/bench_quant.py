@@ -75,7 +75,7 @@ def per_type(tmp: Path) -> None:
     print("|---|---:|---:|---:|")
     for file_type in TYPES:
         path = clef_gguf.convert(release, tmp / f"k256-{file_type}.gguf", file_type)
-        with clef_gguf.load(path, n_ctx=8192) as model:
+        with clef_gguf.load(path, max_prompt_tokens=8192) as model:
             answers[file_type] = [model.decide(r) for r in requests]
         same = decisive = 0
         worst = 0.0

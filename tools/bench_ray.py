@@ -113,7 +113,7 @@ def bench_model(name: str, model: Path, port: int, body: bytes, rounds: int, req
     cluster_rss: list[float] = []
     for _ in range(rounds):
         for replicas in (1, 2):
-            settings = RaySettings(model=str(model), replicas=replicas, threads=1, max_prompt_tokens=CTX)
+            settings = RaySettings(model=str(model), replicas=replicas, n_threads=1, max_prompt_tokens=CTX)
             serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
             run_level(port, body, CLIENTS, 20, 30.0)  # warm: connections, the handle's router, first-call caches
             figures = measure(port, body, requests)

@@ -40,7 +40,7 @@ mode, path, n_ctx = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t = time.perf_counter()
 if mode == "clef":
     import clef_gguf
-    model = clef_gguf.load(path, n_ctx=n_ctx, ubatch=n_ctx)  # one batch, as llama.cpp's side
+    model = clef_gguf.load(path, max_prompt_tokens=n_ctx, ubatch=n_ctx)  # one batch, as llama.cpp's side
 else:
     import llama_cpp as L
     from clef_gguf.llama import cpu_buffers
@@ -114,7 +114,7 @@ def main() -> None:
         print(f"ratio  time {ours['seconds'] / bare['seconds']:.2f}  peak RSS {ours['peak_rss_mib'] / bare['peak_rss_mib']:.2f}")
 
         request = mixed_request()
-        model = clef_gguf.load(clef, n_ctx=args.n_ctx, ubatch=args.n_ctx)
+        model = clef_gguf.load(clef, max_prompt_tokens=args.n_ctx, ubatch=args.n_ctx)
         oracle = Oracle(release)
         n_tokens = model.decide(request)["usage"]["input_tokens"]
         ours_s = median_seconds(lambda: model.decide(request), args.repeats)

@@ -69,7 +69,7 @@ def main() -> None:
         release = build_release(root / "release", BENCHMARK)
         for file_type in args.types:
             path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
-            kwargs = {"n_ctx": 16384, "n_threads": args.threads}
+            kwargs = {"max_prompt_tokens": 16384, "n_threads": args.threads}
             with clef_gguf.load(path, **kwargs) as cached, clef_gguf.load(path, state_cache=0, **kwargs) as off:
                 warm = request(state, -1)
                 prompt = cached.encode(warm)

@@ -39,7 +39,7 @@ def main() -> None:
     request = long_state_request(args.paragraphs)
     with tempfile.TemporaryDirectory() as tmp:
         path = clef_gguf.convert(build_release(Path(tmp) / "release", BENCHMARK), Path(tmp) / "bench.gguf", "f32")
-        models = {n: clef_gguf.load(path, n_ctx=4096, n_threads=n, state_cache=0) for n in counts}
+        models = {n: clef_gguf.load(path, max_prompt_tokens=4096, n_threads=n, state_cache=0) for n in counts}
         try:
             tokens = models[1].decide(request)["usage"]["input_tokens"]  # and a warm-up of each
             for model in models.values():

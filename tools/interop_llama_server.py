@@ -84,7 +84,7 @@ def compare(binary: Path, path: Path, requests: dict[str, dict[str, Any]], log: 
     import clef_gguf
 
     rows = []
-    with clef_gguf.load(path, n_ctx=8192, n_threads=2) as model:
+    with clef_gguf.load(path, max_prompt_tokens=8192, n_threads=2) as model:
         server = serve(binary, path, 8192, log)
         try:
             for name, request in requests.items():

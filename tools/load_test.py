@@ -135,7 +135,7 @@ def one_client_against_direct(
     connection = Connection(port)
     server: list[Sample] = []
     direct: list[float] = []
-    with load(model_path, n_ctx=ctx, n_threads=threads) as model:
+    with load(model_path, max_prompt_tokens=ctx, n_threads=threads) as model:
         for _ in range(3):  # warm both
             connection.post(body)
             model.decide(request)
@@ -255,7 +255,7 @@ def main() -> None:
 
     request = json.loads(args.request.read_text(encoding="utf-8"))
     body = json.dumps(request).encode()
-    with load(args.model, n_ctx=args.ctx) as probe:
+    with load(args.model, max_prompt_tokens=args.ctx) as probe:
         report = Report(model=probe.name, request_tokens=len(probe.encode(request).tokens))
     process, port = start_server(args.model, args.ctx, max(64, max(args.clients)), args.threads)
     try:

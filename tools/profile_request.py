@@ -70,7 +70,7 @@ def main() -> None:
     release = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
         path = clef_gguf.convert(build_release(Path(tmp) / "release", BENCHMARK), Path(tmp) / "bench.gguf", args.type)
-        models = {n: clef_gguf.load(path, n_ctx=4096, n_threads=n, state_cache=0) for n in counts}
+        models = {n: clef_gguf.load(path, max_prompt_tokens=4096, n_threads=n, state_cache=0) for n in counts}
         try:
             if args.second_team:
                 for model in models.values():

@@ -43,7 +43,7 @@ def main() -> None:
     }
     budget = parse_size(args.state_cache)
     started = time.perf_counter()
-    with clef_gguf.load(DEMO_MODEL, n_ctx=4096, n_threads=args.threads, state_cache=budget) as model:
+    with clef_gguf.load(DEMO_MODEL, max_prompt_tokens=4096, n_threads=args.threads, state_cache=budget) as model:
         cache = model.state_cache
         warm = None
         for i in range(args.requests):

@@ -280,18 +280,20 @@ class ClefModel:
 def load(
     path: str | Path,
     n_gpu_layers: int = 0,
-    n_ctx: int = DEFAULT_MAX_PROMPT_TOKENS,
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     n_threads: int | None = None,
     ubatch: int | None = None,
     state_cache: int = DEFAULT_STATE_CACHE,
     mmproj: str | Path | None = None,
     parallel: int = DEFAULT_PARALLEL,
 ) -> ClefModel:
-    """Load a Clef GGUF. n_ctx is the largest prompt it will accept (default: Clef's 65,536).
+    """Load a Clef GGUF. max_prompt_tokens is the largest prompt it will accept (default: Clef's 65,536), the
+    context llama.cpp is created with (its n_ctx).
 
     ubatch: prompts are processed in ubatches of this many tokens, the state carried over,
     so llama.cpp's compute buffer is bounded by the ubatch, not the prompt (default:
-    DEFAULT_UBATCH, or n_ctx if smaller); ubatch = n_ctx processes a prompt in one physical batch.
+    DEFAULT_UBATCH, or max_prompt_tokens if smaller); ubatch = max_prompt_tokens processes a prompt in one
+    physical batch.
     state_cache: bytes of host memory for the backbone states of recent requests' state prefixes
     (runtime/state_cache.py; default 1 GiB), so that a request repeating a state computes only its
     schema; 0 turns it off. n_threads: default, the physical cores this process may use.
@@ -301,7 +303,7 @@ def load(
     return ClefModel(
         path,
         n_gpu_layers=n_gpu_layers,
-        max_prompt_tokens=n_ctx,
+        max_prompt_tokens=max_prompt_tokens,
         n_threads=n_threads,
         ubatch=ubatch,
         state_cache=state_cache,

@@ -72,7 +72,7 @@ class RaySettings(BaseModel):
     model: str  # the GGUF's path, the same on every node that runs a replica or the ingress
     replicas: int = Field(1, ge=1)
     autoscale: tuple[int, int] | None = None  # (MIN, MAX) replicas, from "MIN:MAX"; replaces replicas
-    threads: int = Field(1, ge=1)  # llama.cpp threads per replica, and the CPUs Ray reserves for it
+    n_threads: int = Field(1, ge=1)  # llama.cpp threads per replica, and the CPUs Ray reserves for it
     gpus: float = Field(0.0, ge=0)  # GPUs Ray reserves per replica: 1 gives each a GPU of its own
     n_gpu_layers: int = 0
     max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
@@ -151,7 +151,7 @@ class ClefReplica:
         *,
         n_gpu_layers: int,
         max_prompt_tokens: int,
-        threads: int,
+        n_threads: int,
         ubatch: int | None,
         parallel: int,
         state_cache: int,
@@ -161,8 +161,8 @@ class ClefReplica:
         self.model: ClefModel = load(
             model,
             n_gpu_layers=n_gpu_layers,
-            n_ctx=max_prompt_tokens,
-            n_threads=threads,
+            max_prompt_tokens=max_prompt_tokens,
+            n_threads=n_threads,
             ubatch=ubatch,
             state_cache=state_cache,
             mmproj=mmproj,
@@ -233,7 +233,7 @@ def build_app(settings: RaySettings) -> serve.Application:
     # replica that dies takes its queue with it: each of those requests gets a 503 with Retry-After.
     replicas = ClefReplica.options(
         max_ongoing_requests=s.max_queue,
-        ray_actor_options={"num_cpus": s.threads, "num_gpus": s.gpus},
+        ray_actor_options={"num_cpus": s.n_threads, "num_gpus": s.gpus},
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
         **scaling,
@@ -241,7 +241,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         s.model,
         n_gpu_layers=s.n_gpu_layers,
         max_prompt_tokens=s.max_prompt_tokens,
-        threads=s.threads,
+        n_threads=s.n_threads,
         ubatch=s.ubatch,
         parallel=s.parallel,
         state_cache=s.state_cache,
