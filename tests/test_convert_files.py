@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from clef_gguf.cli import _run, _signals_clean_up
+from clef_gguf.cli import errors as cli_errors
 from clef_gguf.conversion.convert import backbone_tensors, default_mmproj_path
 from clef_gguf.conversion.graft import graft, head_tensors
 from clef_gguf.conversion.release import open_release
@@ -148,8 +148,8 @@ def test_a_signal_that_c_code_swallowed_still_stops_with_its_code(capsys):
         except KeyboardInterrupt:
             raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter") from None
 
-    with pytest.raises(typer.Exit) as stop, _signals_clean_up():
-        _run(swallowed)
+    with pytest.raises(typer.Exit) as stop, cli_errors.signals_clean_up():
+        cli_errors.run(swallowed)
     assert stop.value.exit_code == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in capsys.readouterr().err
 

@@ -57,6 +57,8 @@ AUTOSCALE_TARGET_ONGOING = 2
 # own slots must not bind first, or requests past them would wait in Ray's proxy instead of getting our 503.
 INGRESS_HEADROOM = 16  # requests being refused, /health and /v1/models, on top of the two bounds
 # Where Ray reports a replica (or its node) gone or unreachable, or no replica able to take a request.
+# RaySettings' fields that are load()'s options, of the same names.
+LOAD_OPTIONS = ("n_gpu_layers", "max_prompt_tokens", "n_threads", "ubatch", "parallel", "state_cache", "mmproj")
 REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, DeploymentUnavailableError, ReplicaUnavailableError)
 
 
@@ -84,6 +86,10 @@ class RaySettings(BaseModel):
     max_queue: int = Field(DEFAULT_MAX_PENDING, ge=1)
     body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
     drain_timeout: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+
+    def load_options(self) -> dict[str, Any]:
+        """What each replica's load() takes: the fields named as its parameters."""
+        return self.model_dump(include=set(LOAD_OPTIONS))
 
     @field_validator("autoscale", mode="before")
     @classmethod
@@ -145,29 +151,8 @@ class ReplicaDecider:
 class ClefReplica:
     """One loaded model, deciding on the plain server's DecideWorker; healthy once it has answered a decision."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        n_gpu_layers: int,
-        max_prompt_tokens: int,
-        n_threads: int,
-        ubatch: int | None,
-        parallel: int,
-        state_cache: int,
-        mmproj: str | None,
-        queue: int,
-    ) -> None:
-        self.model: ClefModel = load(
-            model,
-            n_gpu_layers=n_gpu_layers,
-            max_prompt_tokens=max_prompt_tokens,
-            n_threads=n_threads,
-            ubatch=ubatch,
-            state_cache=state_cache,
-            mmproj=mmproj,
-            parallel=parallel,
-        )
+    def __init__(self, model: str, *, queue: int, **load_options: Any) -> None:
+        self.model: ClefModel = load(model, **load_options)  # (RaySettings.load_options)
         self.worker = DecideWorker(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
@@ -237,17 +222,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
         **scaling,
-    ).bind(
-        s.model,
-        n_gpu_layers=s.n_gpu_layers,
-        max_prompt_tokens=s.max_prompt_tokens,
-        n_threads=s.n_threads,
-        ubatch=s.ubatch,
-        parallel=s.parallel,
-        state_cache=s.state_cache,
-        mmproj=s.mmproj,
-        queue=s.max_queue,
-    )
+    ).bind(s.model, queue=s.max_queue, **s.load_options())
     ingress = ClefIngress.options(
         max_ongoing_requests=2 * s.max_queue + INGRESS_HEADROOM,
         graceful_shutdown_timeout_s=s.drain_timeout,

@@ -1,0 +1,24 @@
+"""The `clef-gguf` command: each command parses its arguments and calls the Python API, nothing else.
+
+Library errors are typed (clef_gguf/errors.py); cli/errors.py turns them, and signals, into one line on
+stderr and an exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from . import convert, decide, plan, serve, validate
+
+app = typer.Typer(
+    help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+for command in (convert.convert, convert.graft, decide.decide, plan.plan, decide.demo, validate.validate, serve.serve):
+    app.command()(command)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,117 @@
+"""`clef-gguf convert` and `clef-gguf graft`: a release into a Clef GGUF, with a progress bar per stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from ..conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES, Converted, convert_files
+from ..conversion.graft import graft as graft_head
+from .errors import err, fail, raise_pending, run, say, signals_clean_up
+
+Out = Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")]
+
+
+@contextmanager
+def _progress() -> Iterator[Callable[[str, int, int, str], None]]:
+    """A progress callback (stage, done, total, item): one bar per stage; where a deferred signal is raised."""
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[item]}"),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def update(stage: str, done: int, total: int, item: str) -> None:
+            raise_pending()
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total, item="")
+            bar.update(tasks[stage], completed=done, total=total, item=item)
+
+        yield update
+
+
+def convert(
+    source: Annotated[str, typer.Argument(help="Release folder, or Hugging Face repo id (owner/name).")],
+    out: Out,
+    file_type: Annotated[str, typer.Option("--type", "-t", help=f"Backbone type: {', '.join(FILE_TYPES)}.")] = DEFAULT_FILE_TYPE,
+    head_type: Annotated[
+        str,
+        typer.Option(
+            "--head-type",
+            help="Head weight type: auto (as llama.cpp's converter: the file type for f32/f16/bf16/q8_0, else f32), "
+            "f32, f16, bf16 or q8_0.",
+        ),
+    ] = "auto",
+    imatrix: Annotated[
+        Path | None, typer.Option("--imatrix", help="Importance matrix (llama-imatrix GGUF) for llama.cpp's quantizer.")
+    ] = None,
+    mmproj: Annotated[
+        Path | None,
+        typer.Option(
+            "--mmproj",
+            help="Where to write the vision tower (llama.cpp's mmproj GGUF). Default: mmproj-<OUT's stem>.gguf beside OUT.",
+            show_default=False,
+        ),
+    ] = None,
+    no_mmproj: Annotated[bool, typer.Option("--no-mmproj", help="Do not convert the vision tower.")] = False,
+    mmproj_type: Annotated[
+        str,
+        typer.Option(
+            "--mmproj-type",
+            help="Vision tower weight type: auto (the file type for f32/f16/bf16/q8_0, else f16), f32, f16, bf16 or q8_0.",
+        ),
+    ] = "auto",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT (and the mmproj) if they exist.")] = False,
+) -> None:
+    """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata), and its vision
+    tower into llama.cpp's mmproj file beside it."""
+    if no_mmproj and mmproj is not None:
+        fail("--mmproj and --no-mmproj exclude each other")
+
+    def work() -> Converted:
+        with signals_clean_up(), _progress() as progress:
+            return convert_files(
+                source,
+                out,
+                file_type,
+                head_type=head_type,
+                imatrix=imatrix,
+                mmproj=False if no_mmproj else (mmproj or True),
+                mmproj_type=mmproj_type,
+                force=force,
+                progress=progress,
+            )
+
+    made = run(work)
+    say(f"wrote {made.model}")
+    if made.mmproj is not None:
+        say(f"wrote {made.mmproj} (the vision tower)")
+    if made.note:
+        say(f"note: {made.note}")
+
+
+def graft(
+    backbone: Annotated[Path, typer.Argument(help="A backbone-only qwen35 GGUF (any quantization).")],
+    source: Annotated[
+        str, typer.Argument(help="The release: folder or Hugging Face repo id (only head, config and tokenizer files are read).")
+    ],
+    out: Out,
+    head_type: Annotated[str, typer.Option("--head-type", help="Head weight type: auto (f32), f32, f16, bf16 or q8_0.")] = "auto",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+) -> None:
+    """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
+
+    def work() -> Path:
+        with signals_clean_up(), _progress() as progress:
+            return graft_head(backbone, source, out, head_type=head_type, force=force, progress=progress)
+
+    say(f"wrote {run(work)}")

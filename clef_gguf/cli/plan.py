@@ -1,0 +1,67 @@
+"""`clef-gguf plan`: the memory a model needs at a prompt limit, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL
+from ..llama.plan import Plan, memory_plan, parse_size
+from .errors import line, run
+from .options import GpuLayers, Mmproj, Parallel, Ubatch, check_ubatch
+
+MIB = 1 << 20
+
+
+def plan(
+    model: Annotated[Path, typer.Argument(help="A Clef GGUF (or a backbone-only qwen35 GGUF).")],
+    vram: Annotated[
+        str | None, typer.Option("--vram", help="Device memory to fit, e.g. 8GiB: reports the largest prompt that fits.")
+    ] = None,
+    max_prompt_tokens: Annotated[
+        int, typer.Option("--ctx", help="Prompt limit to plan for (load's max_prompt_tokens).")
+    ] = DEFAULT_MAX_PROMPT_TOKENS,
+    ubatch: Ubatch = None,
+    parallel: Parallel = DEFAULT_PARALLEL,
+    n_gpu_layers: GpuLayers = -1,
+    mmproj: Mmproj = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
+) -> None:
+    """Device and host memory for a model at a prompt limit: weights by type, KV, recurrent state, compute buffer;
+    with --mmproj, the vision tower's weights and the compute of its largest image."""
+    check_ubatch(ubatch, max_prompt_tokens)
+
+    def work() -> Plan:  # (a --vram that is no size is the library's SettingsError: exit 2)
+        return memory_plan(model, max_prompt_tokens, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj, parallel)
+
+    result = run(work)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        _print_plan(result, model, vram)
+
+
+def _print_plan(result: Plan, model: Path, vram: str | None) -> None:
+    limit = f"prompt limit {result.n_ctx} tokens in ubatches of {result.ubatch}"
+    title = f"{line(model.name)}: {limit}, n_gpu_layers {result.n_gpu_layers}"
+    table = Table(title=escape(title))  # the file name is text, not markup
+    for column in ("component", "device MiB", "host MiB", "source"):
+        table.add_column(column, justify="left" if column in ("component", "source") else "right")
+    for row in result.lines:
+        table.add_row(row.component, f"{row.device_bytes / MIB:.1f}", f"{row.host_bytes / MIB:.1f}", row.source)
+    table.add_row("[bold]total", f"[bold]{result.device_bytes / MIB:.1f}", f"[bold]{result.host_bytes / MIB:.1f}", "")
+    out = Console()
+    out.print(table)
+    out.print("weights by type: " + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in sorted(result.weights_by_type.items())))
+    if not result.gpu_backend:
+        out.print("[yellow]this llama.cpp build has no GPU backend: the compute buffer was measured on the CPU backend.[/]")
+    if vram:
+        fits = result.max_prompt_tokens
+        fit = f"largest prompt that fits {vram}: {fits} tokens" if fits else f"does not fit {vram} even at 256 tokens"
+        out.print(fit, markup=False, highlight=False)

@@ -1,0 +1,80 @@
+"""`clef-gguf validate`: is a file (local, on the Hub, or at a URL) a complete Clef model, or a vision tower for one."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from ..check.pair import validate_pair
+from ..check.report import Report
+from ..check.validate import validate as validate_file
+from .errors import fail, line, run
+
+
+def _print_report(report: Report) -> None:
+    """The verdict in one line, then what else is wrong and what was read (plain text: no markup in messages)."""
+    typer.echo(f"{report.source}: {report.summary}")
+    for problem in report.problems:
+        if problem.message not in report.summary:
+            typer.echo(f"  - {problem.message}")
+    for note in report.notes:
+        typer.echo(f"  note: {note}")
+    if report.header_size is not None:
+        read = f"{report.bytes_read} bytes over HTTP" if report.bytes_read is not None else f"a {report.header_size}-byte header"
+        deep = " and every tensor (--deep)" if report.deep else ""
+        typer.echo(f"  read {read}{deep} of a {report.file_size}-byte file in {report.seconds:.3f} s")
+
+
+def validate(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A GGUF file, REPO_ID:FILENAME (or REPO_ID@REVISION:FILENAME) on the Hugging Face Hub, or an http(s) URL.",
+            show_default=False,
+        ),
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    deep: Annotated[
+        bool, typer.Option("--deep", help="Also read every tensor: NaN, Inf or all-zero data (local files).")
+    ] = False,
+    sha256: Annotated[
+        str | None, typer.Option("--sha256", metavar="HEX", help="Expected sha256 of the whole file (local files).")
+    ] = None,
+    mmproj: Annotated[
+        str | None,
+        typer.Option(
+            "--mmproj",
+            metavar="MMPROJ",
+            help="Also validate this vision tower (mmproj) and whether it belongs to SOURCE.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Is SOURCE a complete Clef decision model, or a vision tower (mmproj) for one? Says so in one line, before
+    anything is loaded.
+
+    Reads only the header unless --deep; a remote SOURCE with HTTP range requests, before any download.
+    With --mmproj, both files and their pairing (projector, embedding width = the backbone's hidden size).
+
+    Exit codes: 0 complete, 5 corrupt or unreadable, 6 not a decision model (e.g. backbone-only; an mmproj of
+    another projector), 7 incomplete or inconsistent (with --mmproj: also a pair that does not belong together).
+    """
+    if mmproj is None:
+        report = run(lambda: validate_file(source, deep=deep, sha256=sha256))
+        if as_json:
+            typer.echo(json.dumps(report.to_dict(), indent=2))
+        else:
+            _print_report(report)
+        raise typer.Exit(report.exit_code)
+    if sha256 is not None:
+        fail("--sha256 checks one file: validate the model and the mmproj separately")
+    pair = run(lambda: validate_pair(source, mmproj, deep=deep))
+    if as_json:
+        typer.echo(json.dumps(pair.to_dict(), indent=2))
+    else:
+        _print_report(pair.model)
+        _print_report(pair.mmproj)
+        typer.echo(f"pairing: {line(pair.summary)}")
+    raise typer.Exit(pair.exit_code)
