@@ -2,7 +2,7 @@
 
 Routes: POST /v1/systemone, GET /v1/models, GET /health, and Workers AI's
 POST [/client/v4]/accounts/{account_id}/ai/run/@cf/cloudflare/clef[-flash] (workers_ai.py), the same
-answers in Cloudflare's envelope. The model is loaded by the caller
+answers in Cloudflare's envelope. The model is loaded by the caller (launch.py, for `clef-gguf serve`)
 before the port is bound, so a file that loading rejects never gets a listening server.
 `clef-gguf serve --ray` serves the same app from a Ray Serve ingress (ray_serve.py, imported only then).
 """
