@@ -86,6 +86,14 @@ MUTANTS = {
         {"replace": {V.KEY_IMAGE_MIN_PIXELS: kv_u32(V.KEY_IMAGE_MIN_PIXELS, 1 << 30)}},
         "clip.vision.image_min_pixels 1073741824 exceeds",
     ),
+    # llama.cpp overflows an int32 at the image's token count: "image_max_pixels (-2147483648)".
+    "max pixels at the int32 bound": (
+        {"replace": {V.KEY_IMAGE_MAX_PIXELS: kv_u32(V.KEY_IMAGE_MAX_PIXELS, (1 << 31) - 1)}},
+        "in an int32",
+    ),
+    # Every image's answer NaN: pixels normalized to 1e30 or -1e38.
+    "tiny std": ({"replace": {V.KEY_IMAGE_STD: _kv_floats(V.KEY_IMAGE_STD, [0.5, 1e-30, 0.5])}}, "make pixels as large as"),
+    "huge mean": ({"replace": {V.KEY_IMAGE_MEAN: _kv_floats(V.KEY_IMAGE_MEAN, [1e38, 0.5, 0.5])}}, "make pixels as large as"),
     "no vision encoder": ({"replace": {V.KEY_HAS_VISION: kv_bool(V.KEY_HAS_VISION, False)}}, "not True"),
     "audio encoder": ({"replace": {V.KEY_HAS_AUDIO: kv_bool(V.KEY_HAS_AUDIO, True)}}, "vision tower only"),
     "projector as UINT32": ({"replace": {V.KEY_PROJECTOR: kv_u32(V.KEY_PROJECTOR, 3)}}, "reads it as STRING"),

@@ -266,6 +266,10 @@ class VisionDescription:
         return self.shape.out_width
 
 
+INT32_MAX = (1 << 31) - 1  # clip.cpp reads the pixel limits into ints
+MAX_NORMALIZED_PIXEL = 1e4
+
+
 def _float_triple(r: _Reader, key: str) -> tuple[float, ...] | None:
     f = r.h.fields.get(key)
     if f is None or f.type != VT.ARRAY or f.item_type != VT.FLOAT32 or len(f.value) < 3:
@@ -279,8 +283,8 @@ def _float_triple(r: _Reader, key: str) -> tuple[float, ...] | None:
 
 
 def _pixel_limits(r: _Reader) -> tuple[int | None, int | None]:
-    low = r.uint("image_min_pixels", 1, (1 << 31) - 1, default=0) or None
-    high = r.uint("image_max_pixels", 1, (1 << 31) - 1, default=0) or None
+    low = r.uint("image_min_pixels", 1, INT32_MAX, default=0) or None
+    high = r.uint("image_max_pixels", 1, INT32_MAX, default=0) or None
     if (low is None) != (high is None):
         r.bad(f"{V.KEY_IMAGE_MIN_PIXELS} and {V.KEY_IMAGE_MAX_PIXELS} come together: only one is set")
         return None, None
@@ -321,7 +325,20 @@ def read_vision_hparams(h: Header) -> tuple[VisionDescription | None, list[str]]
     if std is not None and min(abs(v) for v in std) == 0:
         r.bad(f"{V.KEY_IMAGE_STD} = {list(std)}: pixels are divided by it")
         std = None
+    elif mean is not None and std is not None:
+        # A pixel in [0, 1] becomes (x - mean) / std: far beyond a few thousand, the tower's activations overflow
+        # (F16 on a device) and every image's answer is NaN. Real towers: |mean| < 1, std about 0.25 to 0.5.
+        largest = max(max(abs(m), abs(1 - m)) / abs(d) for m, d in zip(mean, std, strict=True))
+        if largest > MAX_NORMALIZED_PIXEL:
+            r.bad(f"{V.KEY_IMAGE_MEAN} {list(mean)} and {V.KEY_IMAGE_STD} {list(std)} make pixels as large as {largest:.3g}")
     low, high = _pixel_limits(r)
+    if high is not None and patch is not None:
+        # The runtime hands mtmd its limits in whole tokens (ceil), and clip.cpp multiplies them back in an int32.
+        per_token = V.pixels_per_token(patch)
+        largest = INT32_MAX // per_token * per_token
+        if high > largest:
+            message = f"{V.KEY_IMAGE_MAX_PIXELS} {high} is over {largest}: llama.cpp counts it in tokens of {per_token} pixels"
+            r.bad(f"{message}, in an int32")
     positions = h.tensors.get(V.POSITION_EMBD)
     merger_out = h.tensors.get(V.MERGER_OUT_BIAS)
     values = (n_embd, n_head, n_ff, n_layer, projection, image_size, patch, mean, std)
