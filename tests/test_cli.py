@@ -30,6 +30,13 @@ def test_demo_answers_the_bundled_request():
     assert "RANDOM" in run.stderr
 
 
+def test_the_gpu_layers_may_come_from_the_environment():
+    """CLEF_GGUF_N_GPU_LAYERS, as llama-server's LLAMA_ARG_N_GPU_LAYERS (the device set sets it for subprocesses)."""
+    env = {**os.environ, "CLEF_GGUF_N_GPU_LAYERS": "many"}
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "demo"], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and "CLEF_GGUF_N_GPU_LAYERS" in run.stderr, run.stderr
+
+
 def test_decide_prints_exactly_the_api_response(ws, tmp_path):
     request = mixed_request()
     path = tmp_path / "request.json"

@@ -63,8 +63,8 @@ def _probe_fails(self: runtime_model.ClefModel, request: object) -> dict:
 
 
 STAGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "vocabulary model": lambda mp: mp.setattr(backbone, "_load", _fail),
-    "lean model": lambda mp: mp.setattr(backbone, "_load", _second_call_fails(backbone._load)),
+    "vocabulary model": lambda mp: mp.setattr(backbone, "load_model", _fail),
+    "lean model": lambda mp: mp.setattr(backbone, "load_model", _second_call_fails(backbone.load_model)),
     "embedding rows": lambda mp: mp.setattr(backbone, "RowTable", _fail),
     "context": lambda mp: mp.setattr(backbone.L, "llama_init_from_model", _no_context),
     "native head": lambda mp: mp.setattr(native_head.NativeHead, "__init__", _fail),

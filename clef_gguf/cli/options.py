@@ -11,7 +11,15 @@ from ..llama.defaults import DEFAULT_UBATCH, MAX_PARALLEL
 from ..llama.plan import parse_size
 from .errors import fail
 
-GpuLayers = Annotated[int, typer.Option("--n-gpu-layers", "-ngl", help="Backbone layers to offload to the GPU (-1: all).")]
+GpuLayers = Annotated[
+    int,
+    typer.Option(
+        "--n-gpu-layers",
+        "-ngl",
+        envvar="CLEF_GGUF_N_GPU_LAYERS",  # as llama-server's LLAMA_ARG_N_GPU_LAYERS: for a fixed command line
+        help="Backbone layers to offload to the GPU (-1: all; 0: the CPU alone).",
+    ),
+]
 MaxPrompt = Annotated[
     int,
     typer.Option(
