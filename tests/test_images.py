@@ -26,7 +26,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 import clef_gguf
 from clef_gguf.conversion.convert import default_mmproj_path
-from clef_gguf.errors import RequestError
+from clef_gguf.errors import ModelOutputError, RequestError
 from clef_gguf.format import vision as V
 from clef_gguf.runtime import images as I
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS
@@ -733,3 +733,26 @@ def test_every_image_size_is_answered_or_refused_naming_the_image(ws, tmp_path, 
                 assert e.field == "images.0" and "pixels" in e.reason, e
                 refused += 1
     assert refused and (answered or min_tokens == max_tokens), (answered, refused)
+
+
+@pytest.mark.parametrize("tensor", ["mm.2.weight", "v.patch_embd.weight"])
+def test_a_tower_that_cannot_answer_is_refused_at_load(ws, tmp_path, tensor):
+    """Weights that parse but hold a NaN or an Inf: the header validate passes them (--deep does not), and the
+    load's probe decides with one small image, so the server never starts answering every image with a 500."""
+    from clef_gguf.format.header import GGUFFile
+    from clef_gguf.testing.gguf_bytes import rebuild
+
+    gguf = ws.gguf(RELEASE, "f32")
+    f = GGUFFile.open(default_mmproj_path(gguf))
+    t = f.header.tensors[tensor]
+    values = f.tensor_bytes(tensor).view(np.float32).copy()
+    f.close()
+    values[0] = np.nan if tensor.startswith("mm") else np.inf
+    broken = rebuild(
+        default_mmproj_path(gguf),
+        tmp_path / "broken.mmproj.gguf",
+        keep=lambda n: n != tensor,
+        extra=[(tensor, t.dims, int(t.type), values.tobytes())],
+    )
+    with pytest.raises(ModelOutputError, match="not finite"):
+        clef_gguf.load(gguf, max_prompt_tokens=N_CTX, mmproj=broken)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+from PIL import Image
 
 from ..check.pair import open_vision
 from ..check.validate import open_validated
@@ -42,6 +44,16 @@ T = TypeVar("T")
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
+
+
+def _probe(vision: bool) -> dict[str, Any]:
+    """PROBE, and with a vision tower one small image too: a tower that cannot answer (NaN weights, a
+    normalization that overflows) is refused at load, not on every request with an image."""
+    if not vision:
+        return PROBE
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (128, 96, 64)).save(png, "PNG")
+    return PROBE | {"images": [png.getvalue()]}
 
 
 class ClefModel:
@@ -115,7 +127,7 @@ class ClefModel:
             # Weights that parse but overflow or hold NaN: refused now, not on every request. A context too
             # small for the probe leaves the check to the first request.
             with suppress(PromptTooLongError):
-                self.decide(PROBE)
+                self.decide(_probe(self.vision is not None))
             self._resources = stack.pop_all()
 
     @property
