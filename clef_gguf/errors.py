@@ -115,3 +115,10 @@ class PromptTooLongError(RequestError):
 
     def __reduce__(self) -> tuple[type, tuple[int, int]]:  # type: ignore[override]
         return type(self), (self.n_tokens, self.limit)
+
+
+class AnswersFileError(ClefError):
+    """`clef-gguf decide`'s answers file cannot be continued: it exists (without --resume), holds answers to
+    another input, or is damaged before its last line."""
+
+    exit_code = 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAUL
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
 from .answers import response
+from .dataset import decide_many
 from .images import ImageLimits, image_limits
 from .prompt import EncodedPrompt, encode, parse_request
 from .state_cache import Entry, StateCache, cuts, entry_bytes, prefix_key
@@ -160,6 +161,13 @@ class ClefModel:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+    def decide_many(
+        self, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Decide many requests, in batches and through the state cache: for each, in order, its response body or
+        {"error": {"status", "detail"}}, the server's error for it (runtime/dataset.py)."""
+        return decide_many(self, requests, sort_by_state=sort_by_state, base=base)
 
     def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool:
         """Whether these prompts may be decided together: at most `parallel` of them, whose tokens fit one ubatch.

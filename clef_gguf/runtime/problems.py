@@ -75,3 +75,16 @@ def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
     if isinstance(error, RequestJsonError):  # FastAPI's loc of a syntax error is its offset in the body
         return Invalid(["body", *((error.offset,) if error.offset is not None else error.path)], error.reason, error.kind)
     return Invalid(location(error.field, body), error.reason, "missing" if error.reason == "is required" else "value_error")
+
+
+def problem_of(error: Exception, body: Any) -> ApiError | Invalid:
+    """The problem the server answers an error of deciding `body` with: a RequestError's 4xx (from_request_error),
+    and any other (ComputeError, a ModelOutputError's NaN) the server's 500 for an error it did not expect."""
+    if isinstance(error, RequestError):
+        return from_request_error(error, body)
+    return ApiError(500, "api_error", f"internal error: {type(error).__name__}: {error}")
+
+
+def error_object(problem: ApiError | Invalid) -> dict[str, Any]:
+    """A problem as one JSON object: its HTTP status and the server's body ({detail: ...}) for it."""
+    return {"status": 422 if isinstance(problem, Invalid) else problem.status, **problem.body()}

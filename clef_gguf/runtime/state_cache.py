@@ -92,6 +92,9 @@ class StateCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: bytes) -> bool:  # (no use: a batch being planned only asks)
+        return key in self._entries
+
     def admits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
 

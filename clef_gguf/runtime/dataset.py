@@ -1,0 +1,188 @@
+"""Deciding many requests: `model.decide_many(requests)`, one answer per request, in order.
+
+The model decides them in batches (ClefModel.decide_batch: the prompts that are `batchable`, prefilled in the
+same llama_decode calls), and its state cache serves every request after the first about a state. With
+`sort_by_state` the requests of each window are decided grouped by state, so that a state repeated far apart
+is still in the cache; the answers still come in input order.
+
+A request that cannot be decided gets the error object the server answers it with ({"status", "detail"}:
+runtime/problems.py), and the others go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PromptTooLongError, RequestError
+from .problems import error_object, problem_of
+from .prompt import EncodedPrompt
+from .reader import parse_json, read_image
+from .state_cache import prefix_key, split_at_prefix
+
+if TYPE_CHECKING:
+    from .model import ClefModel
+
+# Requests read ahead and reordered by state with sort_by_state: enough for a dataset's repeated states to meet,
+# few enough that their encoded prompts (images included) stay small and an interrupted run loses little.
+SORT_WINDOW = 256
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A request's answer (the response body) or its error object, with what the progress counts."""
+
+    response: dict[str, Any] | None
+    error: dict[str, Any] | None
+    request: Any  # the parsed request (None: not JSON)
+    tokens: int = 0
+    state_hit: bool = False  # its state's backbone state came from the state cache
+
+    def answer(self) -> dict[str, Any]:
+        """What decide_many yields: the response body, or {"error": the error object}."""
+        return self.response if self.response is not None else {"error": self.error}
+
+
+def request_sha256(raw: bytes) -> str:
+    """The digest an answer line carries of its request line (its bytes, without the line ending)."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _is_path(image: Any) -> bool:
+    # A data URL, bare base64 (whose alphabet has no "."), a remote URL (refused by images.py): not a path.
+    return isinstance(image, str) and "." in image and not image.startswith("data:") and "://" not in image
+
+
+def with_image_files(request: Any, base: Path) -> Any:
+    """The request with each image given as a file path (relative to `base`) read as the CLI's --image files are
+    (runtime/reader.read_image: a regular file, at most 4 MiB). Raises RequestError naming the image."""
+    images = request.get("images") if isinstance(request, dict) else None
+    if not isinstance(images, list) or not any(_is_path(image) for image in images):
+        return request
+    read = []
+    for i, image in enumerate(images):
+        if not _is_path(image):
+            read.append(image)
+            continue
+        try:
+            read.append(read_image(base / image))
+        except RequestError as e:
+            raise RequestError(e.reason, f"images.{i}") from None
+    return {**request, "images": read}
+
+
+def _parse(request: Any, base: Path | None) -> Any:
+    value = parse_json(request) if isinstance(request, bytes) else request
+    return with_image_files(value, base) if base is not None else value
+
+
+def _state_key(prompt: EncodedPrompt) -> bytes:
+    """What requests about one state share: the tokens up to the end of the state, and the images before it."""
+    return prefix_key(
+        prompt.tokens[: prompt.state_prefix], [p.image.digest for p in prompt.images if p.start < prompt.state_prefix]
+    )
+
+
+def _cached_state(prompt: EncodedPrompt) -> bool:
+    """Whether the model's state cache keeps this prompt's state (state_cache.cuts cuts it there)."""
+    return split_at_prefix(prompt.state_prefix, len(prompt.tokens))
+
+
+class _Window:
+    """Requests read and encoded, waiting for their batch; outcomes kept until they can be given in order."""
+
+    def __init__(self, model: ClefModel, requests: list[Any], base: Path | None) -> None:
+        self.model = model
+        self.outcomes: list[Outcome | None] = [None] * len(requests)
+        self.prompts: dict[int, EncodedPrompt] = {}
+        self.parsed: list[Any] = [None] * len(requests)
+        for i, request in enumerate(requests):
+            try:
+                self.parsed[i] = value = _parse(request, base)
+                prompt = model.encode(value)
+                if len(prompt.tokens) > model.max_prompt_tokens:  # refused before any compute, as the server does
+                    raise PromptTooLongError(len(prompt.tokens), model.max_prompt_tokens)
+                self.prompts[i] = prompt
+            except RequestError as e:
+                self.outcomes[i] = Outcome(None, error_object(problem_of(e, self.parsed[i])), self.parsed[i])
+
+    def order(self, by_state: bool) -> list[int]:
+        todo = sorted(self.prompts)
+        if not by_state:
+            return todo
+        first: dict[bytes, int] = {}  # each state's groups in the order the state first appears
+        for i in todo:
+            first.setdefault(_state_key(self.prompts[i]), i)
+        return sorted(todo, key=lambda i: first[_state_key(self.prompts[i])])
+
+    def batches(self, order: list[int]) -> Iterator[list[int]]:
+        """Consecutive requests the model can decide together; never two about one state the cache does not hold
+        yet, which would both prefill it, where apart the second one restores it."""
+        batch: list[int] = []
+        for i in order:
+            prompt = self.prompts[i]
+            key = _state_key(prompt) if _cached_state(prompt) else None
+            same = (
+                key is not None and key not in self.model.state_cache and any(key == _state_key(self.prompts[j]) for j in batch)
+            )
+            if batch and (same or not self.model.batchable([*(self.prompts[j] for j in batch), prompt])):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    def decide(self, batch: list[int]) -> None:
+        prompts = [self.prompts.pop(i) for i in batch]
+        try:
+            answers = self.model.decide_batch(prompts)
+        except Exception as e:  # the batch's error (a llama.cpp failure) is each of its requests'; the run goes on
+            answers = [e] * len(batch)
+        for i, prompt, answer in zip(batch, prompts, answers, strict=True):
+            if isinstance(answer, Exception):
+                self.outcomes[i] = Outcome(None, error_object(problem_of(answer, self.parsed[i])), self.parsed[i])
+                continue
+            cached = answer["usage"]["input_tokens_details"]["cached_tokens"]
+            hit = _cached_state(prompt) and cached >= prompt.state_prefix
+            self.outcomes[i] = Outcome(answer, None, self.parsed[i], len(prompt.tokens), hit)
+
+
+def _windows(requests: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    window: list[Any] = []
+    for request in requests:
+        window.append(request)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def decide_outcomes(
+    model: ClefModel, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
+) -> Iterator[Outcome]:
+    """The Outcome of each request, in order; see decide_many. Each is given as soon as it and those before it
+    are decided (with sort_by_state: its window's)."""
+    size = SORT_WINDOW if sort_by_state else model.parallel
+    for requests_now in _windows(requests, size):
+        window = _Window(model, requests_now, base)
+        given = 0
+        for batch in window.batches(window.order(sort_by_state)):
+            window.decide(batch)
+            while given < len(window.outcomes) and window.outcomes[given] is not None:
+                yield window.outcomes[given]  # type: ignore[misc]
+                given += 1
+        yield from window.outcomes[given:]  # type: ignore[misc]  # (the errors after the last batch)
+
+
+def decide_many(
+    model: ClefModel, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
+) -> Iterator[dict[str, Any]]:
+    """Decide requests (request bodies, or JSON texts as bytes, read as strictly as the server reads a body):
+    for each, in order, its response body or {"error": {"status", "detail"}}, the error the server answers it
+    with. `base`: a folder that image file paths in the requests' `images` are relative to (None: no paths)."""
+    for outcome in decide_outcomes(model, requests, sort_by_state=sort_by_state, base=base):
+        yield outcome.answer()
