@@ -1,19 +1,32 @@
-"""`clef-gguf decide` and `clef-gguf demo`: one request answered, its response JSON on stdout."""
+"""`clef-gguf decide` and `clef-gguf demo`: one request answered, its response JSON on stdout; or a JSON Lines
+file of requests decided into a JSON Lines file of answers (runtime/dataset_file.py), with a progress bar."""
 
 from __future__ import annotations
 
 import json
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from ..data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS
+from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE
+from ..runtime.dataset_file import Summary, decide_file
 from ..runtime.model import load
 from ..runtime.reader import read_request
-from .errors import err, fail, run
-from .options import GpuLayers, MaxPrompt, Mmproj, Ubatch, check_ubatch, state_cache_option
+from .errors import err, error, fail, run, say, signals_clean_up
+from .options import GpuLayers, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
+
+# Some requests of a JSON Lines run got an error line. Not 3, the issue's first pick: that is ReleaseError's code
+# (clef_gguf/errors.py uses 1 to 7), and a wrapper script must tell "every line has its answer, some are errors"
+# from any error that stopped the run.
+SOME_ERRORS = 8
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
 def _decide(model_path: Path, request_path: str, images: list[Path], **settings: Any) -> dict[str, Any]:
@@ -22,33 +35,141 @@ def _decide(model_path: Path, request_path: str, images: list[Path], **settings:
         return model.decide(request)
 
 
+@contextmanager
+def _progress_bar() -> Iterator[Callable[[Summary, int | None], None]]:
+    """The dataset's progress on stderr: records, records/s, tokens/s, cache hits, ETA."""
+    columns = (
+        TextColumn("[bold]decide"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[rates]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err, transient=False, redirect_stdout=False, redirect_stderr=False) as bar:
+        task = bar.add_task("decide", total=None, rates="")
+
+        def update(summary: Summary, total: int | None) -> None:
+            s = summary.as_dict()
+            rates = f"{s['records_per_s']:.1f} rec/s  {s['tokens_per_s']:,.0f} tok/s  {summary.cache_hits} cache hits"
+            rates += f"  {summary.errors} errors" if summary.errors else ""
+            bar.update(task, completed=summary.records, total=total, rates=rates)
+
+        yield update
+
+
+def _summary_line(summary: Summary, code: int) -> str:
+    s = summary.as_dict()
+    done = f"{summary.records} records: {summary.answered} answered, {summary.errors} errors"
+    if summary.skipped:
+        done += f", {summary.skipped} answered before (--resume)"
+    rates = f"{s['records_per_s']} records/s, {s['tokens_per_s']:,} tokens/s, {summary.cache_hits} cache hits"
+    outcome = "exit 0: every line answered" if code == 0 else f"exit {code}: {summary.errors} lines are errors"
+    return f"decided {done} in {s['seconds']} s ({rates}) into {summary.out}; {outcome}"
+
+
+def _decide_jsonl(
+    model_path: Path, source: str, out: str, *, json_summary: bool, options: dict[str, Any], **settings: Any
+) -> None:
+    bar = err.is_terminal and not (out == "-" and sys.stdout.isatty())  # (answers on this terminal would tear the bar)
+
+    def work() -> Summary:
+        try:
+            with signals_clean_up(), load(model_path, **settings) as model:
+                if not bar:
+                    return decide_file(model, source, out, **options)
+                with _progress_bar() as progress:
+                    return decide_file(model, source, out, progress=progress, **options)
+        except KeyboardInterrupt as e:  # SIGINT, SIGTERM, SIGHUP: the answers written are whole lines, fsynced on the way out
+            signum = getattr(e, "signum", signal.SIGINT)
+            error(f"stopped by {signal.Signals(signum).name}; the answers written are kept: --resume continues the run")
+            raise typer.Exit(128 + signum) from None
+
+    summary = run(work)
+    code = SOME_ERRORS if summary.errors else 0
+    say(_summary_line(summary, code))
+    if json_summary:
+        text = json.dumps({**summary.as_dict(), "exit_code": code})
+        print(text, file=sys.stderr if out == "-" else sys.stdout)  # never among answers on stdout
+    raise typer.Exit(code)
+
+
 def decide(
     paths: Annotated[
         list[str],
-        typer.Argument(help="[MODEL.gguf] REQUEST.json (- reads stdin). Without MODEL: the demo model.", show_default=False),
+        typer.Argument(
+            help="[MODEL.gguf] REQUEST.json or REQUESTS.jsonl (- reads stdin). Without MODEL: the demo model.",
+            show_default=False,
+        ),
     ],
     n_gpu_layers: GpuLayers = 0,
     max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
-    state_cache: Annotated[int, state_cache_option("0 (one request has nothing to reuse)")] = 0,
+    state_cache: Annotated[int | None, state_cache_option("0 for one request (nothing to reuse), 1GiB for JSON Lines")] = None,
     mmproj: Mmproj = None,
     image: Annotated[
         list[Path] | None,
         typer.Option("--image", help="An image file (PNG, JPEG, WebP) for the request's images; repeat for more (up to 4)."),
     ] = None,
+    jsonl: Annotated[
+        bool, typer.Option("--jsonl", help="The requests are JSON Lines whatever the name (e.g. stdin: --jsonl -).")
+    ] = False,
+    out: Annotated[str, typer.Option("--out", "-o", help="JSON Lines: the answers file (- : stdout).")] = "-",
+    resume: Annotated[bool, typer.Option("--resume", help="JSON Lines: continue OUT, skipping the requests it answers.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="JSON Lines: overwrite OUT if it exists.")] = False,
+    sort_by_state: Annotated[
+        bool,
+        typer.Option(
+            "--sort-by-state", help="JSON Lines: decide each window of requests grouped by state (answers stay in order)."
+        ),
+    ] = False,
+    json_summary: Annotated[
+        bool, typer.Option("--json", help="JSON Lines: a JSON summary at the end (on stdout; on stderr when the answers are).")
+    ] = False,
+    parallel: Parallel = DEFAULT_PARALLEL,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
-    and --image files, with --mmproj."""
+    and --image files, with --mmproj.
+
+    JSON Lines (a file named *.jsonl or *.ndjson, or --jsonl): one request per line, decided in batches through the
+    state cache; one answer line per request line, in order, into OUT: the response with "id" (the request's, else
+    its line number), "line" and "request_sha256" (of the line) in front, or "error": {"status", "detail"} (the
+    server's error) for a bad request. An image may be a file path, relative to the JSONL file. Exit 0: every line
+    answered; 8: some lines are errors (3 is a release error's code); --resume after any stop leaves no gap."""
     if not 1 <= len(paths) <= 2:
-        fail("expected [MODEL.gguf] REQUEST.json")
+        fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     check_ubatch(ubatch, max_prompt_tokens)
-    settings = {
-        "n_gpu_layers": n_gpu_layers,
-        "max_prompt_tokens": max_prompt_tokens,
-        "ubatch": ubatch,
-        "state_cache": state_cache,
-    }
+    settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "ubatch": ubatch, "parallel": parallel}
+    if jsonl or request_path.lower().endswith(JSONL_SUFFIXES):
+        if image:
+            fail("--image is for one request; in JSON Lines, give image paths in each request's images")
+        options = {"resume": resume, "force": force, "sort_by_state": sort_by_state}
+        cache = DEFAULT_STATE_CACHE if state_cache is None else state_cache
+        _decide_jsonl(
+            model_path,
+            request_path,
+            out,
+            json_summary=json_summary,
+            options=options,
+            state_cache=cache,
+            mmproj=mmproj,
+            **settings,
+        )
+    given = [
+        name
+        for name, on in (
+            ("-o", out != "-"),
+            ("--resume", resume),
+            ("--force", force),
+            ("--sort-by-state", sort_by_state),
+            ("--json", json_summary),
+        )
+        if on
+    ]
+    if given:
+        fail(f"{given[0]} is for JSON Lines requests (a *.jsonl file, or --jsonl)")
+    settings["state_cache"] = state_cache or 0
     answer = run(lambda: _decide(model_path, request_path, image or [], mmproj=mmproj, **settings))
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
