@@ -47,8 +47,8 @@ class Record:
 class Summary:
     records: int = 0  # requests in the input (decided now, or answered before: skipped)
     skipped: int = 0  # answered by an earlier run (--resume)
-    answered: int = 0
-    errors: int = 0
+    answered: int = 0  # answer lines in OUT that are responses (the earlier run's included)
+    errors: int = 0  # and that are errors
     tokens: int = 0
     cache_hits: int = 0  # answered requests whose state the state cache gave
     seconds: float = 0.0
@@ -56,7 +56,7 @@ class Summary:
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        decided = self.answered + self.errors
+        decided = self.records - self.skipped
         rate = decided / self.seconds if self.seconds else 0.0
         return {
             "records": self.records,
@@ -94,8 +94,8 @@ def answer_line(record: Record, outcome: Outcome) -> bytes:
     return text.encode("utf-8") + b"\n"
 
 
-def _whole_answer(line: bytes) -> tuple[int, str] | None:
-    """(line, request_sha256) of a whole answer line, or None."""
+def _whole_answer(line: bytes) -> tuple[int, str, bool] | None:
+    """(line, request_sha256, whether it is an error) of a whole answer line, or None."""
     if not line.endswith(b"\n"):
         return None
     try:
@@ -104,18 +104,18 @@ def _whole_answer(line: bytes) -> tuple[int, str] | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("line"), int) or not isinstance(value.get("request_sha256"), str):
         return None
-    return value["line"], value["request_sha256"]
+    return value["line"], value["request_sha256"], "error" in value
 
 
-def answered_lines(out: Path) -> list[tuple[int, str]]:
-    """The answers in `out` as (line, request_sha256), a torn tail cut off the file (and fsynced)."""
+def answered_lines(out: Path) -> list[tuple[int, str, bool]]:
+    """The answers in `out` as (line, request_sha256, is an error), a torn tail cut off the file (and fsynced)."""
     try:
         data = out.read_bytes()
     except FileNotFoundError:
         return []
     except OSError as e:
         raise AnswersFileError(f"cannot read {out}: {e.strerror or e}") from None
-    answers: list[tuple[int, str]] = []
+    answers: list[tuple[int, str, bool]] = []
     end = 0
     lines = data.splitlines(keepends=True)
     for n, line in enumerate(lines):
@@ -146,7 +146,7 @@ def _fsync(file: IO[bytes]) -> None:
         os.fsync(file.fileno())
 
 
-def _open_output(out: str, source: str, *, resume: bool, force: bool) -> tuple[IO[bytes], list[tuple[int, str]], bool]:
+def _open_output(out: str, source: str, *, resume: bool, force: bool) -> tuple[IO[bytes], list[tuple[int, str, bool]], bool]:
     """The answers file, positioned after its whole answers; those answers; and whether it is to be closed."""
     if out == "-":
         if resume:
@@ -189,10 +189,12 @@ def decide_file(
             stack.callback(output.close)
         stack.callback(_fsync, output)  # at the end, and on the way out of an interrupted run
         records = read_records(file)
-        for number, (line, digest) in enumerate(done, 1):
+        for number, (line, digest, failed) in enumerate(done, 1):
             record = next(records, None)
             if record is None or (record.line, request_sha256(record.raw)) != (line, digest):
                 raise AnswersFileError(f"{out}: answer {number} (line {line}) is not the answer to this input's request {number}")
+            summary.errors += failed
+            summary.answered += not failed
         summary.records = summary.skipped = len(done)
         pending: list[Record] = []
 
@@ -214,7 +216,7 @@ def decide_file(
                 summary.cache_hits += outcome.state_hit
             else:
                 summary.errors += 1
-            if (summary.answered + summary.errors) % FSYNC_EVERY == 0:
+            if (summary.records - summary.skipped) % FSYNC_EVERY == 0:
                 _fsync(output)
             summary.seconds = time.perf_counter() - summary.started
             if progress:
