@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -84,3 +84,12 @@ def state_cache_option(default: str) -> Any:
 def check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
     if ubatch is not None and ubatch > max_prompt_tokens:
         fail(f"--ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
+
+
+LogFormatOption = Annotated[
+    Literal["text", "json"],  # server/observe.py's LOG_FORMATS
+    typer.Option(
+        "--log-format",
+        help="The access log's lines on stderr, one per request: text (key=value) or json (one object per line).",
+    ),
+]

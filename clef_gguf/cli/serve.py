@@ -10,7 +10,7 @@ import typer
 
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE
 from .errors import fail, run
-from .options import GpuLayers, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
+from .options import GpuLayers, LogFormatOption, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
 
 
 def _api_key(value: str | None) -> str | None:
@@ -62,6 +62,7 @@ def serve(
     ] = 10.0,
     body_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request has to send its whole body; then 408.")] = 30.0,
     keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
+    log_format: LogFormatOption = "text",
     state_cache: Annotated[int, state_cache_option(f"{DEFAULT_STATE_CACHE >> 30}GiB")] = DEFAULT_STATE_CACHE,
     mmproj: Mmproj = None,
     on_ray: Annotated[
@@ -91,7 +92,7 @@ def serve(
 
     check_ubatch(ubatch, max_prompt_tokens)
     limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
-    endpoint = Endpoint(host, port, api_key=api_key, max_queue=max_queue, drain_timeout_s=drain_timeout, limits=limits)
+    endpoint = Endpoint(host, port, api_key, max_queue, drain_timeout, limits, log_format)
     options = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "n_threads": n_threads, "ubatch": ubatch}
     options |= {"parallel": parallel, "state_cache": state_cache, "mmproj": mmproj}
     if on_ray:

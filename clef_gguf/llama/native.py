@@ -64,13 +64,16 @@ def library_path() -> Path:
     """
     if os.environ.get(ENV_LIBRARY):
         return Path(os.environ[ENV_LIBRARY])
-    for directory in sys.modules[__name__.partition(".")[0]].__path__:  # the clef_gguf package, imported first
-        candidate = Path(directory) / "_native" / LIBRARY_NAME
+    candidates = [Path(d) / "_native" / LIBRARY_NAME for d in sys.modules[__name__.partition(".")[0]].__path__]
+    for candidate in candidates:  # (the clef_gguf package is imported first)
         if candidate.is_file():
             return candidate
+    # Where it looked: a source tree with no build (a checkout on the path before the installed package) says so.
+    looked = " or ".join(str(c) for c in candidates)
     raise ModelFileError(
-        f"{LIBRARY_NAME} is not installed (clef-gguf's native head): reinstall the package with "
-        "`pip install .` (or `pip install -e .`), which builds it with CMake"
+        f"{LIBRARY_NAME} (clef-gguf's native head) is not at {looked}: if that is a source checkout imported instead "
+        "of the installed package (it is on sys.path first, e.g. the working directory), run from elsewhere; "
+        f"otherwise reinstall with `pip install .` (or `pip install -e .`), which builds it, or set {ENV_LIBRARY}"
     )
 
 

@@ -16,9 +16,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import RequestError
+from ..runtime.state_cache import StateCache
 from . import workers_ai
 from .body import DEFAULT_BODY_TIMEOUT_S, body_limit
 from .intake import Intake
+from .metrics import CONTENT_TYPE, create_metrics
+from .observe import LogFormat, Observed, note_decision
 from .problems import ApiError, Invalid, from_request_error, render_problem, response_headers
 from .worker import Decider, DecideWorker, Encoder, Model
 
@@ -130,6 +133,7 @@ def create_app(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     owns_model: bool = True,
     decider: Decider | None = None,
+    log_format: LogFormat = "text",
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -137,7 +141,8 @@ def create_app(
     (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
     raw and decoded. Decisions are model.decide's on one worker thread (DecideWorker) unless a decider is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
-    model that only encodes."""
+    model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
+    counted in the app's metrics (metrics.py, GET /metrics)."""
     if decider is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a decider")
@@ -145,6 +150,8 @@ def create_app(
     worker = decider
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     intake = Intake(model, max_pending, limit, body_timeout_s)
+    cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
+    metrics = create_metrics(model, worker, intake, cache if isinstance(cache, StateCache) else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -158,6 +165,7 @@ def create_app(
     app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     app.add_middleware(AnswerCutOff)
+    app.add_middleware(Observed, metrics=metrics, log_format=log_format)  # added last: outside AnswerCutOff, sees its 503
     auth = [Depends(_require_key(api_key))] if api_key else []
     router = APIRouter(prefix="/v1", dependencies=auth)
 
@@ -170,6 +178,8 @@ def create_app(
             decision = await worker.decide(prompt)
         except RequestError as e:  # not expected after intake: the same mapping all the same
             raise from_request_error(e, None) from e
+        metrics.decided(prompt, decision)
+        note_decision(request, prompt, decision)
         # Server-Timing tells a client where its latency went: reading, waiting, deciding (with how many others),
         # handing back; and whether the state cache spared the prefill of its state.
         back = time.perf_counter() - decision.finished
@@ -212,6 +222,11 @@ def create_app(
             "reading": intake.reading,
         }
         return JSONResponse(status, headers=response_headers())
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics_scrape() -> Response:
+        # generate_latest reads every series under their locks: microseconds for this registry, on the event loop.
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE, headers=response_headers())
 
     app.include_router(router)
     return app

@@ -20,6 +20,7 @@ from ..errors import SettingsError
 from ..runtime.images import MAX_IMAGES
 from ..runtime.model import load
 from .app import DEFAULT_MAX_PENDING
+from .observe import LogFormat
 from .protocol import HttpLimits
 from .run import DEFAULT_DRAIN_TIMEOUT_S, serve
 
@@ -34,6 +35,7 @@ class Endpoint:
     max_queue: int = DEFAULT_MAX_PENDING  # bodies read at once, and decisions admitted
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     limits: HttpLimits = field(default_factory=HttpLimits)  # (on Ray, its proxy's own, but for the body and keep-alive)
+    log_format: LogFormat = "text"  # of the access log lines
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ def serve_file(model: Path, endpoint: Endpoint, **load_options: Any) -> None:
         max_pending=endpoint.max_queue,
         drain_timeout_s=endpoint.drain_timeout_s,
         limits=endpoint.limits,
+        log_format=endpoint.log_format,
     )
 
 
@@ -95,6 +98,7 @@ def serve_on_ray(model: Path, endpoint: Endpoint, scale: RayScale, **load_option
     # Paths as every node sees them; llama.cpp's threads default to 1 per replica (Ray reserves a CPU for each).
     placed = {**load_options, "mmproj": mmproj and str(Path(mmproj).resolve()), "n_threads": load_options.get("n_threads") or 1}
     served = {"api_key": endpoint.api_key, "max_queue": endpoint.max_queue, "drain_timeout": endpoint.drain_timeout_s}
+    served |= {"log_format": endpoint.log_format}
     try:
         settings = ray_serve.RaySettings(
             model=str(model.resolve()),

@@ -13,12 +13,18 @@ import json
 import re
 import uuid
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from ..runtime.problems import ApiError, Invalid, Location, from_request_error, location
 
 __all__ = ["ApiError", "Invalid", "Location", "from_request_error", "location"]  # (their home: runtime/problems.py)
 REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
+X_REQUEST_ID = "x-request-id"  # the common name (proxies, tracing): a client's own id is taken from it
+MAX_REQUEST_ID = 128  # characters of a client's id kept; a longer one is replaced
+# The id of the request being answered, set per request (each is a task of its own) by observe.Observed, so that every
+# answer to it, an error rendered anywhere included, carries the one id its access log line names.
+current_request_id: ContextVar[str | None] = ContextVar("clef_request_id", default=None)
 _WORKERS_AI_PATH = re.compile(r"^(?:/client/v4)?/accounts/[^/]+/ai/run/")
 # Workers AI's own internal codes where one fits (developers.cloudflare.com/workers-ai/platform/errors);
 # any other error carries its HTTP status as the code.
@@ -35,9 +41,23 @@ def json_bytes(value: Any) -> bytes:
         return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def accepted_request_id(value: str | None) -> str:
+    """A client's X-Request-Id if it is one to repeat in headers and log lines (1 to MAX_REQUEST_ID visible ASCII
+    characters: no spaces, no control characters to forge a log line with), else a new one."""
+    if value and len(value) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in value):
+        return value
+    return new_request_id()
+
+
 def response_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The headers of every answer: a request id (typesafe-sdk's), and `extra`."""
-    return {REQUEST_ID_HEADER: uuid.uuid4().hex, **(extra or {})}
+    """The headers of every answer: the request's id, under both names (typesafe-sdk's and X-Request-Id), and
+    `extra`. Outside a request (the HTTP protocol's own refusals, protocol.py) a new id."""
+    request_id = current_request_id.get() or new_request_id()
+    return {REQUEST_ID_HEADER: request_id, X_REQUEST_ID: request_id, **(extra or {})}
 
 
 def is_workers_ai_path(path: str) -> bool:

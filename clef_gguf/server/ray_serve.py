@@ -25,7 +25,9 @@ import os
 import signal
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,6 +46,7 @@ from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
 from .app import DEFAULT_MAX_PENDING, check_api_key, create_app
 from .body import DEFAULT_BODY_TIMEOUT_S
+from .observe import LogFormat, configure_access_log
 from .problems import ApiError
 from .run import DEFAULT_DRAIN_TIMEOUT_S
 from .worker import DecideWorker, Decision, Prompt, overloaded, render
@@ -86,6 +89,7 @@ class RaySettings(BaseModel):
     max_queue: int = Field(DEFAULT_MAX_PENDING, ge=1)
     body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
     drain_timeout: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+    log_format: LogFormat = "text"  # the ingress's access log lines
 
     def load_options(self) -> dict[str, Any]:
         """What each replica's load() takes: the fields named as its parameters."""
@@ -188,8 +192,9 @@ class ClefIngress:
         **app: Any,
     ) -> None:
         self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj)
+        configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
         self.decider = ReplicaDecider(replicas, app["max_pending"])
-        self.app_options = app  # create_app's api_key, max_pending and body_timeout_s (`app` is Ray's)
+        self.app_options = app  # create_app's api_key, max_pending, body_timeout_s and log_format (`app` is Ray's)
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
         return create_app(self.encoder, decider=self.decider, **self.app_options)
@@ -228,7 +233,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
     )
-    app = {"api_key": s.api_key, "max_pending": s.max_queue, "body_timeout_s": s.body_timeout}
+    app = {"api_key": s.api_key, "max_pending": s.max_queue, "body_timeout_s": s.body_timeout, "log_format": s.log_format}
     return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, mmproj=s.mmproj, **app)
 
 
@@ -267,23 +272,43 @@ def _why_not_deployed(error: RuntimeError) -> str:
     return "; ".join(reasons) or str(error)
 
 
+@contextmanager
+def _imported_from_here() -> Iterator[None]:
+    """The working directory, for the time of ray.init, the folder this process imported clef_gguf from.
+
+    Ray puts the driver's working directory first on every worker's sys.path (ray/_private/worker.py, the job's
+    py_driver_sys_path): run from a checkout, replicas imported its clef_gguf, which has no built libclef_head, not
+    the installed one. From here, they import the package the driver runs (the installed one, or an editable
+    install's checkout), whatever the directory `clef-gguf serve --ray` was started in. Every path Ray is given
+    is absolute (launch.py resolves them), so nothing else reads the working directory meanwhile."""
+    started_in = os.getcwd()
+    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_serve.py -> the folder holding clef_gguf
+    try:
+        yield
+    finally:
+        os.chdir(started_in)
+
+
 def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, address: str | None) -> None:
     """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
     serve until SIGTERM or SIGINT; then the application is deleted (Ray drains it) and a local cluster stopped.
     A signal while deploying (replicas Ray cannot place wait for resources forever) stops it the same way."""
     local = address is None
-    if local:
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
-    else:
-        try:
-            ray.init(address=address, log_to_driver=True)
-        except ConnectionError as e:
-            raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
+    with _imported_from_here():
+        if local:
+            ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        else:
+            try:
+                ray.init(address=address, log_to_driver=True)
+            except ConnectionError as e:
+                raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
         keep_alive = max(1, round(keep_alive_s))  # Ray's proxy takes whole seconds
-        serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": keep_alive})
+        # No access log in Ray's proxy: the ingress writes the one line per request (observe.py), with its id.
+        http = {"host": host, "port": port, "keep_alive_timeout_s": keep_alive}
+        serve.start(http_options=http, logging_config={"enable_access_log": False})
         try:
             serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
         except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries

@@ -10,10 +10,12 @@ from typing import Any
 import uvicorn
 
 from .app import DEFAULT_MAX_PENDING, create_app
+from .observe import LogFormat, configure_access_log
 from .protocol import HttpLimits, protocol_class
 from .worker import Model
 
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
+ACCESS_LOG_DRAIN_S = 5.0  # at exit, for the access log's last lines (a stderr nobody reads never takes them)
 
 
 def _drained(_signum: int, _frame: object) -> None:
@@ -34,18 +36,21 @@ def serve(
     max_pending: int = DEFAULT_MAX_PENDING,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     limits: HttpLimits | None = None,
+    log_format: LogFormat = "text",
 ) -> None:
     """Serve until SIGTERM/SIGINT. uvicorn then stops accepting connections, lets in-flight and
-    queued requests finish (up to drain_timeout_s), and the app closes the model; then this returns."""
+    queued requests finish (up to drain_timeout_s), and the app closes the model; then this returns.
+    One access log line per request on stderr, in log_format (observe.py)."""
     limits = limits or HttpLimits()
-    app = create_app(model, api_key=api_key, max_pending=max_pending, body_timeout_s=limits.body_timeout_s)
+    access_lines = configure_access_log()
+    app = create_app(model, api_key=api_key, max_pending=max_pending, body_timeout_s=limits.body_timeout_s, log_format=log_format)
     config = uvicorn_config(
         app,
         limits,
         host=host,
         port=port,
         log_level="info",
-        access_log=False,  # a log line per decision costs more than the routing does
+        access_log=False,  # the app writes its own line per request (observe.py), with the request's id: one is enough
         timeout_graceful_shutdown=drain_timeout_s,
         server_header=False,
     )
@@ -55,12 +60,15 @@ def serve(
     # Frozen, collections walk only what requests allocate (2,200 objects tracked after 60 requests).
     gc.collect()
     gc.freeze()
-    if threading.current_thread() is not threading.main_thread():
-        server.run()  # no signals off the main thread: the caller stops it with server.should_exit
-        return
-    previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        if threading.current_thread() is not threading.main_thread():
+            server.run()  # no signals off the main thread: the caller stops it with server.should_exit
+            return
+        previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            server.run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        access_lines.drain(ACCESS_LOG_DRAIN_S)  # the last requests' lines, before the process exits

@@ -26,8 +26,19 @@ from .problems import ApiError
 
 
 class Prompt(Protocol):
+    """What the server reads of an encoded prompt (runtime.prompt.EncodedPrompt): for its metrics and log line."""
+
     @property
     def tokens(self) -> list[int]: ...
+
+    @property
+    def images(self) -> Sequence[object]: ...
+
+    @property
+    def state_prefix(self) -> int: ...  # tokens up to and including the state
+
+    @property
+    def preamble(self) -> int: ...  # tokens before the request's own
 
 
 class Encoder(Protocol):

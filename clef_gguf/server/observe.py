@@ -1,0 +1,179 @@
+"""Each request's id, access log line and metrics: the app's outermost middleware of its own.
+
+The id is the client's X-Request-Id when it is one to repeat (problems.accepted_request_id), else a new one; every
+answer to the request carries it (problems.response_headers reads it from the request's context), and its one
+access log line names it. The line is written when the answer is complete, with what the request cost: its
+prompt tokens and cached tokens when it was decided (app.py notes them on the request's Record).
+
+uvicorn's own access log stays off (run.py), and so does Ray Serve's (ray_serve.py): this line is the only one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal, TextIO
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .metrics import Metrics
+from .problems import REQUEST_ID_HEADER, X_REQUEST_ID, accepted_request_id, current_request_id
+from .worker import Decision, Prompt
+
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
+ACCESS_LOGGER = "clef_gguf.access"
+UNMATCHED = "unmatched"  # the route label of a path no route has: one label, whatever paths clients try
+_RECORD = "clef_record"  # its key in the request's scope["state"]
+_ID_HEADER = X_REQUEST_ID.encode()
+
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+
+@dataclass
+class Record:
+    """What the access log line says of a request beyond its status."""
+
+    id: str
+    tokens: int | None = None  # prompt tokens, when it was decided
+    cached_tokens: int | None = None
+
+
+def note_decision(request: Request, prompt: Prompt, decision: Decision) -> None:
+    """Put a decided request's tokens on its Record, for its access log line."""
+    record: Record = request.scope["state"][_RECORD]
+    record.tokens, record.cached_tokens = len(prompt.tokens), decision.cached_tokens
+
+
+class LineWriter(logging.Handler):
+    """Writes each line on a thread of its own, so that a stderr nobody reads (a full pipe) never stalls the event loop:
+    past MAX_WAITING lines waiting to be written, lines are dropped (and counted), never requests."""
+
+    MAX_WAITING = 4096
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self.stream = stream
+        self.dropped = 0
+        self._waiting: queue.Queue[str] = queue.Queue(self.MAX_WAITING)
+        threading.Thread(target=self._write, name="clef-access-log", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._waiting.put_nowait(self.format(record))
+        except queue.Full:
+            self.dropped += 1
+
+    def _write(self) -> None:
+        while True:
+            line = self._waiting.get()
+            try:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # stderr closed: nothing left to write to
+                pass
+            finally:
+                self._waiting.task_done()
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait (up to timeout_s: the stream may never be read) until the lines waiting are written: at shutdown."""
+        deadline = time.monotonic() + timeout_s
+        while self._waiting.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def configure_access_log() -> LineWriter:
+    """The access log's lines on stderr, as they are (each is formatted already): for `clef-gguf serve`, and the Ray
+    ingress's process. Once per process; without it (an app in a test) the lines go to the root logger."""
+    for handler in access_log.handlers:
+        if isinstance(handler, LineWriter):
+            return handler
+    writer = LineWriter(sys.stderr)
+    writer.setFormatter(logging.Formatter("%(message)s"))
+    access_log.addHandler(writer)
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = False
+    return writer
+
+
+def route_label(scope: Scope) -> str:
+    """The route's template (/accounts/{account_id}/ai/run/{model_id:path}), never the path a client sent: labels and
+    log lines stay few and free of what the client wrote. FastAPI puts the route it matched in the scope."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else UNMATCHED
+
+
+def access_line(log_format: LogFormat, scope: Scope, record: Record, status: int, seconds: float) -> str:
+    client = scope.get("client")
+    fields = {
+        "id": record.id,
+        "client": client[0] if client else None,
+        "method": scope.get("method"),
+        "route": route_label(scope),
+        "status": status,
+        "tokens": record.tokens,
+        "cached_tokens": record.cached_tokens,
+        "ms": round(seconds * 1e3, 3),
+    }
+    if log_format == "json":
+        return json.dumps(fields, separators=(",", ":"))
+    # logfmt: one key=value per field. No value holds a space: the id is visible ASCII, the route a template.
+    return " ".join(f"{key}={'-' if value is None else value}" for key, value in fields.items())
+
+
+def _with_id(message: Message, request_id: str) -> Message:
+    """The response start with the request's id, should an answer rendered elsewhere (FastAPI's own) lack it."""
+    headers = list(message.get("headers", []))
+    if any(name.lower() == _ID_HEADER for name, _ in headers):
+        return message
+    encoded = request_id.encode()
+    headers += [(_ID_HEADER, encoded), (REQUEST_ID_HEADER.encode(), encoded)]
+    return {**message, "headers": headers}
+
+
+class Observed:
+    """Gives each request its id, and once answered counts it and writes its access log line."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, log_format: LogFormat = "text") -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log_format = log_format
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrived = time.perf_counter()
+        sent_id = next((value for name, value in scope["headers"] if name == _ID_HEADER), None)
+        record = Record(accepted_request_id(sent_id and sent_id.decode("latin-1")))
+        # Set, never reset: Starlette's error middleware, outside this one, renders a 500 in this same task after it.
+        current_request_id.set(record.id)
+        scope.setdefault("state", {})[_RECORD] = record
+        status = 0
+
+        async def tracked(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = _with_id(message, record.id)
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            status = status or 500  # what Starlette's error middleware answers it with
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            seconds = time.perf_counter() - arrived
+            self.metrics.answered(route_label(scope), status, seconds)
+            if access_log.isEnabledFor(logging.INFO):
+                access_log.info(access_line(self.log_format, scope, record, status, seconds))

@@ -1,0 +1,259 @@
+"""GET /metrics counts exactly what was sent; each request's id is in its answer and in its one access log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from live_server import served
+from prometheus_client.parser import text_string_to_metric_families
+from test_server import start
+
+from clef_gguf.runtime.state_cache import split_at_prefix
+from clef_gguf.server import create_app
+from clef_gguf.server.observe import ACCESS_LOGGER
+from clef_gguf.testing.request_suite import long_state_request
+
+TIMEOUT = httpx.Timeout(120.0)
+SHORT = {"state": "s", "questions": {"q": {"type": "noul"}}}
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def model(ws):
+    return ws.model("untied_f32", "f32")
+
+
+class GatedModel:
+    """The real model, whose decisions wait while its gate is shut: to hold the queue full for one 503."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.name, self.path, self.image_limits = model.name, model.path, model.image_limits
+        self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
+        self.state_cache = model.state_cache  # what the app reads its cache gauges from
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def encode(self, request: dict[str, Any]) -> Any:
+        return self.model.encode(request)
+
+    def batchable(self, prompts: list[Any]) -> bool:
+        return self.model.batchable(prompts)
+
+    def decide_batch(self, prompts: list[Any]) -> list[Any]:
+        assert self.gate.wait(60)
+        return self.model.decide_batch(prompts)
+
+    def decide(self, request: Any) -> dict[str, Any]:
+        [answer] = self.decide_batch([request])
+        return answer
+
+    def close(self) -> None:
+        pass
+
+
+def scrape(client: httpx.Client, **headers: str) -> Samples:
+    response = client.get("/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[sample.name, frozenset(sample.labels.items())] = sample.value
+    return samples
+
+
+def value(samples: Samples, series: str, **labels: str) -> float:
+    return samples.get((series, frozenset(labels.items())), 0.0)
+
+
+def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model):
+    gated = GatedModel(model)
+    state = f"A state test_metrics alone sends ({uuid.uuid4().hex}). " + long_state_request(paragraphs=2)["state"]
+    cached = {**long_state_request(), "state": state}
+    prompt = model.encode(cached)
+    assert split_at_prefix(prompt.state_prefix, len(prompt.tokens)) and prompt.state_prefix > prompt.preamble
+    live = start(create_app(gated, owns_model=False, max_pending=1))
+    answered: list[httpx.Response] = []
+    health_polls = 0
+    try:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+            answered += [c.post("/v1/systemone", json=cached), c.post("/v1/systemone", json=cached)]  # a miss, then a hit
+            answered.append(c.post("/v1/systemone", json=SHORT))  # a state too short to cache: neither
+            assert c.post("/v1/systemone", content=b"{").status_code == 422
+            assert c.post("/v1/systemone", json=long_state_request(paragraphs=50)).status_code == 413
+            assert c.get("/v1/systemone").status_code == 405
+            assert c.get(f"/v1/nothing/{uuid.uuid4().hex}").status_code == 404
+            gated.gate.clear()
+            held: list[httpx.Response] = []
+            sender = threading.Thread(
+                target=lambda: held.append(httpx.post(f"{live.url}/v1/systemone", json=SHORT, timeout=TIMEOUT))
+            )
+            sender.start()
+            deadline = time.monotonic() + 30
+            while True:
+                health_polls += 1
+                if c.get("/health").json()["pending"] == 1:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert c.post("/v1/systemone", json=SHORT).status_code == 503
+            gated.gate.set()
+            sender.join(60)
+            answered += held
+            assert [r.status_code for r in answered] == [200] * 4
+            samples = scrape(c)
+    finally:
+        gated.gate.set()
+        live.stop()
+
+    def requests(route: str, status: int) -> float:
+        return value(samples, "clef_requests_total", route=route, status=str(status))
+
+    systemone = {200: 4, 422: 1, 413: 1, 405: 1, 503: 1}
+    assert {s: requests("/v1/systemone", s) for s in systemone} == systemone
+    assert requests("unmatched", 404) == 1 and requests("/health", 200) == health_polls
+    assert value(samples, "clef_request_duration_seconds_count", route="/v1/systemone") == sum(systemone.values())
+    assert value(samples, "clef_requests_refused_total") == 1
+    usages = [r.json()["usage"] for r in answered]
+    assert value(samples, "clef_prompt_tokens_total") == sum(u["input_tokens"] for u in usages)
+    assert value(samples, "clef_cached_tokens_total") == sum(u["input_tokens_details"]["cached_tokens"] for u in usages)
+    assert usages[1]["input_tokens_details"]["cached_tokens"] == prompt.state_prefix  # the hit, as the answer says
+    assert value(samples, "clef_state_cache_hits_total") == 1 and value(samples, "clef_state_cache_misses_total") == 1
+    assert value(samples, "clef_images_total") == 0
+    for phase in ("queue", "compute"):
+        assert value(samples, "clef_decision_seconds_count", phase=phase) == 4
+    assert value(samples, "clef_decision_seconds_sum", phase="compute") > 0
+    assert value(samples, "clef_requests_in_flight") == 1  # the scrape itself
+    assert value(samples, "clef_decisions_queued") == 0 and value(samples, "clef_bodies_reading") == 0
+    assert value(samples, "clef_state_cache_entries") == len(model.state_cache) > 0
+    assert value(samples, "clef_state_cache_bytes") == model.state_cache.nbytes > 0
+    assert value(samples, "clef_state_cache_budget_bytes") == model.state_cache.budget
+    info = {"name": model.name, "type": "text", "context": str(model.max_prompt_tokens), "ubatch": str(model.ubatch)}
+    assert value(samples, "clef_model_info", **info) == 1
+
+
+def test_two_apps_in_one_process_keep_their_own_counts(model):
+    first, second = (start(create_app(model, owns_model=False)) for _ in range(2))
+    try:
+        with httpx.Client(base_url=first.url, timeout=TIMEOUT) as a, httpx.Client(base_url=second.url, timeout=TIMEOUT) as b:
+            a.get("/health")
+            assert value(scrape(a), "clef_requests_total", route="/health", status="200") == 1
+            assert value(scrape(b), "clef_requests_total", route="/health", status="200") == 0
+    finally:
+        first.stop()
+        second.stop()
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def access_lines() -> Iterator[list[str]]:
+    """The access log's lines, whatever configured the logger before (serve's own handler in this process)."""
+    logger, handler = logging.getLogger(ACCESS_LOGGER), Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class BrokenModel(GatedModel):
+    def encode(self, request: dict[str, Any]) -> Any:
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_request_id_is_in_the_answer_and_in_its_one_access_line(model, log_format):
+    live = start(create_app(model, owns_model=False, log_format=log_format))
+    broken = start(create_app(BrokenModel(model), owns_model=False, log_format=log_format))
+    sent = {"ok": "client-id-1", "bad": "client-id-2", "broken": "client-id-3"}
+    try:
+        with access_lines() as lines, httpx.Client(timeout=TIMEOUT) as c:
+            ok = c.post(f"{live.url}/v1/systemone", json=SHORT, headers={"X-Request-Id": sent["ok"]})
+            bad = c.post(f"{live.url}/v1/systemone", content=b"{", headers={"X-Request-Id": sent["bad"]})
+            broken_answer = c.post(f"{broken.url}/v1/systemone", json=SHORT, headers={"X-Request-Id": sent["broken"]})
+            unfit = [c.get(f"{live.url}/health", headers={"X-Request-Id": rid}) for rid in ("has space", "x" * 129, b"caf\xe9")]
+            fresh = c.get(f"{live.url}/nowhere")
+            assert (ok.status_code, bad.status_code, broken_answer.status_code, fresh.status_code) == (200, 422, 500, 404)
+            for response, rid in ((ok, sent["ok"]), (bad, sent["bad"]), (broken_answer, sent["broken"])):
+                assert response.headers["x-request-id"] == response.headers["x-typesafe-request-id"] == rid
+            ids = [r.headers["x-request-id"] for r in [*unfit, fresh]]
+            assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and len(set(ids)) == 4  # new ids, not the client's
+            deadline = time.monotonic() + 10
+            while len(lines) < 7:  # (the line is written once the answer is sent)
+                assert time.monotonic() < deadline, lines
+                time.sleep(0.01)
+    finally:
+        live.stop()
+        broken.stop()
+    assert len(lines) == 7, lines
+    if log_format == "json":
+        records = [json.loads(line) for line in lines]
+    else:
+        records = [dict(field.split("=", 1) for field in line.split(" ")) for line in lines]
+    by_id = {r["id"]: r for r in records}
+    assert set(by_id) == {*sent.values(), *ids}
+    tokens = len(model.encode(SHORT).tokens)
+    got = by_id[sent["ok"]]
+    if log_format == "json":
+        assert {k: got[k] for k in ("route", "status", "tokens", "method")} == {
+            "route": "/v1/systemone",
+            "status": 200,
+            "tokens": tokens,
+            "method": "POST",
+        }
+        assert isinstance(got["cached_tokens"], int) and got["ms"] > 0
+        assert by_id[sent["bad"]]["status"] == 422 and by_id[sent["bad"]]["tokens"] is None
+        assert by_id[sent["broken"]]["status"] == 500 and by_id[ids[-1]]["route"] == "unmatched"
+    else:
+        assert (got["route"], got["status"], got["tokens"], got["method"]) == ("/v1/systemone", "200", str(tokens), "POST")
+        assert got["cached_tokens"].isdigit() and float(got["ms"]) > 0
+        assert by_id[sent["bad"]]["status"] == "422" and by_id[sent["bad"]]["tokens"] == "-"
+        assert by_id[sent["broken"]]["status"] == "500" and by_id[ids[-1]]["route"] == "unmatched"
+
+
+def test_serve_logs_one_json_line_per_request_and_guards_metrics_with_the_key(ws):
+    with served(ws.gguf("untied_f32", "f32"), "--log-format", "json", "--api-key", "k3y") as (url, process):
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            refused = c.get("/metrics")
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+            key = {"Authorization": "Bearer k3y"}
+            ok = c.post("/v1/systemone", json=SHORT, headers={**key, "X-Request-Id": "from-the-client"})
+            assert ok.status_code == 200 and ok.headers["x-request-id"] == "from-the-client"
+            samples = scrape(c, **key)
+            assert value(samples, "clef_requests_total", route="/v1/systemone", status="200") == 1
+            assert value(samples, "clef_requests_total", route="/metrics", status="401") == 1
+            # The served ClefModel's own cache: its template preamble at least, stored by the load's probe.
+            assert value(samples, "clef_state_cache_entries") >= 1
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    # wait_healthy's polls, then the three requests above: one line each, and no uvicorn access line.
+    assert [(r["route"], r["status"]) for r in lines if r["route"] != "/health"] == [
+        ("/metrics", 401),
+        ("/v1/systemone", 200),
+        ("/metrics", 200),
+    ]
+    assert [r for r in lines if r["route"] == "/v1/systemone"][0]["id"] == "from-the-client"
+    assert 'HTTP/1.1"' not in stderr
