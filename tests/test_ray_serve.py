@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
@@ -124,6 +125,27 @@ def test_two_replicas_answer_as_the_plain_server(ray_url, plain_url):
 
 
 # --- The same errors -------------------------------------------------------------------------------------------------
+def test_the_ingress_counts_requests_and_answers_with_one_request_id(ray_url):
+    """The ingress's own metrics (the plain server's series, but the replicas' state cache figures), and one
+    X-Request-Id: the client's, or the one Ray's proxy made and handed the ingress, which it takes."""
+    sent = "ray-client-id-1"
+    answered = httpx.post(f"{ray_url}/v1/systemone", json=mixed_request(), headers={"X-Request-Id": sent}, timeout=TIMEOUT)
+    assert answered.status_code == 200
+    assert answered.headers.get_list("x-request-id") == [sent] and answered.headers["x-typesafe-request-id"] == sent
+    health = httpx.get(f"{ray_url}/health", timeout=TIMEOUT)
+    [ray_id] = health.headers.get_list("x-request-id")
+    assert health.headers["x-typesafe-request-id"] == ray_id
+    scraped = httpx.get(f"{ray_url}/metrics", timeout=TIMEOUT)
+    assert scraped.status_code == 200
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(scraped.text) for s in f.samples
+    }
+    assert samples[("clef_requests_total", frozenset({("route", "/v1/systemone"), ("status", "200")}))] >= 1
+    assert samples[("clef_decision_seconds_count", frozenset({("phase", "compute")}))] >= 1
+    assert ("clef_state_cache_hits_total", frozenset()) in samples
+    assert not any(name.startswith("clef_state_cache_bytes") for name, _ in samples)  # in each replica, not here
+
+
 def _bad_requests() -> dict[str, tuple[str, str, bytes, dict[str, str]]]:
     """name -> (method, path, body, headers) of requests the plain server refuses with a 4xx."""
     raw = json.dumps(mixed_request()).encode()

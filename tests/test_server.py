@@ -689,6 +689,17 @@ def test_serve_refuses_a_file_that_is_not_a_clef_model(tmp_path):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
+def test_a_missing_native_head_names_the_path_it_looked_in(monkeypatch, tmp_path):
+    """What a replica importing a source checkout (no build) instead of the installed package says (serve --ray)."""
+    from clef_gguf.llama import native
+
+    monkeypatch.delenv(native.ENV_LIBRARY, raising=False)
+    monkeypatch.setattr(clef_gguf, "__path__", [str(tmp_path / "clef_gguf")])
+    with pytest.raises(ModelFileError) as missing:
+        native.library_path()
+    assert str(tmp_path / "clef_gguf" / "_native" / native.LIBRARY_NAME) in str(missing.value)
+
+
 def test_memory_stays_flat_under_repeated_requests(ws):
     """A short soak (tools/load_test.py --soak runs 10,000): RSS after 450 more requests stays within 8 MiB."""
     port = free_port()

@@ -134,6 +134,7 @@ def create_app(
     owns_model: bool = True,
     decider: Decider | None = None,
     log_format: LogFormat = "text",
+    behind_ray: bool = False,
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -142,7 +143,8 @@ def create_app(
     raw and decoded. Decisions are model.decide's on one worker thread (DecideWorker) unless a decider is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
-    counted in the app's metrics (metrics.py, GET /metrics)."""
+    counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
+    adds its own (the id it hands the app)."""
     if decider is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a decider")
@@ -165,7 +167,9 @@ def create_app(
     app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     app.add_middleware(AnswerCutOff)
-    app.add_middleware(Observed, metrics=metrics, log_format=log_format)  # added last: outside AnswerCutOff, sees its 503
+    app.add_middleware(
+        Observed, metrics=metrics, log_format=log_format, echo_id=not behind_ray
+    )  # added last: outside AnswerCutOff, sees its 503
     auth = [Depends(_require_key(api_key))] if api_key else []
     router = APIRouter(prefix="/v1", dependencies=auth)
 

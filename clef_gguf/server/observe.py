@@ -128,9 +128,12 @@ def access_line(log_format: LogFormat, scope: Scope, record: Record, status: int
     return " ".join(f"{key}={'-' if value is None else value}" for key, value in fields.items())
 
 
-def _with_id(message: Message, request_id: str) -> Message:
-    """The response start with the request's id, should an answer rendered elsewhere (FastAPI's own) lack it."""
+def _with_id(message: Message, request_id: str, echo: bool) -> Message:
+    """The response start with the request's id, should an answer rendered elsewhere (FastAPI's own) lack it; without
+    X-Request-Id where a proxy in front adds its own (Ray's: the id it handed this app in the request)."""
     headers = list(message.get("headers", []))
+    if not echo:
+        return {**message, "headers": [(name, value) for name, value in headers if name.lower() != _ID_HEADER]}
     if any(name.lower() == _ID_HEADER for name, _ in headers):
         return message
     encoded = request_id.encode()
@@ -141,10 +144,11 @@ def _with_id(message: Message, request_id: str) -> Message:
 class Observed:
     """Gives each request its id, and once answered counts it and writes its access log line."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, log_format: LogFormat = "text") -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, log_format: LogFormat = "text", echo_id: bool = True) -> None:
         self.app = app
         self.metrics = metrics
         self.log_format = log_format
+        self.echo_id = echo_id  # whether answers carry X-Request-Id (typesafe-sdk's header they always carry)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -162,7 +166,7 @@ class Observed:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = _with_id(message, record.id)
+                message = _with_id(message, record.id, self.echo_id)
             await send(message)
 
         self.metrics.in_flight.inc()

@@ -197,7 +197,7 @@ class ClefIngress:
         self.app_options = app  # create_app's api_key, max_pending, body_timeout_s and log_format (`app` is Ray's)
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
-        return create_app(self.encoder, decider=self.decider, **self.app_options)
+        return create_app(self.encoder, decider=self.decider, behind_ray=True, **self.app_options)
 
 
 def build_app(settings: RaySettings) -> serve.Application:
