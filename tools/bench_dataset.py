@@ -1,0 +1,126 @@
+"""Records per second of `clef-gguf decide` on a JSON Lines dataset against the same records sent one at a time
+over HTTP to `clef-gguf serve`, as clef-evals sends them (Workers AI's route, one kept-alive connection), in one run.
+
+The dataset is in clef-evals' shape (clef_evals.models.build_payload: a state and one choice question), --count
+records of which half are about 20 states (each about 350 tokens: past the state cache's 256-token minimum) and
+half about a state of their own, shuffled (seeded). Each side runs --rounds times, taking turns; the row gives the
+median records/s of each and the median of the rounds' ratios. decide runs twice: in input order and with
+--sort-by-state.
+
+    python tools/bench_dataset.py [MODEL.gguf] [--count 1000] [--rounds 3] [--out docs/benchmarks/dataset.json]
+
+Without MODEL: the bundled demo model (tiny, random weights: the ratios are the point, not the rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from http.client import HTTPConnection
+from pathlib import Path
+
+from clef_evals import Choice
+from clef_evals.models import build_payload
+
+from clef_gguf.data import DEMO_MODEL
+
+CRITERIA = {"billing": "Payments and refunds.", "technical": "Bugs and outages.", "sales": "Pricing and plans."}
+ROUTE = "/client/v4/accounts/0123456789abcdef0123456789abcdef/ai/run/@cf/cloudflare/clef"
+
+
+def _state(rng: random.Random, n: int) -> str:
+    words = ["order", "refund", "outage", "invoice", "price", "login", "broken", "charged", "plan", "support"]
+    return f"Ticket {n}: " + " ".join(rng.choice(words) for _ in range(90))
+
+
+def dataset(count: int, seed: int = 26) -> list[dict]:
+    rng = random.Random(seed)
+    shared = [_state(rng, n) for n in range(20)]
+    records = []
+    for i in range(count):
+        state = shared[i % 20] if i % 2 == 0 else _state(rng, 100 + i)
+        question = rng.choice(["Which team should handle this?", "Where does this ticket go?", "Who answers this?"])
+        records.append({"id": f"r{i}", **build_payload("clef", state, {"decision": Choice(question, CRITERIA)})})
+    rng.shuffle(records)
+    return records
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_decide(model: Path, source: Path, out: Path, sort: bool) -> float:
+    args = [sys.executable, "-m", "clef_gguf.cli", "decide", "--ctx", "4096", str(model), str(source), "-o", str(out), "--force"]
+    run = subprocess.run([*args, "--json", *(["--sort-by-state"] if sort else [])], capture_output=True, text=True, check=False)
+    if run.returncode not in (0, 8):
+        raise SystemExit(run.stderr)
+    return json.loads(run.stdout)["records_per_s"]  # (decisions alone: the load is not counted)
+
+
+def run_http(port: int, records: list[dict]) -> float:
+    connection = HTTPConnection("127.0.0.1", port, timeout=600)
+    started = time.perf_counter()
+    for record in records:
+        body = json.dumps({k: v for k, v in record.items() if k != "id"}).encode()
+        connection.request("POST", ROUTE, body, {"Content-Type": "application/json", "Authorization": "Bearer local"})
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            raise SystemExit(f"HTTP {response.status}")
+    connection.close()
+    return len(records) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", type=Path, default=DEMO_MODEL)
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/dataset.json"))
+    args = parser.parse_args()
+    records = dataset(args.count)
+    folder = Path(tempfile.mkdtemp(prefix="bench-dataset-"))
+    source = folder / "requests.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "clef_gguf.cli", "serve", str(args.model), "--port", str(port), "--ctx", "4096"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        rounds = []
+        for r in range(args.rounds):
+            row = {"http": run_http(port, records), "decide": run_decide(args.model, source, folder / "a.jsonl", False)}
+            row["decide_sorted"] = run_decide(args.model, source, folder / "b.jsonl", True)
+            rounds.append(row)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f} records/s" for k, v in row.items()), flush=True)
+    finally:
+        server.terminate()
+        server.wait()
+    result = {key: statistics.median(row[key] for row in rounds) for key in rounds[0]}
+    ratios = {f"{key}/http": statistics.median(row[key] / row["http"] for row in rounds) for key in ("decide", "decide_sorted")}
+    summary = {"model": str(args.model), "count": args.count, "rounds": rounds, "median_records_per_s": result, "ratios": ratios}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({"median_records_per_s": result, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
