@@ -92,8 +92,17 @@ class Builder {
 
     ggml_tensor * layer_norm(ggml_tensor * x, const Norm & n) { return ggml_add(ctx_, ggml_mul(ctx_, standardize(x), n.weight), n.bias); }
 
+    // Every product accumulates in F32: a device may otherwise sum F16 or quantized weights in F16 (Vulkan
+    // does), and the head's logits are scaled by up to 100 (decision.scales), so that F16's rounding shows
+    // in the probabilities. The CPU always accumulates in F32.
+    ggml_tensor * mul_mat(ggml_tensor * a, ggml_tensor * b) {
+        ggml_tensor * t = ggml_mul_mat(ctx_, a, b);
+        ggml_mul_mat_set_prec(t, GGML_PREC_F32);
+        return t;
+    }
+
     ggml_tensor * linear(ggml_tensor * x, const Linear & l) {
-        ggml_tensor * y = ggml_mul_mat(ctx_, l.weight, x);
+        ggml_tensor * y = mul_mat(l.weight, x);
         return l.bias ? ggml_add(ctx_, y, l.bias) : y;
     }
 
@@ -135,8 +144,8 @@ class Builder {
         ggml_tensor * q = split_heads(linear(queries, a.q));  // [d, Lq, H]
         ggml_tensor * k = split_heads(linear(memory, a.k));  // [d, Lk, H]
         ggml_tensor * v = contiguous(ggml_permute(ctx_, ggml_reshape_3d(ctx_, linear(memory, a.v), d, c_.heads, lk), 1, 2, 0, 3));  // [Lk, d, H]
-        ggml_tensor * scores = softmax(ggml_mul_mat(ctx_, k, q), mask, 1.0f / std::sqrt((float) d));  // [Lk, Lq, H]
-        return merge_heads(ggml_mul_mat(ctx_, v, scores), a);
+        ggml_tensor * scores = softmax(mul_mat(k, q), mask, 1.0f / std::sqrt((float) d));  // [Lk, Lq, H]
+        return merge_heads(mul_mat(v, scores), a);
     }
 
     // The same attention over the prompt's memory m = gamma * x + beta (x alone when norm is null),
@@ -151,16 +160,16 @@ class Builder {
             ggml_tensor * memory = norm ? ggml_add(ctx_, ggml_mul(ctx_, m.x, norm->weight), norm->bias) : m.x;
             return attention(queries, memory, a, m.mask);
         }
-        ggml_tensor * folded = ggml_mul_mat(ctx_, a.key_t, split_heads(linear(queries, a.q)));  // [w, Lq, H]
+        ggml_tensor * folded = mul_mat(a.key_t, split_heads(linear(queries, a.q)));  // [w, Lq, H]
         if (norm) folded = ggml_mul(ctx_, folded, norm->weight);
-        ggml_tensor * scores = ggml_mul_mat(ctx_, m.x, ggml_reshape_2d(ctx_, folded, w, lq * heads));  // [n, Lq * H]
+        ggml_tensor * scores = mul_mat(m.x, ggml_reshape_2d(ctx_, folded, w, lq * heads));  // [n, Lq * H]
         scores = softmax(scores, m.mask, 1.0f / std::sqrt((float) d));
-        ggml_tensor * mixed = ggml_mul_mat(ctx_, m.xt, scores);  // [w, Lq * H]: x p
+        ggml_tensor * mixed = mul_mat(m.xt, scores);  // [w, Lq * H]: x p
         if (norm) mixed = ggml_add(ctx_, ggml_mul(ctx_, mixed, norm->weight), norm->bias);
         const size_t row = a.v.weight->nb[1];
         ggml_tensor * values = ggml_view_3d(ctx_, a.v.weight, w, d, heads, row, d * row, 0);  // W_v per head
         ggml_tensor * bias = ggml_view_3d(ctx_, a.v.bias, d, 1, heads, d * sizeof(float), d * sizeof(float), 0);
-        ggml_tensor * out = ggml_add(ctx_, ggml_mul_mat(ctx_, values, ggml_reshape_3d(ctx_, mixed, w, lq, heads)), bias);  // [d, Lq, H]
+        ggml_tensor * out = ggml_add(ctx_, mul_mat(values, ggml_reshape_3d(ctx_, mixed, w, lq, heads)), bias);  // [d, Lq, H]
         return merge_heads(out, a);
     }
 
@@ -214,7 +223,7 @@ class Builder {
         }
         ggml_tensor * part = ggml_view_2d(ctx_, rows, rows->ne[0], tokens, rows->nb[1], token * rows->nb[1]);
         ggml_tensor * transposed = transpose(part);  // [tokens, dim]
-        return ggml_mul_mat(ctx_, transposed, input(GGML_TYPE_F32, tokens, n_spans, average));
+        return mul_mat(transposed, input(GGML_TYPE_F32, tokens, n_spans, average));
     }
 
     ggml_tensor * concat(const std::vector<ggml_tensor *> & parts, size_t lo, size_t hi) {  // a balanced tree: O(n log n) copies
@@ -313,10 +322,10 @@ ggml_tensor * decode_fields(Builder & b, ggml_context * ctx, const Model & model
     ggml_tensor * base = b.linear(p.questions, w.question);
     std::vector<float> mask((size_t) (n_options * n_questions), -INFINITY);  // [options, questions]
     for (int64_t o = 0; o < n_options; o++) mask[(size_t) (d.question_of[o] * n_options + o)] = 0.0f;
-    ggml_tensor * scores = ggml_mul_mat(ctx, routed, base);  // [options, questions]
+    ggml_tensor * scores = b.mul_mat(routed, base);  // [options, questions]
     ggml_tensor * weights = ggml_soft_max_ext(ctx, scores, b.input(GGML_TYPE_F32, n_options, n_questions, mask),
                                               1.0f / std::sqrt((float) model.config.width), 0.0f);
-    ggml_tensor * summaries = ggml_mul_mat(ctx, b.transpose(routed), weights);
+    ggml_tensor * summaries = b.mul_mat(b.transpose(routed), weights);
     ggml_tensor * fields = ggml_add(ctx, base, b.layer_norm(summaries, w.option_summary_norm));
     fields = ggml_add(ctx, fields, b.linear(p.global, w.global));
     fields = ggml_add(ctx, fields, ggml_get_rows(ctx, w.type_embedding, b.ids(d.type_ids)));

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The device set on Vulkan: the tests marked `device` (parity, head, state cache, batching, plan, images,
+# the clients against `serve`), with every model, head and vision tower on the device (tests/conftest.py).
+#
+#   bash tools/vulkan_env.sh             # once: the Vulkan build of llama-cpp-python, in its own venv
+#   bash tools/device_check.sh [VENV] [PYTEST ARGS...]
+#
+# On lavapipe (Mesa's software Vulkan device) the first run compiles ggml's shaders into the Mesa cache
+# below (tens of minutes on 2 cores); later runs reuse it. lavapipe is 30-50x slower than the CPU backend:
+# this checks that the device path is right, not how fast it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=$HOME/.cache/clef-gguf/vulkan-venv
+if [ $# -gt 0 ] && [ -d "$1" ]; then
+    VENV=$1
+    shift
+fi
+# ggml-vulkan skips CPU-type devices (lavapipe is one) unless they are named.
+export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
+export MESA_SHADER_CACHE_DIR=${MESA_SHADER_CACHE_DIR:-$HOME/.cache/clef-gguf/vulkan/shaders}
+export MESA_SHADER_CACHE_MAX_SIZE=${MESA_SHADER_CACHE_MAX_SIZE:-4G}
+PY=$VENV/bin/python
+[ -x "$PY" ] || { echo "no $PY: run bash tools/vulkan_env.sh first" >&2; exit 2; }
+start=$SECONDS
+# The checkout's native head, compiled against this venv's ggml (a C++ change since the last run is picked up).
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverInfo" || true
+"$PY" - <<'EOF'
+import clef_gguf
+from clef_gguf.data import DEMO_MODEL
+
+with clef_gguf.load(DEMO_MODEL, n_gpu_layers=-1) as model:
+    print("the demo's head runs on", model.head.device)
+    assert model.head.device != "CPU", "no device: is this venv's llama-cpp-python built with a device backend?"
+EOF
+"$PY" -m pytest -m device --on-device -q -p no:cacheprovider "$@"
+echo "device set: $((SECONDS - start)) s"
