@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,21 +162,36 @@ def _windows(requests: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield window
 
 
+def _decided(window: _Window, sort_by_state: bool) -> Iterator[Outcome]:
+    given = 0
+    for batch in window.batches(window.order(sort_by_state)):
+        window.decide(batch)
+        while given < len(window.outcomes) and window.outcomes[given] is not None:
+            yield window.outcomes[given]  # type: ignore[misc]
+            given += 1
+    yield from window.outcomes[given:]  # type: ignore[misc]  # (the errors after the last batch)
+
+
 def decide_outcomes(
     model: ClefModel, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
 ) -> Iterator[Outcome]:
     """The Outcome of each request, in order; see decide_many. Each is given as soon as it and those before it
-    are decided (with sort_by_state: its window's)."""
-    size = SORT_WINDOW if sort_by_state else model.parallel
-    for requests_now in _windows(requests, size):
-        window = _Window(model, requests_now, base)
-        given = 0
-        for batch in window.batches(window.order(sort_by_state)):
-            window.decide(batch)
-            while given < len(window.outcomes) and window.outcomes[given] is not None:
-                yield window.outcomes[given]  # type: ignore[misc]
-                given += 1
-        yield from window.outcomes[given:]  # type: ignore[misc]  # (the errors after the last batch)
+    are decided (with sort_by_state: its window's).
+
+    The next window is read, parsed and tokenized on a thread of its own while this one is decided, as the
+    server's intake threads do (ClefModel.encode is thread-safe and computes nothing): the compute thread
+    does not wait for the template and the tokenizer between batches."""
+    windows = _windows(requests, SORT_WINDOW if sort_by_state else model.parallel)
+
+    def read_next() -> _Window | None:
+        requests_now = next(windows, None)
+        return None if requests_now is None else _Window(model, requests_now, base)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-read") as reader:
+        upcoming = reader.submit(read_next)
+        while (window := upcoming.result()) is not None:
+            upcoming = reader.submit(read_next)
+            yield from _decided(window, sort_by_state)
 
 
 def decide_many(
