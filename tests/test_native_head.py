@@ -10,6 +10,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
+from conftest import f16_tiles
 from gguf import GGMLQuantizationType as GT
 from numpy_head import lexical_rows, reference_head
 
@@ -56,17 +57,6 @@ def random_prompt(rng: np.random.Generator, n_tokens: int, n_vocab: int, questio
         encoded.append(EncodedQuestion(question, span(), tuple(span() for _ in range(n_options))))
     tokens = rng.integers(0, n_vocab, size=n_tokens).tolist()
     return EncodedPrompt(Request(None, "", tuple(q.question for q in encoded)), tokens, tuple(encoded))
-
-
-def f16_tiles(device: str) -> bool:
-    """Whether the head's products round their operands to F16 on this device, whatever the graph asks.
-
-    ggml-vulkan's matrix-matrix shaders hold both operands as float16 in shared memory on a device with fp16
-    (its FLOAT_TYPE), F32 weights too; ggml_mul_mat_set_prec(GGML_PREC_F32), which head_graph.cpp sets, only
-    picks the accumulator. Measured on lavapipe: logits 2.3e-3 off, the same with the precision set or not;
-    GGML_VK_DISABLE_F16=1 gives F32 tiles and passes.
-    """
-    return device.startswith("Vulkan") and not os.environ.get("GGML_VK_DISABLE_F16")
 
 
 @pytest.mark.parametrize(("release", "file_type", "head_type", "tolerance"), CASES)

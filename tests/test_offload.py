@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import f16_tiles
 
 import clef_gguf
 from clef_gguf.format import hparams
@@ -19,9 +20,10 @@ from clef_gguf.testing.request_suite import all_requests, largest_difference, re
 
 pytestmark = pytest.mark.device
 
-# The device's kernels sum in other orders than the CPU's (and Q8_1 activations on the device): float noise on
-# probabilities, measured at most 1.5e-4 on Vulkan (lavapipe) with every layer there.
-TOLERANCE = 5e-4
+# The device's kernels sum in other orders than the CPU's: float noise on probabilities (1.5e-4 measured on Vulkan
+# with F32 tiles). A device that rounds the products' operands to F16 (conftest.f16_tiles) moves them more: 3.4e-3
+# measured on lavapipe, Q4_K_M, half the layers there; the parity tests hold the device to the reference.
+TOLERANCE, F16_TOLERANCE = 5e-4, 5e-3
 
 
 def test_half_the_layers_on_the_device_answer_as_the_cpu(ws, default_gpu_layers):
@@ -35,11 +37,12 @@ def test_half_the_layers_on_the_device_answer_as_the_cpu(ws, default_gpu_layers)
         partial = clef_gguf.load(path, n_gpu_layers=half)
     log = "".join(lines)
     with partial, clef_gguf.load(path, n_gpu_layers=0) as cpu:
+        tolerance = F16_TOLERANCE if f16_tiles(partial.head.device) else TOLERANCE
         for name, request in all_requests().items():
             if name == "long_state":  # thousands of tokens: minutes on a software device
                 continue
             ours, theirs = (response_probabilities(m.decide(request)) for m in (partial, cpu))
-            assert largest_difference(ours, theirs) < TOLERANCE, name
+            assert largest_difference(ours, theirs) < tolerance, name
         assert partial.head.device == cpu.head.device if default_gpu_layers == 0 else partial.head.device != "CPU"
     host_buffers = {m[1] for m in re.finditer(r"(\S+) model buffer size", log) if m[1].startswith("CPU")}
     assert cpu_buffers.AMX not in host_buffers and host_buffers, log  # the host part: never AMX (it segfaults)
