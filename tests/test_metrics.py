@@ -16,7 +16,7 @@ import httpx
 import pytest
 from live_server import served
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import start
+from test_server import BlockingModel, start
 
 from clef_gguf.runtime.state_cache import split_at_prefix
 from clef_gguf.server import create_app
@@ -33,33 +33,14 @@ def model(ws):
     return ws.model("untied_f32", "f32")
 
 
-class GatedModel:
-    """The real model, whose decisions wait while its gate is shut: to hold the queue full for one 503."""
+class GatedModel(BlockingModel):
+    """test_server's BlockingModel, open until a test shuts it (to hold the queue full for one 503), with the
+    state cache the app reads its gauges from."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
-        self.name, self.path, self.image_limits = model.name, model.path, model.image_limits
-        self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
-        self.state_cache = model.state_cache  # what the app reads its cache gauges from
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def encode(self, request: dict[str, Any]) -> Any:
-        return self.model.encode(request)
-
-    def batchable(self, prompts: list[Any]) -> bool:
-        return self.model.batchable(prompts)
-
-    def decide_batch(self, prompts: list[Any]) -> list[Any]:
-        assert self.gate.wait(60)
-        return self.model.decide_batch(prompts)
-
-    def decide(self, request: Any) -> dict[str, Any]:
-        [answer] = self.decide_batch([request])
-        return answer
-
-    def close(self) -> None:
-        pass
+        super().__init__(model)
+        self.state_cache = model.state_cache
+        self.release.set()
 
 
 def scrape(client: httpx.Client, **headers: str) -> Samples:
@@ -94,7 +75,7 @@ def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model)
             assert c.post("/v1/systemone", json=long_state_request(paragraphs=50)).status_code == 413
             assert c.get("/v1/systemone").status_code == 405
             assert c.get(f"/v1/nothing/{uuid.uuid4().hex}").status_code == 404
-            gated.gate.clear()
+            gated.release.clear()
             held: list[httpx.Response] = []
             sender = threading.Thread(
                 target=lambda: held.append(httpx.post(f"{live.url}/v1/systemone", json=SHORT, timeout=TIMEOUT))
@@ -108,13 +89,13 @@ def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model)
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             assert c.post("/v1/systemone", json=SHORT).status_code == 503
-            gated.gate.set()
+            gated.release.set()
             sender.join(60)
             answered += held
             assert [r.status_code for r in answered] == [200] * 4
             samples = scrape(c)
     finally:
-        gated.gate.set()
+        gated.release.set()
         live.stop()
 
     def requests(route: str, status: int) -> float:
