@@ -139,16 +139,18 @@ def test_a_caught_signal_removes_everything_it_wrote(slow_release, tmp_path, poi
 
 
 def test_a_signal_that_c_code_swallowed_still_stops_with_its_code(capsys):
-    """numpy's tofile, interrupted, cleared the handler's exception and raised a TypeError instead."""
+    """numpy's tofile, interrupted, cleared the handler's exception and raised a TypeError instead (pathlib a
+    SystemError). Nested as the commands nest them: run outside, the handlers inside the action."""
 
     def swallowed() -> None:
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # the handler raises here
-        except KeyboardInterrupt:
-            raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter") from None
+        with cli_errors.signals_clean_up():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises here
+            except KeyboardInterrupt:
+                raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter") from None
 
-    with pytest.raises(typer.Exit) as stop, cli_errors.signals_clean_up():
+    with pytest.raises(typer.Exit) as stop:
         cli_errors.run(swallowed)
     assert stop.value.exit_code == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in capsys.readouterr().err

@@ -81,6 +81,12 @@ def signals_clean_up() -> Iterator[None]:
     previous = {s: signal.signal(s, unwind) for s in signals}
     try:
         yield
+    except Exception as e:
+        # C code between the handler and here can swallow its exception and fail another way (numpy's
+        # tofile made it a TypeError, pathlib a SystemError): once a signal came, what unwinds is that signal.
+        if _pending:
+            raise Terminated(_pending[0]) from e
+        raise
     finally:
         _pending.clear()  # a later error, outside this block, is not the signal's
         for s, handler in previous.items():
@@ -101,12 +107,6 @@ def run(action: Callable[[], T]) -> T:
         raise typer.Exit(e.exit_code) from None
     except Terminated as e:
         _stopped_by(e.signum)
-    except Exception:
-        # C code between the handler and here can swallow its exception and fail another way (numpy's
-        # tofile turned it into a TypeError): once a signal came, what unwinds is that signal.
-        if _pending:
-            _stopped_by(_pending[0])
-        raise
     except KeyboardInterrupt:
         error("interrupted; partial output removed")
         raise typer.Exit(128 + signal.SIGINT) from None
