@@ -2,11 +2,16 @@
 // ggml backend scheduler (which also falls back to the CPU for any op the device lacks).
 #include "clef_head.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <vector>
 
+#include "ggml-alloc.h"
 #include "head.h"
 
 struct clef_head {
@@ -58,6 +63,47 @@ clef::Manifest parse_manifest(const char * text) {
     return manifest;
 }
 
+// Whether `device` rounds an F32 product's inputs to F16: one 64 x 64 product of numbers 1 + k 2^-14 (not
+// F16-exact: F16 has 10 bits after the point) against its sum in double. F32 inputs leave ~1e-7 of relative
+// error, F16 tiles ~1e-4; the head's logits, scaled by up to 100, need the former.
+bool rounds_products(ggml_backend_t device) {
+    constexpr int N = 64;
+    ggml_init_params params = {ggml_tensor_overhead() * 4 + ggml_graph_overhead(), nullptr, true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, N, N);
+    ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, N, N);
+    ggml_tensor * c = ggml_mul_mat(ctx, a, b);
+    ggml_mul_mat_set_prec(c, GGML_PREC_F32);
+    ggml_cgraph * graph = ggml_new_graph(ctx);
+    ggml_build_forward_expand(graph, c);
+    ggml_backend_buffer_t buffer = ggml_backend_alloc_ctx_tensors(ctx, device);
+    if (buffer == nullptr) {
+        ggml_free(ctx);
+        throw clef::Error("cannot allocate a 48 KiB probe on " + std::string(ggml_backend_name(device)));
+    }
+    std::vector<float> va(N * N), vb(N * N), vc(N * N);
+    for (int i = 0; i < N * N; i++) {
+        va[i] = 1.0f + (float) (i % 7 + 1) / 16384.0f;
+        vb[i] = 1.0f + (float) (i % 5 + 1) / 16384.0f;
+    }
+    ggml_backend_tensor_set(a, va.data(), 0, ggml_nbytes(a));
+    ggml_backend_tensor_set(b, vb.data(), 0, ggml_nbytes(b));
+    const bool computed = ggml_backend_graph_compute(device, graph) == GGML_STATUS_SUCCESS;
+    if (computed) ggml_backend_tensor_get(c, vc.data(), 0, ggml_nbytes(c));
+    ggml_backend_buffer_free(buffer);
+    ggml_free(ctx);
+    if (!computed) throw clef::Error("a probe product failed on " + std::string(ggml_backend_name(device)));
+    double worst = 0.0;
+    for (int j = 0; j < N; j++) {      // c[j][i] = sum_k a[i][k] b[j][k]
+        for (int i = 0; i < N; i++) {
+            double exact = 0.0;
+            for (int k = 0; k < N; k++) exact += (double) va[i * N + k] * vb[j * N + k];
+            worst = std::max(worst, std::abs(vc[j * N + i] - exact) / exact);
+        }
+    }
+    return worst > 1e-5;
+}
+
 void init_backends(clef_head & head, const char * path, const clef::Manifest & manifest, bool use_gpu, int n_threads) {
     head.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     if (head.cpu == nullptr) throw clef::Error("ggml has no CPU backend");
@@ -72,6 +118,13 @@ void init_backends(clef_head & head, const char * path, const clef::Manifest & m
     int n_backends = head.device ? 2 : 1;  // the scheduler wants the CPU last
     head.sched = ggml_backend_sched_new(backends, nullptr, n_backends, SCHED_GRAPH_SIZE, false, false);
     head.model.on_cpu = head.device == nullptr;
+    // CLEF_HEAD_SPLIT_PRODUCTS=1 or 0 overrides the probe: the tests run split products on the CPU too.
+    const char * split = std::getenv("CLEF_HEAD_SPLIT_PRODUCTS");
+    if (split != nullptr && (std::strcmp(split, "0") == 0 || std::strcmp(split, "1") == 0)) {
+        head.model.split_products = split[0] == '1';
+    } else {
+        head.model.split_products = head.device != nullptr && rounds_products(head.device);
+    }
     clef::load_model(head.model, path, manifest, ggml_backend_get_default_buffer_type(primary));
 }
 
@@ -168,6 +221,8 @@ int clef_head_load(const char * path, const char * manifest, const int64_t * con
 void clef_head_free(clef_head * head) { free_head(head); }
 
 const char * clef_head_device(const clef_head * head) { return head->device_name.c_str(); }
+
+int clef_head_split_products(const clef_head * head) { return head->model.split_products ? 1 : 0; }
 
 int32_t clef_head_hidden_size(const clef_head * head) { return (int32_t) head->model.config.hidden_size; }
 

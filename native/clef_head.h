@@ -29,6 +29,9 @@ CLEF_HEAD_API void clef_head_free(clef_head * head);
 // The device the head runs on ("CPU", "CUDA0", ...) and the hidden size it expects.
 CLEF_HEAD_API const char * clef_head_device(const clef_head * head);
 CLEF_HEAD_API int32_t clef_head_hidden_size(const clef_head * head);
+// 1 when the head splits its products in F16-exact parts: its device rounds F32 products' inputs to F16
+// (a probe at load; CLEF_HEAD_SPLIT_PRODUCTS=0 or 1 overrides it).
+CLEF_HEAD_API int clef_head_split_products(const clef_head * head);
 
 // One decision. hidden: n_tokens rows of hidden_size floats (the backbone's final
 // hidden states); tokens: the prompt's ids (the lexical prior reads the output

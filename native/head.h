@@ -75,6 +75,9 @@ struct Model {
     ggml_context * ctx = nullptr;  // tensor metadata of the weights
     ggml_backend_buffer_t buffer = nullptr;
     bool on_cpu = true;  // the head's graph runs on the CPU backend (no GPU)
+    // The device rounds an F32 product's inputs to F16 (Vulkan's matrix tiles do wherever the device has F16,
+    // whatever the precision asked for): every product is then split in F16-exact parts (head_graph.cpp).
+    bool split_products = false;
 };
 
 // One tensor libclef_head reads, by role: the reference module and tensor it stands for

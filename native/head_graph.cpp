@@ -70,7 +70,8 @@ struct Memory {
 
 class Builder {
   public:
-    Builder(ggml_context * ctx, const Model & model, Graph & graph) : ctx_(ctx), c_(model.config), g_(graph), on_cpu_(model.on_cpu) {}
+    Builder(ggml_context * ctx, const Model & model, Graph & graph)
+        : ctx_(ctx), c_(model.config), g_(graph), on_cpu_(model.on_cpu), split_products_(model.split_products) {}
 
     // A graph input: its bytes are copied in after the scheduler allocated it.
     ggml_tensor * input(ggml_type type, int64_t ne0, int64_t ne1, std::vector<uint8_t> bytes) {
@@ -95,10 +96,28 @@ class Builder {
     // Every product accumulates in F32: a device may otherwise sum F16 or quantized weights in F16 (Vulkan
     // does), and the head's logits are scaled by up to 100 (decision.scales), so that F16's rounding shows
     // in the probabilities. The CPU always accumulates in F32.
-    ggml_tensor * mul_mat(ggml_tensor * a, ggml_tensor * b) {
+    ggml_tensor * product(ggml_tensor * a, ggml_tensor * b) {
         ggml_tensor * t = ggml_mul_mat(ctx_, a, b);
         ggml_mul_mat_set_prec(t, GGML_PREC_F32);
         return t;
+    }
+
+    // On a device that rounds a product's F32 inputs to F16 (Model::split_products), x = hi + lo with hi
+    // F16-exact, and a b = ah bh + al bh + ah bl: the tiles then hold hi exactly, and lo's own rounding costs
+    // 2^-11 of lo, about 2^-22 of x; the dropped al bl is as small. Three products instead of one, on the
+    // device, where the head is a few percent of a decision. Logits on lavapipe: 2.3e-3 -> (see test_native_head).
+    // F32 weights and activations only: an F16 or quantized a's product rounds b to F16 or quantizes it on
+    // the CPU too (ggml's vec_dot_type): that is the type's own precision, the same on every backend.
+    ggml_tensor * mul_mat(ggml_tensor * a, ggml_tensor * b) {
+        if (!split_products_ || a->type != GGML_TYPE_F32) return product(a, b);
+        auto [ah, al] = split(a);
+        auto [bh, bl] = split(b);
+        return ggml_add(ctx_, ggml_add(ctx_, product(ah, bh), product(al, bh)), product(ah, bl));
+    }
+
+    std::pair<ggml_tensor *, ggml_tensor *> split(ggml_tensor * x) {
+        ggml_tensor * hi = ggml_cast(ctx_, ggml_cast(ctx_, x, GGML_TYPE_F16), GGML_TYPE_F32);
+        return {hi, ggml_sub(ctx_, ggml_is_contiguous(x) ? x : contiguous(x), hi)};
     }
 
     ggml_tensor * linear(ggml_tensor * x, const Linear & l) {
@@ -236,6 +255,7 @@ class Builder {
     const Config & c_;
     Graph & g_;
     bool on_cpu_;
+    bool split_products_;
 };
 
 // Gather the span tokens: options' spans first, then questions', each span's tokens in order.
@@ -266,7 +286,9 @@ size_t graph_size(const Model & model, const Decision & decision) {
     // Layers and the logits take a few hundred nodes, each chunk of span means 8 at most.
     std::vector<int32_t> options(decision.span_lengths.begin(), decision.span_lengths.begin() + decision.n_options());
     size_t chunks = mean_chunks(decision.span_lengths).size() + mean_chunks(options).size();
-    return (size_t) (512 + 128 * (model.config.routing_layers + model.config.layers)) + 8 * chunks;
+    // A split product (Model::split_products) takes 11 nodes instead of 1.
+    const size_t scale = model.split_products ? 6 : 1;
+    return scale * ((size_t) (512 + 128 * (model.config.routing_layers + model.config.layers)) + 8 * chunks);
 }
 
 namespace {

@@ -54,9 +54,10 @@ def f16_tiles(device: str) -> bool:
     """Whether the products on this device round their operands to F16, whatever the graph asks.
 
     ggml-vulkan's matrix-matrix shaders hold both operands as float16 in shared memory on a device with fp16
-    (its FLOAT_TYPE), F32 weights too; ggml_mul_mat_set_prec(GGML_PREC_F32), which head_graph.cpp sets, only
-    picks the accumulator. Measured on lavapipe: logits 2.3e-3 off, the same with the precision set or not;
-    GGML_VK_DISABLE_F16=1 gives F32 tiles and passes.
+    (its FLOAT_TYPE), F32 weights too; ggml_mul_mat_set_prec(GGML_PREC_F32) only picks the accumulator.
+    Measured on lavapipe: the head's logits 2.3e-3 off, the same with the precision set or not, until the
+    head split its products in F16-exact parts (head_graph.cpp); llama.cpp's own products (the backbone's)
+    still round. GGML_VK_DISABLE_F16=1 gives F32 tiles.
     """
     return device.startswith("Vulkan") and not os.environ.get("GGML_VK_DISABLE_F16")
 

@@ -60,15 +60,15 @@ def random_prompt(rng: np.random.Generator, n_tokens: int, n_vocab: int, questio
 
 
 @pytest.mark.parametrize(("release", "file_type", "head_type", "tolerance"), CASES)
-def test_native_head_equals_the_numpy_reference(ws, request, release, file_type, head_type, tolerance):
+def test_native_head_equals_the_numpy_reference(ws, release, file_type, head_type, tolerance):
     path = ws.gguf(release, file_type, head_type)
     f = GGUFFile.open(path)
     try:
         config = hparams.head_config(f.header)
         reference = reference_head(f, config)
         native = NativeHead(f, config, n_threads=2)
-        if f16_tiles(native.device):  # held to the same tolerance, and expected to miss it (not loosened)
-            request.node.add_marker(pytest.mark.xfail(reason=f16_tiles.__doc__.splitlines()[0], strict=False))
+        # such a device's rounding is what the split products undo (head_graph.cpp), at the same tolerance
+        assert native.split_products == f16_tiles(native.device)
         n_vocab = f.header.tensors["token_embd.weight"].shape[0]
         rng = np.random.default_rng(0)
         # Few queries take the folded attention over the memory, many (17 questions of up to 9 options
@@ -87,7 +87,7 @@ def test_native_head_equals_the_numpy_reference(ws, request, release, file_type,
         f.close()
 
 
-def test_span_means_split_into_chunks_give_the_same_logits(ws, request):
+def test_span_means_split_into_chunks_give_the_same_logits(ws):
     """64 questions x 40 options over 6000 tokens: the averaging matrices are split in several chunks."""
     path = ws.gguf("untied_f32", "f32")
     f = GGUFFile.open(path)
@@ -98,10 +98,31 @@ def test_span_means_split_into_chunks_give_the_same_logits(ws, request):
         hidden = rng.normal(0.0, 1.0, size=(6000, config.hidden_size)).astype(np.float32)
         expected = reference_head(f, config)(hidden, prompt, lexical_rows(f, prompt))
         head = NativeHead(f, config, n_threads=2)
-        if f16_tiles(head.device):
-            request.node.add_marker(pytest.mark.xfail(reason=f16_tiles.__doc__.splitlines()[0], strict=False))
         got = head(hidden, prompt)
         np.testing.assert_allclose(np.concatenate(got), np.concatenate(expected), rtol=1e-4, atol=1e-4)
+    finally:
+        f.close()
+
+
+def test_split_products_equal_the_plain_ones(ws, monkeypatch):
+    """The graph a device that rounds to F16 gets (head_graph.cpp's split products), forced on the CPU, whose
+    products are F32: the parts must add up to the same logits, only summed in another order."""
+    path = ws.gguf("k256", "f32", "f32")
+    f = GGUFFile.open(path)
+    try:
+        config = hparams.head_config(f.header)
+        heads = {}
+        for split in ("0", "1"):
+            monkeypatch.setenv("CLEF_HEAD_SPLIT_PRODUCTS", split)
+            heads[split] = NativeHead(f, config, n_threads=2, gpu=False)
+            assert heads[split].split_products == (split == "1")
+        rng = np.random.default_rng(3)
+        n_vocab = f.header.tensors["token_embd.weight"].shape[0]
+        for n_tokens, questions, max_options in [(40, 1, 2), (300, 5, 6), (900, 17, 9)]:
+            prompt = random_prompt(rng, n_tokens, n_vocab, questions, max_options)
+            hidden = rng.normal(0.0, 2.0, size=(n_tokens, config.hidden_size)).astype(np.float32)
+            plain, split = (np.concatenate(heads[s](hidden, prompt)) for s in ("0", "1"))
+            np.testing.assert_allclose(split, plain, rtol=2e-5, atol=2e-5)
     finally:
         f.close()
 

@@ -45,6 +45,7 @@ _PROTOTYPES = {
     ),
     "clef_head_free": (None, [_void_p]),
     "clef_head_device": (_char_p, [_void_p]),
+    "clef_head_split_products": (_int, [_void_p]),
     "clef_head_hidden_size": (ctypes.c_int32, [_void_p]),
     "clef_head_run": (
         _int,

@@ -105,6 +105,8 @@ class NativeHead:
             raise ModelFileError(f"{file.path.name}: {err.value.decode('utf-8', 'replace')}")
         self._handle = handle
         self.device = self._lib.clef_head_device(handle).decode()
+        # its device rounds F32 products' inputs to F16, so each product runs in F16-exact parts (head_graph.cpp)
+        self.split_products = bool(self._lib.clef_head_split_products(handle))
         self.hidden_size = self._lib.clef_head_hidden_size(handle)
 
     def __call__(self, hidden: np.ndarray, prompt: SpannedPrompt) -> list[np.ndarray]:
