@@ -85,6 +85,28 @@ def test_a_model_with_images_reads_image_sized_bodies(model):
     assert body_limit(model.max_prompt_tokens, images=True) == body_limit(model.max_prompt_tokens) + IMAGE_ALLOWANCE
 
 
+def test_text_gets_the_text_limit_and_images_their_allowance(model, client, expected):
+    """The allowance is for images: a body of text past the text-only limit is refused as it is (request_too_large),
+    not tokenized first (a 14 MiB one took 2.8 s and 770 MB, then prompt_too_long); images past it in bytes, with
+    a short text, are read as images, in each form a client sends them."""
+    text_limit = body_limit(model.max_prompt_tokens)
+    long_text = {"state": "word " * (text_limit // 5 + 100), "questions": QUESTIONS}
+    response = client.post("/v1/systemone", json=long_text)
+    assert response.status_code == 413 and response.json()["detail"]["error_type"] == "request_too_large", response.text
+    assert "text" in response.json()["detail"]["message"]
+    big = [encoded(140, 160, "PNG", seed) for seed in (4, 5)]  # noise: about 67 KB each, base64 90 KB
+    assert sum(len(data_url(b, "image/png")) for b in big) > text_limit
+    request = {"state": "A parcel photo.", "questions": QUESTIONS}
+    want = expected({**request, "images": big})
+    as_urls = {**request, "images": [data_url(b, "image/png") for b in big]}
+    parts = [{"type": "image_url", "image_url": {"url": data_url(b, "image/png")}} for b in big]
+    message = {"role": "user", "content": [{"type": "text", "text": "A parcel photo."}, *parts]}
+    as_parts = {"state": [message], "questions": QUESTIONS}
+    assert reuse_apart(client.post("/v1/systemone", json=as_urls).json()) == want
+    answer = client.post("/v1/systemone", json=as_parts)
+    assert answer.status_code == 200, answer.text
+
+
 def test_workers_ai_images_in_both_documented_forms(client, expected):
     request = {"model": "clef-flash", "state": "A parcel photo.", "questions": QUESTIONS}
     direct = expected({**request, "images": [PNG, JPEG]})
@@ -109,6 +131,17 @@ def test_llama_server_image_parts_of_chat_messages(client, expected):
     wrapped = {"state": {"messages": state}, "questions": QUESTIONS}
     want = expected({"state": {"messages": [{"role": "user", "content": [text]}]}, "questions": QUESTIONS, "images": [WEBP]})
     assert reuse_apart(client.post("/v1/systemone", json=wrapped).json()) == want
+
+
+def test_a_bad_chat_part_image_is_named_where_it_is_in_the_state(client):
+    """Not at images.N, where the runtime reads it (after the top-level images), but in its message."""
+    text = {"type": "text", "text": "Is this the shoe I ordered?"}
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}}
+    messages = [{"role": "user", "content": [text]}, {"role": "user", "content": [text, bad]}]
+    for state, base in ((messages, ["body", "state"]), ({"messages": messages}, ["body", "state", "messages"])):
+        body = {"state": state, "questions": QUESTIONS, "images": [data_url(PNG, "image/png")]}
+        detail = problem(client.post("/v1/systemone", json=body))
+        assert detail["loc"] == [*base, 1, "content", 1, "image_url"], detail
 
 
 def test_the_typesafe_sdk_sends_image_assets_that_reach_the_model(live, expected):

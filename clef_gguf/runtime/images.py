@@ -233,16 +233,16 @@ def request_images(body: dict[str, Any], state: Any) -> tuple[list[Any], Any]:
     images = list(given or [])
     wrapped = isinstance(state, dict) and isinstance(state.get("messages"), list)
     messages = state["messages"] if wrapped else state
-    if not isinstance(messages, list) or not any(_image_parts(m) for m in messages):
+    if not isinstance(messages, list) or not any(has_image_parts(m) for m in messages):
         return images, state
     kept = []
     for message in messages:
-        if not _image_parts(message):
+        if not has_image_parts(message):
             kept.append(message)
             continue
         content = []
         for part in message["content"]:
-            if _is_image_part(part):
+            if is_image_part(part):
                 url = part["image_url"]
                 images.append(url.get("url") if isinstance(url, dict) else url)
             else:
@@ -251,9 +251,9 @@ def request_images(body: dict[str, Any], state: Any) -> tuple[list[Any], Any]:
     return images, ({**state, "messages": kept} if wrapped else kept)
 
 
-def _is_image_part(part: Any) -> bool:
+def is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image_url" and "image_url" in part
 
 
-def _image_parts(message: Any) -> bool:
-    return isinstance(message, dict) and isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"]))
+def has_image_parts(message: Any) -> bool:
+    return isinstance(message, dict) and isinstance(message.get("content"), list) and any(map(is_image_part, message["content"]))

@@ -151,7 +151,9 @@ def create_app(
         decider = DecideWorker(model, max_pending)
     worker = decider
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
-    intake = Intake(model, max_pending, limit, body_timeout_s)
+    # the image allowance is for images: the text of a body stays within the text-only limit
+    text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
+    intake = Intake(model, max_pending, limit, body_timeout_s, text_limit)
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
     metrics = create_metrics(model, worker, intake, cache if isinstance(cache, StateCache) else None)
 

@@ -24,6 +24,7 @@ from typing import Any
 from starlette.requests import Request
 
 from ..errors import PromptTooLongError, RequestError
+from ..runtime import images
 from . import body, media
 from .problems import ApiError, from_request_error
 from .worker import Encoder
@@ -45,11 +46,35 @@ def _malloc_trim() -> Callable[[], None]:
 _trim = _malloc_trim()
 
 
+def _payload_bytes(image: Any) -> int:
+    """The bytes an image takes in a body: its data URL or base64 string, its part's bytes, or the strings of
+    its object ({content_type, base64})."""
+    if isinstance(image, str | bytes):
+        return len(image)
+    if isinstance(image, dict):
+        return sum(len(v) for v in image.values() if isinstance(v, str))
+    return 0
+
+
+def _text_bytes(decoded: bytes, value: Any) -> int:
+    """A body's bytes less its images' (top-level `images`, TypeSafe's assets, chat messages' image parts)."""
+    if not isinstance(value, dict):
+        return len(decoded)
+    try:
+        found, _ = images.request_images(value, value.get("state"))
+    except RequestError:  # a malformed images field: encode names it
+        return len(decoded)
+    return max(0, len(decoded) - sum(map(_payload_bytes, found)))
+
+
 class Intake:
-    def __init__(self, model: Encoder, max_reading: int, limit: int, timeout_s: float) -> None:
+    def __init__(self, model: Encoder, max_reading: int, limit: int, timeout_s: float, text_limit: int | None = None) -> None:
         self.model = model
         self.max_reading = max_reading
         self.limit = limit  # bytes, raw and decoded
+        # bytes of a body less its images' (body.body_limit without images): a body that takes images may be
+        # larger by their allowance, never its text, which is refused before it is tokenized
+        self.text_limit = limit if text_limit is None else min(limit, text_limit)
         self.timeout_s = timeout_s  # to read the whole body
         self.reading = 0  # requests holding an intake slot; touched on the event loop only
         self._small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clef-intake")
@@ -66,6 +91,10 @@ class Intake:
         else:
             parts, value = {}, body.parse(decoded)
         value, origins = media.take_assets(value, parts)
+        origins += media.chat_part_origins(value)
+        if self.text_limit < self.limit and (text := _text_bytes(decoded, value)) > self.text_limit:
+            message = f"the request's text is {text} bytes (its images aside), over this server's limit of {self.text_limit}"
+            raise ApiError(413, "request_too_large", message)
         try:
             prompt = self.model.encode(value)
         except RequestError as e:  # (nesting was bounded by body.parse: the prompt renderer recurses per level)

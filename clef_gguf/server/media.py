@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..runtime import images as runtime_images
 from .problems import ApiError, Invalid, Location
 
 REQUEST_PART = "request"
@@ -115,6 +116,24 @@ def take_assets(value: Any, parts: dict[str, bytes]) -> tuple[Any, list[Location
         raise Invalid(["body", unclaimed[0]], "a multipart part that no asset claims")
     rest = {k: v for k, v in value.items() if k != "assets"}
     return {**rest, "images": images}, origins
+
+
+def chat_part_origins(value: Any) -> list[Location]:
+    """Where the image parts of a chat-message state are, in the order the runtime appends them to `images`
+    (runtime/images.py request_images: after the top-level images and the assets)."""
+    state = value.get("state") if isinstance(value, dict) else None
+    wrapped = isinstance(state, dict) and isinstance(state.get("messages"), list)
+    messages = state["messages"] if wrapped else state
+    if not isinstance(messages, list):
+        return []
+    base: Location = ["body", "state", "messages"] if wrapped else ["body", "state"]
+    return [
+        [*base, i, "content", j, "image_url"]
+        for i, message in enumerate(messages)
+        if runtime_images.has_image_parts(message)
+        for j, part in enumerate(message["content"])
+        if runtime_images.is_image_part(part)
+    ]
 
 
 def relocate(error: ApiError | Invalid, origins: list[Location]) -> ApiError | Invalid:
