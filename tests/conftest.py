@@ -92,6 +92,9 @@ def _offload_by_default() -> None:
     _set_default(NativeHead.__init__, "gpu", True)
     _set_default(VisionEncoder.__init__, "use_gpu", True)
     os.environ["CLEF_GGUF_N_GPU_LAYERS"] = "-1"
+    import live_server
+
+    live_server.HEALTH_TIMEOUT_S = 1200.0  # a served process compiles the device's pipelines before /health
 
 
 class Workspace:

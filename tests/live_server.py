@@ -15,6 +15,10 @@ from pathlib import Path
 
 import httpx
 
+# How long a server may take to answer /health. The device set (tests/conftest.py) raises it: on lavapipe a
+# process's first decision (serve's load probe) compiles ggml-vulkan's pipelines, 346 s measured.
+HEALTH_TIMEOUT_S = 120.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,8 +40,8 @@ def serve_process(
         return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True, env=environment)
 
 
-def wait_healthy(process: subprocess.Popen[str], url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_healthy(process: subprocess.Popen[str], url: str, timeout_s: float | None = None) -> None:
+    deadline = time.monotonic() + (HEALTH_TIMEOUT_S if timeout_s is None else timeout_s)
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[1]
         try:
@@ -58,7 +62,7 @@ def rss_bytes(pid: int) -> int:
 
 @contextmanager
 def served(
-    model: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None, timeout_s: float = 120
+    model: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None, timeout_s: float | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """A running `clef-gguf serve MODEL ARGS...` (its own defaults for everything not in ARGS): its URL and process."""
     port = free_port()
