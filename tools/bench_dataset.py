@@ -1,5 +1,6 @@
 """Records per second of `clef-gguf decide` on a JSON Lines dataset against the same records sent one at a time
-over HTTP to `clef-gguf serve`, as clef-evals sends them (Workers AI's route, one kept-alive connection), in one run.
+over HTTP to `clef-gguf serve`, as clef-evals sends them (Workers AI's route, one kept-alive connection), and to
+llama-server's /v1/systemone on the same file (when built: tools/build_llama_server.sh), in one run.
 
 The dataset is in clef-evals' shape (clef_evals.models.build_payload: a state and one choice question), --count
 records of which half are about 20 states (each about 350 tokens: past the state cache's 256-token minimum) and
@@ -8,6 +9,7 @@ median records/s of each and the median of the rounds' ratios. decide runs twice
 --sort-by-state.
 
     python tools/bench_dataset.py [MODEL.gguf] [--count 1000] [--rounds 3] [--out docs/benchmarks/dataset.json]
+                                  [--bin ~/.cache/clef-gguf/llama-build/bin]
 
 Without MODEL: the bundled demo model (tiny, random weights: the ratios are the point, not the rates).
 """
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from http.client import HTTPConnection
 from pathlib import Path
 
@@ -31,6 +34,10 @@ from clef_evals import Choice
 from clef_evals.models import build_payload
 
 from clef_gguf.data import DEMO_MODEL
+from clef_gguf.llama.threads import default_threads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interop_llama_server import as_llama_server_accepts  # noqa: E402
 
 CRITERIA = {"billing": "Payments and refunds.", "technical": "Bugs and outages.", "sales": "Pricing and plans."}
 ROUTE = "/client/v4/accounts/0123456789abcdef0123456789abcdef/ai/run/@cf/cloudflare/clef"
@@ -67,12 +74,12 @@ def run_decide(model: Path, source: Path, out: Path, sort: bool) -> float:
     return json.loads(run.stdout)["records_per_s"]  # (decisions alone: the load is not counted)
 
 
-def run_http(port: int, records: list[dict]) -> float:
+def run_http(port: int, records: list[dict], route: str = ROUTE, prepare: Callable[[dict], dict] = lambda r: r) -> float:
+    bodies = [json.dumps(prepare({k: v for k, v in r.items() if k != "id"})).encode() for r in records]
     connection = HTTPConnection("127.0.0.1", port, timeout=600)
     started = time.perf_counter()
-    for record in records:
-        body = json.dumps({k: v for k, v in record.items() if k != "id"}).encode()
-        connection.request("POST", ROUTE, body, {"Content-Type": "application/json", "Authorization": "Bearer local"})
+    for body in bodies:
+        connection.request("POST", route, body, {"Content-Type": "application/json", "Authorization": "Bearer local"})
         response = connection.getresponse()
         response.read()
         if response.status != 200:
@@ -81,12 +88,25 @@ def run_http(port: int, records: list[dict]) -> float:
     return len(records) / (time.perf_counter() - started)
 
 
+def wait_healthy(port: int, server: subprocess.Popen) -> None:
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return
+        except OSError:
+            if server.poll() is not None:
+                raise SystemExit(f"a server exited with {server.returncode}") from None
+            time.sleep(0.5)
+    raise SystemExit("a server did not become healthy")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", type=Path, default=DEMO_MODEL)
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/dataset.json"))
+    parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin", help="llama-server's")
     args = parser.parse_args()
     records = dataset(args.count)
     folder = Path(tempfile.mkdtemp(prefix="bench-dataset-"))
@@ -98,24 +118,37 @@ def main() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    servers = [server]
+    theirs = None
+    if (args.bin / "llama-server").is_file():  # the same context and threads; --no-repack: it aborts on AMX otherwise
+        theirs = _free_port()
+        command = [str(args.bin / "llama-server"), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(theirs)]
+        command += ["-c", "4096", "-b", "4096", "-ub", "4096", "-t", str(default_threads()), "--no-repack"]
+        servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_healthy(port, server)
+        if theirs is not None:
+            wait_healthy(theirs, servers[1])
         rounds = []
         for r in range(args.rounds):
             row = {"http": run_http(port, records), "decide": run_decide(args.model, source, folder / "a.jsonl", False)}
             row["decide_sorted"] = run_decide(args.model, source, folder / "b.jsonl", True)
+            if theirs is not None:
+                row["llama_server"] = run_http(theirs, records, "/v1/systemone", as_llama_server_accepts)
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f} records/s" for k, v in row.items()), flush=True)
     finally:
-        server.terminate()
-        server.wait()
+        for process in servers:
+            process.terminate()
+            process.wait()
     result = {key: statistics.median(row[key] for row in rounds) for key in rounds[0]}
-    ratios = {f"{key}/http": statistics.median(row[key] / row["http"] for row in rounds) for key in ("decide", "decide_sorted")}
+    ratios = {
+        f"{key}/{base}": statistics.median(row[key] / row[base] for row in rounds)
+        for base in ("http", "llama_server")
+        if base in rounds[0]
+        for key in ("decide", "decide_sorted", "http")
+        if key != base
+    }
     summary = {"model": str(args.model), "count": args.count, "rounds": rounds, "median_records_per_s": result, "ratios": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
