@@ -100,6 +100,20 @@ def wait_healthy(port: int, server: subprocess.Popen) -> None:
     raise SystemExit("a server did not become healthy")
 
 
+def run_serve(model: Path, records: list[dict]) -> float:
+    """The records over HTTP to a `clef-gguf serve` of their own: its state cache starts empty, as decide's does
+    (a server kept across rounds would answer every later round from its cache)."""
+    port = _free_port()
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(model), "--port", str(port), "--ctx", "4096"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, server)
+        return run_http(port, records)
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", type=Path, default=DEMO_MODEL)
@@ -112,35 +126,27 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="bench-dataset-"))
     source = folder / "requests.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "clef_gguf.cli", "serve", str(args.model), "--port", str(port), "--ctx", "4096"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    servers = [server]
-    theirs = None
+    theirs, llama = None, None
     if (args.bin / "llama-server").is_file():  # the same context and threads; --no-repack: it aborts on AMX otherwise
         theirs = _free_port()
         command = [str(args.bin / "llama-server"), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(theirs)]
         command += ["-c", "4096", "-b", "4096", "-ub", "4096", "-t", str(default_threads()), "--no-repack"]
-        servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        llama = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(port, server)
-        if theirs is not None:
-            wait_healthy(theirs, servers[1])
+        if llama is not None:
+            wait_healthy(theirs, llama)
         rounds = []
         for r in range(args.rounds):
-            row = {"http": run_http(port, records), "decide": run_decide(args.model, source, folder / "a.jsonl", False)}
+            row = {"http": run_serve(args.model, records), "decide": run_decide(args.model, source, folder / "a.jsonl", False)}
             row["decide_sorted"] = run_decide(args.model, source, folder / "b.jsonl", True)
             if theirs is not None:
                 row["llama_server"] = run_http(theirs, records, "/v1/systemone", as_llama_server_accepts)
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f} records/s" for k, v in row.items()), flush=True)
     finally:
-        for process in servers:
-            process.terminate()
-            process.wait()
+        if llama is not None:
+            llama.terminate()
+            llama.wait()
     result = {key: statistics.median(row[key] for row in rounds) for key in rounds[0]}
     ratios = {
         f"{key}/{base}": statistics.median(row[key] / row[base] for row in rounds)
