@@ -1,6 +1,7 @@
 """Records per second of `clef-gguf decide` on a JSON Lines dataset against the same records sent one at a time
-over HTTP to `clef-gguf serve`, as clef-evals sends them (Workers AI's route, one kept-alive connection), and to
-llama-server's /v1/systemone on the same file (when built: tools/build_llama_server.sh), in one run.
+over HTTP to `clef-gguf serve`, as clef-evals sends them (Workers AI's route, one kept-alive connection), by
+clef-evals itself (its ClefJudge, one judge_choice a record), and to llama-server's /v1/systemone on the same
+file (when built: tools/build_llama_server.sh), in one run. Each HTTP method gets a fresh serve.
 
 The dataset is in clef-evals' shape (clef_evals.models.build_payload: a state and one choice question), --count
 records of which half are about 20 states (each about 350 tokens: past the state cache's 256-token minimum) and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from http.client import HTTPConnection
 from pathlib import Path
 
-from clef_evals import Choice
+from clef_evals import Choice, ClefJudge
 from clef_evals.models import build_payload
 
 from clef_gguf.data import DEMO_MODEL
@@ -40,7 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interop_llama_server import as_llama_server_accepts  # noqa: E402
 
 CRITERIA = {"billing": "Payments and refunds.", "technical": "Bugs and outages.", "sales": "Pricing and plans."}
-ROUTE = "/client/v4/accounts/0123456789abcdef0123456789abcdef/ai/run/@cf/cloudflare/clef"
+ACCOUNT = "0123456789abcdef0123456789abcdef"
+ROUTE = f"/client/v4/accounts/{ACCOUNT}/ai/run/@cf/cloudflare/clef"
+JUDGE = "_judge"  # a record's state and question as clef-evals' ClefJudge takes them; not in the JSONL
+
+
+def body_of(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("id", JUDGE)}
 
 
 def _state(rng: random.Random, n: int) -> str:
@@ -55,7 +63,8 @@ def dataset(count: int, seed: int = 26) -> list[dict]:
     for i in range(count):
         state = shared[i % 20] if i % 2 == 0 else _state(rng, 100 + i)
         question = rng.choice(["Which team should handle this?", "Where does this ticket go?", "Who answers this?"])
-        records.append({"id": f"r{i}", **build_payload("clef", state, {"decision": Choice(question, CRITERIA)})})
+        payload = build_payload("clef", state, {"decision": Choice(question, CRITERIA)})
+        records.append({"id": f"r{i}", **payload, JUDGE: [state, question]})
     rng.shuffle(records)
     return records
 
@@ -75,7 +84,7 @@ def run_decide(model: Path, source: Path, out: Path, sort: bool) -> float:
 
 
 def run_http(port: int, records: list[dict], route: str = ROUTE, prepare: Callable[[dict], dict] = lambda r: r) -> float:
-    bodies = [json.dumps(prepare({k: v for k, v in r.items() if k != "id"})).encode() for r in records]
+    bodies = [json.dumps(prepare(body_of(r))).encode() for r in records]
     connection = HTTPConnection("127.0.0.1", port, timeout=600)
     started = time.perf_counter()
     for body in bodies:
@@ -100,7 +109,7 @@ def wait_healthy(port: int, server: subprocess.Popen) -> None:
     raise SystemExit("a server did not become healthy")
 
 
-def run_serve(model: Path, records: list[dict]) -> float:
+def run_serve(model: Path, records: list[dict], client: Callable[[int, list[dict]], float]) -> float:
     """The records over HTTP to a `clef-gguf serve` of their own: its state cache starts empty, as decide's does
     (a server kept across rounds would answer every later round from its cache)."""
     port = _free_port()
@@ -108,10 +117,21 @@ def run_serve(model: Path, records: list[dict]) -> float:
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(port, server)
-        return run_http(port, records)
+        return client(port, records)
     finally:
         server.terminate()
         server.wait()
+
+
+def run_clef_evals(port: int, records: list[dict]) -> float:
+    """clef-evals itself: its ClefJudge, configured as its README says, judging each record's choice."""
+    os.environ.update(CLEF_BASE_URL=f"http://127.0.0.1:{port}/client/v4", CLEF_ACCOUNT_ID=ACCOUNT, CLEF_API_TOKEN="local")
+    with ClefJudge() as judge:
+        started = time.perf_counter()
+        for record in records:
+            state, question = record[JUDGE]
+            judge.judge_choice(state, question, CRITERIA)
+        return len(records) / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -125,7 +145,7 @@ def main() -> None:
     records = dataset(args.count)
     folder = Path(tempfile.mkdtemp(prefix="bench-dataset-"))
     source = folder / "requests.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    source.write_text("".join(json.dumps({**body_of(r), "id": r["id"]}) + "\n" for r in records))
     theirs, llama = None, None
     if (args.bin / "llama-server").is_file():  # the same context and threads; --no-repack: it aborts on AMX otherwise
         theirs = _free_port()
@@ -137,7 +157,8 @@ def main() -> None:
             wait_healthy(theirs, llama)
         rounds = []
         for r in range(args.rounds):
-            row = {"http": run_serve(args.model, records), "decide": run_decide(args.model, source, folder / "a.jsonl", False)}
+            row = {"http": run_serve(args.model, records, run_http), "clef_evals": run_serve(args.model, records, run_clef_evals)}
+            row["decide"] = run_decide(args.model, source, folder / "a.jsonl", False)
             row["decide_sorted"] = run_decide(args.model, source, folder / "b.jsonl", True)
             if theirs is not None:
                 row["llama_server"] = run_http(theirs, records, "/v1/systemone", as_llama_server_accepts)
@@ -152,7 +173,7 @@ def main() -> None:
         f"{key}/{base}": statistics.median(row[key] / row[base] for row in rounds)
         for base in ("http", "llama_server")
         if base in rounds[0]
-        for key in ("decide", "decide_sorted", "http")
+        for key in ("decide", "decide_sorted", "http", "clef_evals")
         if key != base
     }
     summary = {"model": str(args.model), "count": args.count, "rounds": rounds, "median_records_per_s": result, "ratios": ratios}
