@@ -45,6 +45,10 @@ F16_STEPS = 2 * 2.0**-10
 F16_ANSWER_TOLERANCE = 2e-3
 
 
+def answer_tolerance(file_type: str, model: Any) -> float:
+    return max(ANSWER_TOLERANCE[file_type], F16_ANSWER_TOLERANCE if f16_tiles(model.head.device) else 0.0)
+
+
 def hidden_close(one: np.ndarray, other: np.ndarray, file_type: str, f16: bool) -> bool:
     allowed = HIDDEN_TOLERANCE[file_type] + (F16_STEPS * np.maximum(np.abs(one), np.abs(other)) if f16 else 0.0)
     return bool(np.all(np.abs(one - other) <= allowed))
@@ -83,9 +87,8 @@ def test_batched_hidden_states_and_answers_are_those_alone(loaded):
     for one, (other, _) in zip(alone, together, strict=True):
         assert one.shape == other.shape and hidden_close(one, other, file_type, f16)
     answers = model.decide_batch(prompts)
-    tolerance = max(ANSWER_TOLERANCE[file_type], F16_ANSWER_TOLERANCE if f16 else 0.0)
     for prompt, answer in zip(prompts, answers, strict=True):
-        assert_close(answer, model.decide(prompt), tolerance)
+        assert_close(answer, model.decide(prompt), answer_tolerance(file_type, model))
 
 
 def test_what_is_batchable(loaded):
@@ -166,4 +169,4 @@ def test_the_server_batches_the_requests_that_wait_in_order(loaded):
     assert all("decide;dur=" in t and 'desc="batch of 4"' in t for t in timings[1:5])
     for request, response in zip(sent, responses, strict=True):
         assert response.status_code == 200
-        assert_close(reuse_apart(response.json()), reuse_apart(model.decide(request)), ANSWER_TOLERANCE[file_type])
+        assert_close(reuse_apart(response.json()), reuse_apart(model.decide(request)), answer_tolerance(file_type, model))
