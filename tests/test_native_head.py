@@ -67,8 +67,9 @@ def test_native_head_equals_the_numpy_reference(ws, release, file_type, head_typ
         config = hparams.head_config(f.header)
         reference = reference_head(f, config)
         native = NativeHead(f, config, n_threads=2)
-        # such a device's rounding is what the split products undo (head_graph.cpp), at the same tolerance
-        assert native.split_products == f16_tiles(native.device)
+        # such a device's rounding is what the split products undo (head_graph.cpp), at the same tolerance; the CPU's
+        # F32 products never split; elsewhere the probe decides (F32 products in TF32 round their inputs too)
+        assert native.split_products if f16_tiles(native.device) else native.device != "CPU" or not native.split_products
         n_vocab = f.header.tensors["token_embd.weight"].shape[0]
         rng = np.random.default_rng(0)
         # Few queries take the folded attention over the memory, many (17 questions of up to 9 options
