@@ -100,6 +100,10 @@ MUTANTS = {
     "minicpm version as UINT32": ({"replace": {"clip.minicpmv_version": kv_u32("clip.minicpmv_version", 2)}}, "as INT32"),
     "a missing bias": ({"keep": lambda n: n != "v.blk.1.attn_qkv.bias"}, "1 of the 34 vision tower tensors are missing"),
     "no second frame": ({"keep": lambda n: n != V.PATCH_EMBD_1}, "v.patch_embd.weight.1"),
+    "fewer blocks than tensors": (
+        {"replace": {V.KEY_BLOCK_COUNT: kv_u32(V.KEY_BLOCK_COUNT, 1)}},
+        "1 vision blocks past clip.vision.block_count 1 have tensors (v.blk.1.*)",
+    ),
     "more blocks than tensors": ({"replace": {V.KEY_BLOCK_COUNT: kv_u32(V.KEY_BLOCK_COUNT, 3)}}, "12 of the 46"),
     "no positions": ({"keep": lambda n: n != V.POSITION_EMBD}, "v.position_embd.weight or mm.2.bias is missing"),
 }

@@ -483,6 +483,21 @@ def test_workers_ai_errors_keep_their_status_in_the_envelope(client):
     _envelope_error(client.get(path), 405, 405)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/accounts//ai/run/@cf/cloudflare/clef",  # an empty account id
+        "/client/v4/accounts/a%2Fb/ai/run/@cf/cloudflare/clef",  # a slash in it
+        "/client/v4//accounts/a/ai/run/@cf/cloudflare/clef",  # a doubled slash
+        "/accounts/a//ai/run/@cf/cloudflare/clef",
+        "/client/v4/accounts/a/ai/models",  # a route this server does not have
+    ],
+)
+def test_workers_ai_paths_no_route_matches_get_the_envelope(client, path):
+    message = _envelope_error(client.post(path, json=mixed_request()), 404, 404)
+    assert "/v1/systemone" in message and "/accounts/ACCOUNT_ID/ai/run/@cf/cloudflare/clef" in message
+
+
 def test_unknown_routes_and_methods_get_the_error_shape(client):
     _api_error(client.get("/v1/nothing"), 404, "not_found_error")
     _api_error(client.get("/v1/systemone"), 405, "invalid_request_error")

@@ -180,6 +180,17 @@ def test_a_streamed_64_mib_header_delays_no_one(server):
     assert statistics.median(excess) < 0.05 and max(excess) < 0.25, excess
 
 
+def test_a_request_line_the_parser_refuses_is_answered_in_its_routes_shape(server):
+    """Raw non-ASCII bytes in the target: httptools refuses the line before the route is known, so the shape comes
+    from the bytes received: Workers AI's envelope on its paths, TypeSafe's elsewhere."""
+    line = b"POST /client/v4/accounts/\xc3\xa9/ai/run/@cf/cloudflare/clef HTTP/1.1\r\nhost: x\r\n\r\n"
+    workers_ai = exchange(server.port, [line])
+    body = assert_json_error(workers_ai, 400)
+    assert body["success"] is False and [e["code"] for e in body["errors"]] == [400], body
+    system_one = assert_json_error(exchange(server.port, [b"POST /v1/syst\xc3\xa9mone HTTP/1.1\r\nhost: x\r\n\r\n"]), 400)
+    assert system_one["detail"]["error_type"] == "invalid_request_error", system_one
+
+
 SLOW_HEADS: dict[str, tuple[list[bytes], int]] = {
     "nothing sent": ([], 0),
     "a request line trickled": ([bytes([b]) for b in b"GET /health HTTP/1.1\r\n"], 408),

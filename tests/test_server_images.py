@@ -10,6 +10,7 @@ import base64
 import copy
 import io
 import json
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,13 +19,19 @@ import httpx2
 import numpy as np
 import pytest
 import typesafe_sdk as ts
+from gguf import GGUFValueType as VT
+from live_server import served
 from PIL import Image
 from test_server import TIMEOUT, reuse_apart, start
 
 import clef_gguf
+from clef_gguf.check.pair import validate_pair
+from clef_gguf.format import vision as V
+from clef_gguf.format.header import GGUFFile, Header
 from clef_gguf.server import create_app
 from clef_gguf.server.body import IMAGE_ALLOWANCE, body_limit
 from clef_gguf.server.workers_ai import PREFIXES, ROUTE
+from clef_gguf.testing.gguf_bytes import kv_array, kv_f32, kv_i32, kv_str, kv_u32, pack_str, rebuild
 
 WORKERS_AI = (PREFIXES[0] + ROUTE).replace("{account_id}", "acct").replace("{model_id:path}", "@cf/cloudflare/clef-flash")
 QUESTIONS = {
@@ -254,3 +261,83 @@ def test_bad_multipart_bodies_get_422(client):
     assert response.status_code == 200, response.text
     unterminated = content[: content.rindex(b"--b0undary--")]
     assert problem(client.post("/v1/systemone", content=unterminated, headers=headers))["loc"] == ["body"]
+
+
+# --- A fuzz of the mmproj header values validate reads: each file is refused, or its server answers images ----
+def _header_edits(rng: np.random.Generator, header: Header) -> list[tuple[str, bytes, str]]:
+    """One or two of the keys validate reads (hparams.read_vision_hparams), each given a value of its type from
+    the edges (0, 1, one off, doubled, halved, int32 and uint32 maxima; tiny, huge, negative and non-finite
+    floats) or another type: (key, packed key-value, what it was set to)."""
+    keys = [
+        V.KEY_EMBEDDING_LENGTH, V.KEY_HEAD_COUNT, V.KEY_FEED_FORWARD_LENGTH, V.KEY_BLOCK_COUNT, V.KEY_PROJECTION_DIM,
+        V.KEY_IMAGE_SIZE, V.KEY_PATCH_SIZE, V.KEY_LAYER_NORM_EPS, V.KEY_SPATIAL_MERGE_SIZE, V.KEY_USE_GELU,
+        V.KEY_USE_SILU, V.KEY_IMAGE_MEAN, V.KEY_IMAGE_STD, V.KEY_IMAGE_MIN_PIXELS, V.KEY_IMAGE_MAX_PIXELS,
+        V.KEY_HAS_VISION, V.KEY_PROJECTOR,
+    ]  # fmt: skip
+    floats = [0.0, 1e-30, 1e-6, 0.5, 1.0, 3.0, -1.0, 1e38, float("inf"), float("nan")]
+    edits = []
+    for key in rng.choice(keys, size=int(rng.integers(1, 3)), replace=False):
+        field = header.fields.get(key)
+        kind = field.type if field is not None else VT.UINT32
+        if rng.random() < 0.1:  # another type than clip.cpp reads (it asserts the type: an abort)
+            kv, shown = (kv_i32(key, 1), "INT32 1") if kind != VT.INT32 else (kv_str(key, "1"), "STRING '1'")
+        elif kind == VT.UINT32:
+            old = int(field.value) if field is not None else 16 * 1024
+            value = int(rng.choice([0, 1, 2, old - 1, old + 1, old * 2, old // 2, old * 1024 + 1, 2**31 - 1, 2**32 - 1]))
+            value = min(max(value, 0), 2**32 - 1)
+            kv, shown = kv_u32(key, value), str(value)
+        elif kind == VT.FLOAT32:
+            value = float(rng.choice(floats))
+            kv, shown = kv_f32(key, value), repr(value)
+        elif kind == VT.BOOL:
+            value = not field.value
+            kv, shown = pack_str(key) + bytes([VT.BOOL, 0, 0, 0, value]), repr(value)
+        elif kind == VT.ARRAY:  # the mean or the std: one of the three channels
+            triple = [float(v) for v in field.value]
+            triple[int(rng.integers(3))] = float(rng.choice(floats))
+            kv, shown = kv_array(key, VT.FLOAT32, "f", triple), repr(triple)
+        else:
+            value = str(rng.choice(["qwen2vl_merger", "qwen3vl_merger", ""]))
+            kv, shown = kv_str(key, value), repr(value)
+        edits.append((str(key), kv, shown))
+    return edits
+
+
+FUZZ_IMAGES = [(32, 32), (96, 160), (1, 300), (700, 40), (480, 640)]  # (height, width): aspect ratios up to 300
+
+
+def test_any_mmproj_header_validate_passes_serves_its_images(ws, tmp_path):
+    """A seeded fuzz of the mmproj's header values over the keys validate reads: each file gets a validate refusal,
+    or a `clef-gguf serve --mmproj` that starts and answers image requests 200 (or, for an image the reference's
+    processor itself refuses at these limits, 422 naming it); never a 500, and never a server that answers no image."""
+    gguf, seed = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
+    f = GGUFFile.open(seed)
+    header = f.header
+    f.close()
+    rng = np.random.default_rng(23)
+    requests = [
+        {"state": "A parcel photo.", "questions": QUESTIONS, "images": [data_url(encoded(h, w, "PNG", h + w), "image/png")]}
+        for h, w in FUZZ_IMAGES
+    ]
+    served_files, refused = [], 0
+    for i in range(int(os.environ.get("CLEF_MMPROJ_FUZZ", "40"))):
+        edits = _header_edits(rng, header)
+        what = ", ".join(f"{key} = {shown}" for key, _, shown in edits)
+        mmproj = rebuild(seed, tmp_path / f"{i}.mmproj.gguf", replace={key: kv for key, kv, _ in edits})
+        report = validate_pair(gguf, mmproj)
+        if report.exit_code:
+            refused += 1
+            continue
+        with served(gguf, "--mmproj", str(mmproj), "--state-cache", "0", "--max-prompt-tokens", "4096") as (url, _):
+            answers = [httpx.post(f"{url}/v1/systemone", json=r, timeout=TIMEOUT) for r in requests]
+        for (h, w), answer in zip(FUZZ_IMAGES, answers, strict=True):
+            if answer.status_code == 422:
+                [detail] = answer.json()["detail"]
+                assert detail["loc"] == ["body", "images", 0] and "pixels" in detail["msg"], (what, h, w, answer.text)
+            else:
+                assert answer.status_code == 200, (what, h, w, answer.text)
+        assert any(a.status_code == 200 for a in answers), (what, [a.text for a in answers])
+        served_files.append(what)
+        os.remove(mmproj)
+    print(f"\nmmproj header fuzz: {refused} refused by validate, {len(served_files)} served: {'; '.join(served_files)}")
+    assert refused and served_files  # both sides of the line were reached

@@ -117,6 +117,15 @@ def vision_tensors(h: Header, d: VisionDescription) -> list[Problem]:
         n = wrong[0]
         more = f" ({len(wrong) - 1} more tensors differ)" if len(wrong) > 1 else ""
         bad.append(f"tensor {n} has shape {list(tensors[n].shape)}, the keys imply {list(expected[n])}{more}")
+    # Blocks past the key's count are loaded by nobody: clip.cpp would run the first n_layer and answer otherwise.
+    blocks = {int(n.split(".")[2]) for n in tensors if n.startswith("v.blk.") and n.split(".")[2].isdigit()}
+    beyond = sorted(blocks - set(range(d.shape.n_layer)))
+    if beyond:
+        n = d.shape.n_layer
+        bad.append(
+            f"{len(beyond)} vision blocks past {V.KEY_BLOCK_COUNT} {n} have tensors (v.blk.{beyond[0]}.*): "
+            f"clip.cpp would run only the first {n} blocks of the tower"
+        )
     if not V.is_square(d.shape.n_positions):
         bad.append(f"{V.POSITION_EMBD} holds {d.shape.n_positions} positions, not a square grid (clip.cpp aborts)")
     deepstack = [n for n in tensors if n.startswith("v.deepstack.")]

@@ -27,6 +27,7 @@ from .worker import Decider, DecideWorker, Encoder, Model
 
 DEFAULT_MAX_PENDING = 64
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
+_ROUTES = "this server answers POST /v1/systemone and POST [/client/v4]/accounts/ACCOUNT_ID/ai/run/@cf/cloudflare/clef"
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
 
 
@@ -117,7 +118,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:  # unknown path, wrong method
         error_type = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
-        return _problem(request, ApiError(e.status_code, error_type, str(e.detail), dict(e.headers or {})))
+        message = str(e.detail) if e.status_code != 404 else f"no route here for {request.method} {request.url.path}: {_ROUTES}"
+        return _problem(request, ApiError(e.status_code, error_type, message, dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> Response:  # a bug, not the client's fault

@@ -25,7 +25,9 @@ MAX_REQUEST_ID = 128  # characters of a client's id kept; a longer one is replac
 # The id of the request being answered, set per request (each is a task of its own) by observe.Observed, so that every
 # answer to it, an error rendered anywhere included, carries the one id its access log line names.
 current_request_id: ContextVar[str | None] = ContextVar("clef_request_id", default=None)
-_WORKERS_AI_PATH = re.compile(r"^(?:/client/v4)?/accounts/[^/]+/ai/run/")
+# Cloudflare's REST API answers everything under its root in the envelope, a path that names no route included:
+# so does this server for any path under /accounts or /client/v4, however its slashes are doubled.
+_WORKERS_AI_PATH = re.compile(r"^/+(?:accounts|client/+v4)(?:/|$)")
 # Workers AI's own internal codes where one fits (developers.cloudflare.com/workers-ai/platform/errors);
 # any other error carries its HTTP status as the code.
 _WORKERS_AI_CODES = {"no_such_model": 5007, "prompt_too_long": 3006, "request_too_large": 3006}

@@ -40,6 +40,9 @@ class HttpLimits:
     keep_alive_s: float = 5.0  # uvicorn's default: an idle connection after an answer
 
 
+_HEAD_START_BYTES = 256  # enough of a request line to tell its route
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; uvicorn then calls send_400_response."""
 
@@ -51,6 +54,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._reading_head = True  # between the end of a request's body (or the connection's start) and its headers
         self._head_bytes = 0
+        self._head_start = b""  # a head's first bytes, as received: its target, where the parser refused it unread
         self._refusal: ApiError | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -64,6 +68,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._reading_head:
             if self._head_bytes == 0:  # a request's first byte: its head is due by the deadline
                 self._await_head()
+                self._head_start = b""
+            if len(self._head_start) < _HEAD_START_BYTES:
+                self._head_start += data[: _HEAD_START_BYTES - len(self._head_start)]
             self._head_bytes += len(data)
         super().data_received(data)
         # Checked after parsing: a chunk may end a small head and carry the start of a large body.
@@ -130,8 +137,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._answer_and_close(self._refusal or ApiError(400, "invalid_request_error", "the request is not valid HTTP/1.1"))
 
     def _answer_and_close(self, problem: ApiError) -> None:
-        path = getattr(self, "url", b"").partition(b"?")[0].decode("latin-1")
-        status, headers, body = render_problem(path, problem)
+        # The path picks the error's shape (Workers AI's envelope on its routes). A request line the parser refused
+        # (raw non-ASCII bytes in it, say) never reached on_url: its target is then read from the bytes received.
+        target = getattr(self, "url", b"") or (self._head_start.split(b" ", 2)[1:2] or [b""])[0]
+        status, headers, body = render_problem(target.partition(b"?")[0].decode("latin-1"), problem)
         head = [STATUS_LINE[status]]
         for name, value in [*self.server_state.default_headers, *((k.encode(), v.encode()) for k, v in headers.items())]:
             head += [name, b": ", value, b"\r\n"]
