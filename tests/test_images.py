@@ -305,7 +305,7 @@ def _pixel_cases() -> dict[str, bytes]:
     apng = io.BytesIO()
     picture(60, 90, 14).save(apng, "PNG", save_all=True, append_images=[picture(60, 90, 15)])
     exif = Image.Exif()
-    exif[0x0112] = 6  # orientation: rotated; neither the processor nor the runtime applies it
+    exif[0x0112] = 6  # orientation: rotated; neither the processor nor the runtime applies it (see the EXIF test below)
     cases = dict(IMAGES)
     cases |= {
         "png_16bit": file_of(Image.fromarray(rng.integers(0, 65535, (90, 130), dtype=np.uint16)), "PNG"),
@@ -348,6 +348,26 @@ def test_prepared_pixels_are_the_processors(config, limits, processor, name):
     ours = ((prepared.pixels.astype(np.float32) / np.float32(255) - mean) / std).transpose(2, 0, 1)
     # One step of a uint8 pixel is 1 / 255 / 0.28 = 0.014: any pixel off by one is caught; float32 rounding is not.
     assert np.abs(ours - theirs).max() < 1e-5
+
+
+def test_exif_orientation_is_ignored_as_the_references_own_loader_ignores_it(limits, tmp_path):
+    """An image is its stored pixels, whatever its EXIF orientation says. The reference loads a record's images with
+    `Image.open(path).convert("RGB")` (clef_finetune.data.resolve_images), which does not apply the orientation, and
+    hands PIL images to its processor, which does not either: transformers' load_image would (exif_transpose), but the
+    reference never calls it. llama.cpp's stb_image ignores EXIF too. Rotating here would answer about another image."""
+    from clef_finetune.data import resolve_images
+    from transformers.image_utils import load_image
+
+    image = picture(120, 200, 18)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees clockwise for display
+    rotated, plain = file_of(image, "JPEG", exif=exif), file_of(image, "JPEG")
+    (tmp_path / "rotated.jpg").write_bytes(rotated)
+    [loaded] = resolve_images({"images": ["rotated.jpg"]}, tmp_path)["images"]
+    assert loaded.size == (200, 120) and np.array_equal(np.asarray(loaded), np.asarray(pil(plain)))
+    assert load_image(str(tmp_path / "rotated.jpg")).size == (120, 200)  # the choice is real: this one would rotate
+    ours, unrotated = I.prepare(rotated, limits, "images.0"), I.prepare(plain, limits, "images.0")
+    assert (ours.nx, ours.ny, ours.digest) == (unrotated.nx, unrotated.ny, unrotated.digest) and ours.nx > ours.ny
 
 
 # --- 3. The same image by every form ----------------------------------------------------------------------
