@@ -34,11 +34,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: in the device set (tools/device_check.sh)")
+    config.addinivalue_line("markers", "device_quick: one case per path of the device set (tools/device_check.sh --quick)")
     if config.getoption("on_device") and device_build():
         _offload_by_default()
 
 
+# The quick device set (`-m device_quick`, tools/device_check.sh --quick): one case of each path the device set
+# covers, so that a device run fits in minutes on a software device. Each is a node id, or the start of one.
+DEVICE_QUICK = (
+    "tests/test_parity.py::test_probabilities_match_the_reference[untied_f32-f32-auto-0.005-mixed]",
+    "tests/test_parity.py::test_probabilities_match_the_reference[untied_f32-q8_0-auto-0.035-long_state]",
+    "tests/test_parity.py::test_tokens_and_spans_match_the_reference[untied_f32-mixed]",
+    "tests/test_native_head.py::test_native_head_equals_the_numpy_reference[untied_f32-f32-auto-0.0001]",
+    "tests/test_native_head.py::test_native_head_equals_the_numpy_reference[k256-q4_k_m-auto-0.0001]",
+    "tests/test_native_head.py::test_decide_uses_the_native_head",
+    "tests/test_state_cache.py::test_a_hit_gives_the_answers_of_the_cache_off_and_of_the_reference[untied_f32-f32-128]",
+    "tests/test_batching.py::test_batched_hidden_states_and_answers_are_those_alone[f32]",
+    "tests/test_plan.py::test_the_plan_is_what_llama_cpp_allocates",
+    "tests/test_offload.py::test_half_the_layers_on_the_device_answer_as_the_cpu",
+    "tests/test_images.py::test_answers_match_the_reference[f32-1_png_up]",
+    "tests/test_mtmd.py::test_the_tower_in_llama_cpp_is_the_release_tower[f32]",
+    "tests/test_clients.py::test_typesafe_sdk_parses_every_answer_type_and_gets_422_for_a_null_level",
+    "tests/test_clients.py::test_clef_evals_judges_a_choice_and_evaluates_a_set",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(DEVICE_QUICK):
+            item.add_marker(pytest.mark.device_quick)
     if config.getoption("on_device") and not device_build():
         for item in items:
             item.add_marker(pytest.mark.skip(reason=NO_DEVICE))

@@ -54,6 +54,9 @@ def workers_ai_env(demo: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("CLEF_BASE_URL", f"{demo}/client/v4")
     monkeypatch.setenv("CLEF_ACCOUNT_ID", ACCOUNT_ID)
     monkeypatch.setenv("CLEF_API_TOKEN", API_TOKEN)
+    # Their documented timeout (30 or 60 s by default), as long as this module gives the other clients: on a software
+    # device (the device set on lavapipe) clef-compactor's 64-chunk request took 181 s and timed out at 60.
+    monkeypatch.setenv("CLEF_TIMEOUT", str(TIMEOUT))
     return demo
 
 

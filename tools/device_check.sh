@@ -3,7 +3,9 @@
 # the clients against `serve`), with every model, head and vision tower on the device (tests/conftest.py).
 #
 #   bash tools/vulkan_env.sh             # once: the Vulkan build of llama-cpp-python, in its own venv
-#   bash tools/device_check.sh [VENV] [PYTEST ARGS...]
+#   bash tools/device_check.sh [VENV] [--quick] [PYTEST ARGS...]
+#
+# --quick runs one case of each path (tests/conftest.py DEVICE_QUICK) instead of the whole set.
 #
 # On lavapipe (Mesa's software Vulkan device) the first run compiles ggml's shaders into the Mesa cache
 # below (tens of minutes on 2 cores); later runs reuse it. lavapipe is 30-50x slower than the CPU backend:
@@ -15,6 +17,14 @@ if [ $# -gt 0 ] && [ -d "$1" ]; then
     VENV=$1
     shift
 fi
+MARK=device
+if [ "${1:-}" = "--quick" ]; then
+    MARK=device_quick
+    shift
+fi
+# lavapipe compiles every pipeline with LLVM in each process (Mesa caches NIR, not machine code): without LLVM's
+# optimization passes the compile is the smaller cost on the tiny test models. A real GPU's driver ignores it.
+export GALLIVM_PERF=${GALLIVM_PERF:-nopt}
 # ggml-vulkan skips CPU-type devices (lavapipe is one) unless they are named.
 export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
 export MESA_SHADER_CACHE_DIR=${MESA_SHADER_CACHE_DIR:-$HOME/.cache/clef-gguf/vulkan/shaders}
@@ -33,5 +43,5 @@ with clef_gguf.load(DEMO_MODEL, n_gpu_layers=-1) as model:
     print("the demo's head runs on", model.head.device)
     assert model.head.device != "CPU", "no device: is this venv's llama-cpp-python built with a device backend?"
 EOF
-"$PY" -m pytest -m device --on-device -q -p no:cacheprovider "$@"
+"$PY" -m pytest -m "$MARK" --on-device -q -p no:cacheprovider --durations 10 "$@"
 echo "device set: $((SECONDS - start)) s"
