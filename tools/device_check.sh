@@ -23,7 +23,8 @@ if [ "${1:-}" = "--quick" ]; then
     shift
 fi
 # lavapipe compiles every pipeline with LLVM in each process (Mesa caches NIR, not machine code): without LLVM's
-# optimization passes the compile is the smaller cost on the tiny test models. A real GPU's driver ignores it.
+# optimization passes the compile should cost less on the tiny test models (not yet measured against the default).
+# A real GPU driver ignores it.
 export GALLIVM_PERF=${GALLIVM_PERF:-nopt}
 # ggml-vulkan skips CPU-type devices (lavapipe is one) unless they are named.
 export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
