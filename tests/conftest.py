@@ -20,6 +20,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import clef_gguf  # noqa: E402
+
+# Before any test module imports ray (test_ray_installed.py's importorskip is collected first): Ray reads the
+# variables this sets (a loopback cluster, token auth) when it is imported, and a driver that imported it without them
+# cannot join the cluster of clef_gguf.testing.ray_cluster ("Failed to connect to Ray cluster at 192.0.2.2:...").
+import clef_gguf.testing.ray_cluster  # noqa: E402, F401
 from clef_gguf.conversion.convert import default_mmproj_path  # noqa: E402
 from clef_gguf.testing.oracle import Oracle  # noqa: E402
 from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402

@@ -7,16 +7,20 @@ byte; the released clients (test_clients.py's own tests, unchanged) against the 
 4xx for bad requests; a replica's process killed under load loses no request its client did not see
 fail with a retryable 503, and the replica comes back; the documented config file deploys with
 `serve run`, its API key and autoscaling included; a replica that cannot answer a decision never
-becomes ready.
+becomes ready; and, on a local cluster of its own, SIGTERM lets an admitted request finish, refuses new ones with
+our JSON 503, then closes the port, and leaves no Ray session folder behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -104,6 +108,103 @@ def same_response(ray: httpx.Response, plain: httpx.Response) -> None:
     assert (ray.status_code, ray.content) == (plain.status_code, plain.content), (ray.text, plain.text)
     for header in ("content-type", "retry-after", "www-authenticate"):
         assert ray.headers.get(header) == plain.headers.get(header), header
+
+
+# --- Stopping (first: on a cluster of its own, started before this module's) -----------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone but for its parent
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """Ray's temporary folder (RAY_TMPDIR) for one run alone, so that its session folders can be counted; short: a
+    session's socket paths must fit in AF_UNIX's 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_sigterm_on_a_local_cluster_drains_with_our_503_then_refuses_and_leaves_no_session_folder(ray_tmp, tmp_path):
+    """`serve --ray` without RAY_ADDRESS, stopped with SIGTERM while a client keeps posting: a request admitted before
+    (its body still being sent) gets its 200, every other answer is a 200 or our JSON 503 with Retry-After (never Ray's
+    404 text/plain, which it answered from its application's deletion to its proxy's stop), then connections fail;
+    Ray's processes and this run's session folder are gone, and Ray reported no failed task."""
+    log = tmp_path / "serve.log"
+    env = {"RAY_ADDRESS": "", "RAY_TMPDIR": str(ray_tmp)}
+    body = DEMO_REQUEST.read_bytes()
+    release = threading.Event()
+    slow: list[httpx.Response | httpx.TransportError] = []
+    answers: list[tuple[int, str | None, str | None, bytes] | str] = []  # status, content type, Retry-After, body; or an error
+
+    def slow_body() -> Iterator[bytes]:
+        yield body[:100]
+        release.wait(TIMEOUT)
+        yield body[100:]
+
+    with served(DEMO_MODEL, "--ray", "--drain-timeout", "60", env=env, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, process):
+        [session] = (ray_tmp / "ray").glob("session_2*")  # this run's, while it serves
+        headers = {"content-type": "application/json"}
+
+        def send_slowly() -> None:
+            try:
+                slow.append(httpx.post(f"{url}/v1/systemone", content=slow_body(), headers=headers, timeout=TIMEOUT))
+            except httpx.TransportError as e:
+                slow.append(e)
+
+        admitted = threading.Thread(target=send_slowly)
+        try:
+            deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+            # Deployed: the ingress answers /health as soon as it runs, before every replica is (serve.run returned).
+            while "serving clef-gguf on" not in log.read_text():
+                assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.1)
+            admitted.start()
+            while httpx.get(f"{url}/health", timeout=TIMEOUT).json()["reading"] != 1:  # its body is being read: it is inside
+                assert time.monotonic() < deadline, "the slow request never reached the ingress"
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            with httpx.Client(base_url=url, timeout=30) as http:  # a request left unanswered would be a ReadTimeout
+                while process.poll() is None:
+                    try:
+                        r = http.post("/v1/systemone", content=body, headers=headers)
+                    except httpx.TransportError as e:
+                        answers.append(type(e).__name__)
+                    else:
+                        answers.append((r.status_code, r.headers.get("content-type"), r.headers.get("retry-after"), r.content))
+                        if r.status_code == 503:
+                            release.set()  # the doors are closed, the drain waits for the slow request: let it finish
+                    time.sleep(0.02)
+            release.set()  # (if no 503 came, the assertions below say so)
+            process.wait(TIMEOUT)
+            admitted.join(TIMEOUT)
+        finally:
+            release.set()  # on any failure too: the slow request's thread is not left waiting
+    output = log.read_text()
+    assert process.returncode == 0, output[-3000:]
+    refused = [a for a in answers if isinstance(a, tuple) and a[0] != 200]
+    for status, content_type, retry_after, content in refused:
+        assert (status, content_type, retry_after) == (503, "application/json", "1"), content
+        assert json.loads(content)["detail"]["error_type"] == "overloaded_error"
+    assert refused, answers  # the slow request was released on a 503
+    errors = {a for a in answers if isinstance(a, str)}
+    assert errors <= {"ConnectError", "ReadError", "RemoteProtocolError"}, errors  # no request left hanging
+    assert isinstance(answers[-1], str), answers[-3:]  # the port closed before the process exited
+    [answered] = slow
+    assert isinstance(answered, httpx.Response) and answered.status_code == 200, answered
+    assert "answers" in answered.json()
+    # No task failed by ray.kill (serve.shutdown's graceful_shutdown was one, at every stop).
+    assert "killed by `ray.kill`" not in output and "Traceback" not in output, output[-3000:]
+    pids = {int(pid) for pid in re.findall(r"pid=(\d+)", output)}  # Ray's prefixes: controller, proxy, replicas
+    assert pids
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if _alive(pid)]
+        time.sleep(0.2)
+    assert not session.exists() and not list((ray_tmp / "ray").glob("session_*")), list((ray_tmp / "ray").iterdir())
 
 
 # --- The same answers --------------------------------------------------------------------------------------------
