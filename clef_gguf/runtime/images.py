@@ -231,9 +231,8 @@ def request_images(body: dict[str, Any], state: Any) -> tuple[list[Any], Any]:
     if given is not None and not isinstance(given, list):
         raise RequestError("must be a list of images", "images")
     images = list(given or [])
-    wrapped = isinstance(state, dict) and isinstance(state.get("messages"), list)
-    messages = state["messages"] if wrapped else state
-    if not isinstance(messages, list) or not any(has_image_parts(m) for m in messages):
+    messages, wrapped = chat_messages(state)
+    if not any(has_image_parts(m) for m in messages):
         return images, state
     kept = []
     for message in messages:
@@ -249,6 +248,13 @@ def request_images(body: dict[str, Any], state: Any) -> tuple[list[Any], Any]:
                 content.append(part)
         kept.append({**message, "content": content})
     return images, ({**state, "messages": kept} if wrapped else kept)
+
+
+def chat_messages(state: Any) -> tuple[list[Any], bool]:
+    """A chat-message state's messages (the state a list, or {"messages": [...]}: wrapped), or none."""
+    wrapped = isinstance(state, dict) and isinstance(state.get("messages"), list)
+    messages = state["messages"] if wrapped else state
+    return (messages if isinstance(messages, list) else []), wrapped
 
 
 def is_image_part(part: Any) -> bool:

@@ -121,11 +121,7 @@ def take_assets(value: Any, parts: dict[str, bytes]) -> tuple[Any, list[Location
 def chat_part_origins(value: Any) -> list[Location]:
     """Where the image parts of a chat-message state are, in the order the runtime appends them to `images`
     (runtime/images.py request_images: after the top-level images and the assets)."""
-    state = value.get("state") if isinstance(value, dict) else None
-    wrapped = isinstance(state, dict) and isinstance(state.get("messages"), list)
-    messages = state["messages"] if wrapped else state
-    if not isinstance(messages, list):
-        return []
+    messages, wrapped = runtime_images.chat_messages(value.get("state") if isinstance(value, dict) else None)
     base: Location = ["body", "state", "messages"] if wrapped else ["body", "state"]
     return [
         [*base, i, "content", j, "image_url"]
