@@ -73,6 +73,16 @@ def _problem(request: Request, problem: ApiError | Invalid) -> Response:
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
+async def send_shutting_down(scope: Scope, send: Send, message: str) -> None:
+    """Answer from ASGI middleware, outside FastAPI's handlers: the JSON 503 that clients retry elsewhere."""
+    problem = ApiError(503, "overloaded_error", message, {"Retry-After": "1", "Connection": "close"})
+    status, headers, body = render_problem(scope["path"], problem)
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
 class AnswerCutOff:
     """At SIGTERM, uvicorn cancels the requests still running after --drain-timeout: each gets a JSON 503
     (which clients retry elsewhere) instead of uvicorn's plain-text 500."""
@@ -96,13 +106,7 @@ class AnswerCutOff:
         except asyncio.CancelledError:
             if started:
                 raise
-            message = "the server shut down before this request was decided; retry"
-            problem = ApiError(503, "overloaded_error", message, {"Retry-After": "1", "Connection": "close"})
-            status, headers, body = render_problem(scope["path"], problem)
-            raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-            raw_headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-            await send({"type": "http.response.body", "body": body})
+            await send_shutting_down(scope, send, "the server shut down before this request was decided; retry")
             # Not re-raised: the request is answered, and this is the top of its task (uvicorn would log a traceback).
 
 

@@ -49,10 +49,10 @@ from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAUL
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
-from .app import DEFAULT_MAX_PENDING, check_api_key, create_app
+from .app import DEFAULT_MAX_PENDING, check_api_key, create_app, send_shutting_down
 from .body import DEFAULT_BODY_TIMEOUT_S
 from .observe import LogFormat, configure_access_log
-from .problems import ApiError, render_problem
+from .problems import ApiError
 from .run import DEFAULT_DRAIN_TIMEOUT_S
 from .worker import DecideWorker, Decision, Prompt, overloaded, render
 
@@ -207,13 +207,7 @@ class ShutdownGate:
             await self.app(scope, receive, send)
             return
         if self.doors.closed:
-            message = "the server is shutting down; retry"
-            problem = ApiError(503, "overloaded_error", message, {"Retry-After": "1", "Connection": "close"})
-            status, headers, body = render_problem(scope["path"], problem)
-            raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-            raw += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": status, "headers": raw})
-            await send({"type": "http.response.body", "body": body})
+            await send_shutting_down(scope, send, "the server is shutting down; retry")
             return
         self.doors.inside += 1
         try:
