@@ -49,7 +49,6 @@ def pytest_configure(config: pytest.Config) -> None:
 DEVICE_QUICK = (
     "tests/test_parity.py::test_probabilities_match_the_reference[untied_f32-f32-auto-0.005-mixed]",
     "tests/test_parity.py::test_probabilities_match_the_reference[untied_f32-q8_0-auto-0.035-long_state]",
-    "tests/test_parity.py::test_tokens_and_spans_match_the_reference[untied_f32-mixed]",
     "tests/test_native_head.py::test_native_head_equals_the_numpy_reference[untied_f32-f32-auto-0.0001]",
     "tests/test_native_head.py::test_native_head_equals_the_numpy_reference[k256-q4_k_m-auto-0.0001]",
     "tests/test_native_head.py::test_decide_uses_the_native_head",
@@ -63,14 +62,32 @@ DEVICE_QUICK = (
     "tests/test_clients.py::test_clef_evals_judges_a_choice_and_evaluates_a_set",
 )
 
+# Tests of the device set's modules that --on-device leaves out: the device adds nothing to what they check, and on
+# lavapipe they cost 108 s of the whole set's 662 (measured 2026-12-02). The tokenizer's tokens and spans and the
+# usage counts are the host's; the fixtures' answers are the oracle's; the 30,000-token request checks the host
+# memory a long prompt takes, and its prefill across ubatches on the device is test_state_cache's at ubatch 128
+# against the oracle, and clef-rag's 20,600-token state through `serve`.
+NOT_ON_DEVICE = (
+    "tests/test_parity.py::test_tokens_and_spans_match_the_reference",
+    "tests/test_parity.py::test_fixture_probabilities_are_far_from_uniform",
+    "tests/test_clients.py::test_a_30000_token_request_prefilled_in_ubatches_equals_the_oracle",
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(DEVICE_QUICK):
             item.add_marker(pytest.mark.device_quick)
-    if config.getoption("on_device") and not device_build():
+    if not config.getoption("on_device"):
+        return
+    if not device_build():
         for item in items:
             item.add_marker(pytest.mark.skip(reason=NO_DEVICE))
+        return
+    left_out = [item for item in items if item.nodeid.startswith(NOT_ON_DEVICE)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.nodeid.startswith(NOT_ON_DEVICE)]
 
 
 @pytest.fixture(scope="session")
