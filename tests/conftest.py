@@ -1,9 +1,9 @@
 """Session fixtures: tiny random Clef releases, their GGUF conversions, loaded models
 and the reference oracle. Everything is built once per session, on demand.
 
-`pytest -m device --on-device` (tools/device_check.sh) is the device set: the tests marked `device`, with every
-model, head and vision tower on the build's device backend (Vulkan, CUDA) wherever a test leaves
-n_gpu_layers at its default, `clef-gguf` subprocesses included (CLEF_GGUF_N_GPU_LAYERS). On a CPU build of
+`pytest -m device --on-device` (tools/device_check.sh) is the device set: the tests marked `device` but those in
+NOT_ON_DEVICE, with every model, head and vision tower on the build's device backend (Vulkan, CUDA) wherever a
+test leaves n_gpu_layers at its default, `clef-gguf` subprocesses included (CLEF_GGUF_N_GPU_LAYERS). On a CPU build of
 llama-cpp-python, --on-device skips them and says why.
 """
 
