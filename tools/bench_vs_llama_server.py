@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import socket
@@ -219,6 +220,8 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.bin / "llama-server").is_file():
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
+    if importlib.util.find_spec("matplotlib") is None:  # refused now, not after minutes of measuring
+        raise SystemExit("the plot needs matplotlib: pip install -e '.[bench]'")
 
     import clef_gguf
     from clef_gguf.llama.threads import default_threads
