@@ -59,16 +59,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import clef_gguf
-    from clef_gguf.testing.release_builder import BENCHMARK, build_release
+    from clef_gguf.testing.fixture_files import benchmark_files
     from clef_gguf.testing.request_suite import long_state_text
 
     print(f"{os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}, {args.threads} thread(s)")
     state = {"ticket": long_state_text(args.paragraphs), "customer_tier": "gold"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        release = build_release(root / "release", BENCHMARK)
-        for file_type in args.types:
-            path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
+        for file_type, path in benchmark_files(root, args.types).items():  # built in a child: no torch threads here
             kwargs = {"max_prompt_tokens": 16384, "n_threads": args.threads}
             with clef_gguf.load(path, **kwargs) as cached, clef_gguf.load(path, state_cache=0, **kwargs) as off:
                 warm = request(state, -1)

@@ -28,7 +28,7 @@ def main() -> None:
 
     import clef_gguf
     from clef_gguf.llama.threads import default_threads
-    from clef_gguf.testing.release_builder import BENCHMARK, build_release
+    from clef_gguf.testing.fixture_files import benchmark_files
     from clef_gguf.testing.request_suite import long_state_request
 
     counts = sorted({1, default_threads(), os.cpu_count() or 1})
@@ -38,7 +38,7 @@ def main() -> None:
     )
     request = long_state_request(args.paragraphs)
     with tempfile.TemporaryDirectory() as tmp:
-        path = clef_gguf.convert(build_release(Path(tmp) / "release", BENCHMARK), Path(tmp) / "bench.gguf", "f32")
+        path = benchmark_files(Path(tmp), ["f32"])["f32"]  # built in a child: no torch threads here
         models = {n: clef_gguf.load(path, max_prompt_tokens=4096, n_threads=n, state_cache=0) for n in counts}
         try:
             tokens = models[1].decide(request)["usage"]["input_tokens"]  # and a warm-up of each

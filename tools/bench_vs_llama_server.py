@@ -7,7 +7,9 @@ of the rounds' ratios. Each server is sent its requests over one kept-alive conn
 do (typesafe-sdk, clef-rag, clef-evals, clef-compactor and clef-router all hold an httpx
 client).
 llama-server's Clef graph has no memory, so its physical batch is the whole prompt (-c = -b =
--ub); clef-gguf runs at its defaults (ubatches of 1024).
+-ub); clef-gguf runs at its defaults (ubatches of 1024). Both place the weights alike: ggml's repacked
+CPU layouts, but neither where the CPU has AMX (clef-gguf's placement, llama/cpu_buffers.py; llama-server
+with --no-repack there, without which it aborts on a Q4_K_M file).
 
 Requests: the demo request (a ticket with 3 questions) and long states with the 3 questions
 at about 2k, 8k and 32k tokens (the 32k one with --long-rounds rounds: a round takes a minute;
@@ -65,6 +67,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER_MAX_BATCH = 28672  # the largest -c = -b = -ub llama-server starts with for qwen35 (32768 aborts)
 
 from interop_llama_server import as_llama_server_accepts  # noqa: E402
+
+from clef_gguf.llama.cpu_buffers import AMX, extra_buffer_types  # noqa: E402
 
 
 def free_port() -> int:
@@ -380,7 +384,11 @@ def llama_server(binary_dir: Path, model: Path, url: str, threads: int, slots: i
     """llama-server on `model` with `slots` parallel slots (-np), each able to take a prompt of LLAMA_SERVER_MAX_BATCH."""
     ctx = str(LLAMA_SERVER_MAX_BATCH)
     command = [str(binary_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
-    command += ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(threads), "-np", str(slots), "--no-repack"]
+    command += ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(threads), "-np", str(slots)]
+    if AMX in extra_buffer_types():
+        # Where clef-gguf keeps the extra buffer types off (llama/cpu_buffers.py), llama-server too: it aborts
+        # loading a Q4_K_M clef file there without --no-repack. Elsewhere both repack weights, their default.
+        command.append("--no-repack")
     if slots > 1:
         command.append("--kv-unified")  # every slot may take the whole context, as clef-gguf's sequences may
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))

@@ -59,7 +59,7 @@ def main() -> None:
 
     import clef_gguf
     from clef_gguf.llama.threads import default_threads
-    from clef_gguf.testing.release_builder import BENCHMARK, build_release
+    from clef_gguf.testing.fixture_files import benchmark_files
     from clef_gguf.testing.request_suite import long_state_text
 
     counts = args.threads or sorted({1, default_threads()})
@@ -69,7 +69,7 @@ def main() -> None:
     requests = {"ticket": demo, "~2k": long}
     release = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
-        path = clef_gguf.convert(build_release(Path(tmp) / "release", BENCHMARK), Path(tmp) / "bench.gguf", args.type)
+        path = benchmark_files(Path(tmp), [args.type])[args.type]  # built in a child: no torch threads here
         models = {n: clef_gguf.load(path, max_prompt_tokens=4096, n_threads=n, state_cache=0) for n in counts}
         try:
             if args.second_team:

@@ -272,3 +272,24 @@ RELEASES: dict[str, ReleaseSpec] = {
         seed=2, hidden=256, intermediate=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, head_width=64
     ),
 }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m clef_gguf.testing.release_builder OUT_DIR TYPE...``: BENCHMARK and its GGUF files (fixture_files)."""
+    import argparse
+
+    from clef_gguf.conversion.convert import convert
+
+    from .fixture_files import benchmark_path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("types", nargs="+")
+    args = parser.parse_args(argv)
+    release = build_release(args.out_dir / "release", BENCHMARK)
+    for file_type in args.types:
+        convert(release, benchmark_path(args.out_dir, file_type), file_type)
+
+
+if __name__ == "__main__":
+    main()
