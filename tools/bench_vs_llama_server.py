@@ -66,9 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER_MAX_BATCH = 28672  # the largest -c = -b = -ub llama-server starts with for qwen35 (32768 aborts)
 
-from interop_llama_server import as_llama_server_accepts  # noqa: E402
-
-from clef_gguf.llama.cpu_buffers import AMX, extra_buffer_types  # noqa: E402
+from interop_llama_server import as_llama_server_accepts, placement_flags  # noqa: E402
 
 
 def free_port() -> int:
@@ -384,11 +382,7 @@ def llama_server(binary_dir: Path, model: Path, url: str, threads: int, slots: i
     """llama-server on `model` with `slots` parallel slots (-np), each able to take a prompt of LLAMA_SERVER_MAX_BATCH."""
     ctx = str(LLAMA_SERVER_MAX_BATCH)
     command = [str(binary_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
-    command += ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(threads), "-np", str(slots)]
-    if AMX in extra_buffer_types():
-        # Where clef-gguf keeps the extra buffer types off (llama/cpu_buffers.py), llama-server too: it aborts
-        # loading a Q4_K_M clef file there without --no-repack. Elsewhere both repack weights, their default.
-        command.append("--no-repack")
+    command += ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(threads), "-np", str(slots), *placement_flags()]
     if slots > 1:
         command.append("--kv-unified")  # every slot may take the whole context, as clef-gguf's sequences may
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))

@@ -54,10 +54,18 @@ def probabilities(answer: dict[str, Any]) -> dict[str, float]:
     return answer.get("probabilities") or {"true": answer["noul"], "false": 1 - answer["noul"]}
 
 
+def placement_flags() -> list[str]:
+    """llama-server's flags for the weights' placement clef-gguf makes on this CPU (llama/cpu_buffers.py): ggml's
+    repacked layouts, both servers' default, unless the CPU has AMX, where clef-gguf keeps them off and
+    llama-server aborts loading a K-quant file without --no-repack (FACTS). The same kernels then run in both."""
+    from clef_gguf.llama.cpu_buffers import AMX, extra_buffer_types
+
+    return ["--no-repack"] if AMX in extra_buffer_types() else []
+
+
 def serve(binary: Path, model: Path, n_ctx: int, log: Path) -> subprocess.Popen:
-    # --no-repack: llama.cpp's own server aborts loading K-quants on AMX CPUs otherwise (FACTS).
     args = [str(binary / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(PORT)]
-    args += ["-c", str(n_ctx), "-b", str(n_ctx), "-ub", str(n_ctx), "-t", "2", "--no-repack"]
+    args += ["-c", str(n_ctx), "-b", str(n_ctx), "-ub", str(n_ctx), "-t", "2", *placement_flags()]
     server = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
     for _ in range(180):
         try:
