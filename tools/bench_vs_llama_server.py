@@ -225,9 +225,8 @@ def main() -> None:
     if importlib.util.find_spec("matplotlib") is None:  # refused now, not after minutes of measuring
         raise SystemExit("the plot needs matplotlib: pip install -e '.[bench]'")
 
-    import clef_gguf
     from clef_gguf.llama.threads import default_threads
-    from clef_gguf.testing.release_builder import BENCHMARK, build_release
+    from clef_gguf.testing.fixture_files import benchmark_files
 
     args.threads = args.threads or default_threads()
     requests = requests_by_size()
@@ -236,9 +235,7 @@ def main() -> None:
     raw: list[dict[str, Any]] = []  # every round's seconds, for the .json
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        release = build_release(root / "release", BENCHMARK)
-        for file_type in args.types:
-            path = clef_gguf.convert(release, root / f"bench-{file_type}.gguf", file_type)
+        for file_type, path in benchmark_files(root, args.types).items():  # built in a child: no torch threads here
             ours_url = f"http://127.0.0.1:{free_port()}"
             ours = subprocess.Popen(
                 [
