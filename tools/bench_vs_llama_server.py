@@ -237,21 +237,7 @@ def main() -> None:
         root = Path(tmp)
         for file_type, path in benchmark_files(root, args.types).items():  # built in a child: no torch threads here
             ours_url = f"http://127.0.0.1:{free_port()}"
-            ours = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "clef_gguf.cli",
-                    "serve",
-                    str(path),
-                    "--port",
-                    ours_url.rsplit(":", 1)[1],
-                    "--threads",
-                    str(args.threads),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=(root / f"ours-{file_type}.log").open("w"),
-            )
+            ours = clef_serve(path, ours_url, args.threads, root / f"ours-{file_type}.log")
             # llama-server's Clef graph has no memory: a prompt is one physical batch, and above 28,672 tokens
             # it aborts at start-up (GGML_ASSERT(ctx->mem_buffer != NULL), ggml.c:1644; measured at 32,768).
             theirs_url = f"http://127.0.0.1:{free_port()}"
@@ -373,6 +359,12 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     plot(rows, concurrency, args.out.with_suffix(".png"), args.threads)
     print("\n".join(lines))
+
+
+def clef_serve(model: Path, url: str, threads: int, log: Path) -> subprocess.Popen:
+    """`clef-gguf serve` on `model`, with this interpreter's clef_gguf."""
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(model), "--port", url.rsplit(":", 1)[1]]
+    return subprocess.Popen([*command, "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
 def llama_server(binary_dir: Path, model: Path, url: str, threads: int, slots: int, log: Path) -> subprocess.Popen:

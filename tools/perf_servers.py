@@ -15,19 +15,11 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import bench_vs_llama_server as bench
-
-
-def server(who: str, path: Path, url: str, threads: int, bin_dir: Path, log: Path) -> subprocess.Popen:
-    if who == "llama-server":
-        return bench.llama_server(bin_dir, path, url, threads, 1, log)
-    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(path), "--port", url.rsplit(":", 1)[1]]
-    return subprocess.Popen([*command, "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
 def top_samples(data: Path, top: int) -> list[str]:
@@ -64,7 +56,12 @@ def main() -> None:
         path = benchmark_files(root, [args.type])[args.type]  # built in a child: no torch threads in the recording
         for who in ("clef-gguf", "llama-server"):
             url = f"http://127.0.0.1:{bench.free_port()}"
-            process = server(who, path, url, threads, args.bin, root / f"{who}.log")
+            log = root / f"{who}.log"
+            process = (
+                bench.clef_serve(path, url, threads, log)
+                if who == "clef-gguf"
+                else bench.llama_server(args.bin, path, url, threads, 1, log)
+            )
             try:
                 bench.wait_healthy(url, process)
                 client = bench.Client(url)
