@@ -132,7 +132,6 @@ def _offload_by_default() -> None:
     from clef_gguf.llama.native_head import NativeHead
     from clef_gguf.runtime import model
 
-    _set_default(model.load, "n_gpu_layers", -1)
     _set_default(model.ClefModel.__init__, "n_gpu_layers", -1)
     _set_default(Backbone.__init__, "n_gpu_layers", -1)
     _set_default(NativeHead.__init__, "gpu", True)

@@ -58,6 +58,23 @@ def _probe(vision: bool) -> dict[str, Any]:
 
 
 class ClefModel:
+    """A loaded Clef GGUF: `clef_gguf.load(path, ...)` (this class) validates the file, loads it and runs one probe
+    decision. n_gpu_layers: the layers on llama-cpp-python's device backend (-1 all, 0 the CPU alone).
+    max_prompt_tokens is the largest prompt it will accept (default: Clef's 65,536), the
+    context llama.cpp is created with (its n_ctx).
+
+    ubatch: prompts are processed in ubatches of this many tokens, the state carried over,
+    so llama.cpp's compute buffer is bounded by the ubatch, not the prompt (default:
+    DEFAULT_UBATCH, or max_prompt_tokens if smaller); ubatch = max_prompt_tokens processes a prompt in one
+    physical batch.
+    state_cache: bytes of host memory for the backbone states of recent requests' state prefixes
+    (runtime/state_cache.py; default 1 GiB), so that a request repeating a state computes only its
+    schema; 0 turns it off. n_threads: default, the physical cores this process may use.
+    mmproj: the vision tower (llama.cpp's mmproj GGUF, which `clef-gguf convert` writes beside the
+    model), so that requests may carry up to 4 images (runtime/images.py); without it they are refused.
+    parallel: at most this many requests prefilled together (decide_batch).
+    """
+
     def __init__(
         self,
         path: str | Path,
@@ -297,36 +314,5 @@ class ClefModel:
         self.close()
 
 
-def load(
-    path: str | Path,
-    n_gpu_layers: int = 0,
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-    n_threads: int | None = None,
-    ubatch: int | None = None,
-    state_cache: int = DEFAULT_STATE_CACHE,
-    mmproj: str | Path | None = None,
-    parallel: int = DEFAULT_PARALLEL,
-) -> ClefModel:
-    """Load a Clef GGUF. max_prompt_tokens is the largest prompt it will accept (default: Clef's 65,536), the
-    context llama.cpp is created with (its n_ctx).
-
-    ubatch: prompts are processed in ubatches of this many tokens, the state carried over,
-    so llama.cpp's compute buffer is bounded by the ubatch, not the prompt (default:
-    DEFAULT_UBATCH, or max_prompt_tokens if smaller); ubatch = max_prompt_tokens processes a prompt in one
-    physical batch.
-    state_cache: bytes of host memory for the backbone states of recent requests' state prefixes
-    (runtime/state_cache.py; default 1 GiB), so that a request repeating a state computes only its
-    schema; 0 turns it off. n_threads: default, the physical cores this process may use.
-    mmproj: the vision tower (llama.cpp's mmproj GGUF, which `clef-gguf convert` writes beside the
-    model), so that requests may carry up to 4 images (runtime/images.py); without it they are refused.
-    """
-    return ClefModel(
-        path,
-        n_gpu_layers=n_gpu_layers,
-        max_prompt_tokens=max_prompt_tokens,
-        n_threads=n_threads,
-        ubatch=ubatch,
-        state_cache=state_cache,
-        mmproj=mmproj,
-        parallel=parallel,
-    )
+# The API's verb: clef_gguf.load(path, ...) is ClefModel(path, ...), one signature.
+load = ClefModel
