@@ -1,0 +1,77 @@
+"""What deciding tickets together saves: four tickets, each about a state of its own, alone, in two batches of two,
+and in one batch of four.
+
+A batch is what `clef-gguf serve` decides when requests wait (ClefModel.batchable: at most `parallel` prompts
+whose tokens fit one ubatch). Two tickets fit the default ubatch of 1,024; four need 2,048, so a second model is
+loaded from the same file with that ubatch. In one process, on the benchmark fixture (the one
+tools/bench_vs_llama_server.py uses), the state cache on as in serve, four new states each round (no hits); the
+ways interleaved round by round; medians of the time for all four, and their ratio to one at a time.
+
+    python tools/bench_batch.py [--types f32 q4_k_m] [--rounds 15] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_vs_llama_server import new_state, requests_by_size
+
+WAYS = ("one at a time", "two batches of two", "one batch of four (ubatch 2048)")
+
+
+def four_tickets(model: Any, way: str, prompts: list[Any]) -> float:
+    """Seconds to decide the four prompts `way`."""
+    start = time.perf_counter()
+    if way == WAYS[0]:
+        for prompt in prompts:
+            model.decide_batch([prompt])
+    elif way == WAYS[1]:
+        model.decide_batch(prompts[:2])
+        model.decide_batch(prompts[2:])
+    else:
+        model.decide_batch(prompts)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", nargs="+", default=["f32", "q4_k_m"])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="default: llama.cpp's (the physical cores)")
+    args = parser.parse_args()
+
+    import clef_gguf
+    from clef_gguf.testing.fixture_files import benchmark_files
+
+    ticket = requests_by_size()["ticket"]
+    states = iter(range(10**6, 10**9))
+    with tempfile.TemporaryDirectory() as tmp:
+        files = benchmark_files(Path(tmp), args.types)  # in a child: no torch threads in this process
+        for file_type, path in files.items():
+            models = {ubatch: clef_gguf.load(path, ubatch=ubatch, parallel=4, n_threads=args.threads) for ubatch in (1024, 2048)}
+            seconds: dict[str, list[float]] = {way: [] for way in WAYS}
+            tokens = 0
+            for round_ in range(args.rounds):
+                for way in WAYS[round_ % 3 :] + WAYS[: round_ % 3]:  # each way first in turn
+                    model = models[2048 if way == WAYS[2] else 1024]
+                    prompts = [model.encode(new_state(ticket, next(states))) for _ in range(4)]
+                    tokens = len(prompts[0].tokens)
+                    if way == WAYS[2] and not model.batchable(prompts):
+                        raise SystemExit(f"four tickets of {tokens} tokens do not fit one ubatch of 2048")
+                    seconds[way].append(four_tickets(model, way, prompts))
+            for model in models.values():
+                model.close()
+            alone = statistics.median(seconds[WAYS[0]])
+            print(f"{file_type}, four tickets of {tokens} tokens, medians of {args.rounds}:")
+            for way in WAYS:
+                median = statistics.median(seconds[way])
+                print(f"  {way}: {median * 1000:.1f} ms ({median / alone:.2f})")
+
+
+if __name__ == "__main__":
+    main()
