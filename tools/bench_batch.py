@@ -7,7 +7,10 @@ loaded from the same file with that ubatch. In one process, on the benchmark fix
 tools/bench_vs_llama_server.py uses), the state cache on as in serve, four new states each round (no hits); the
 ways interleaved round by round; medians of the time for all four, and their ratio to one at a time.
 
-    python tools/bench_batch.py [--types f32 q4_k_m] [--rounds 15] [--threads N]
+On a GPU (--n-gpu-layers -1), where one ticket leaves most of the device idle, batching is meant to be most of
+the throughput (issue 22); on this project's 2-CPU machine the cost grows with the tokens and it gains little.
+
+    python tools/bench_batch.py [--types f32 q4_k_m] [--rounds 15] [--threads N] [--n-gpu-layers -1]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["f32", "q4_k_m"])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="default: llama.cpp's (the physical cores)")
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="-1: every layer and the head on the device")
     args = parser.parse_args()
 
     import clef_gguf
@@ -53,7 +57,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = benchmark_files(Path(tmp), args.types)  # in a child: no torch threads in this process
         for file_type, path in files.items():
-            models = {ubatch: clef_gguf.load(path, ubatch=ubatch, parallel=4, n_threads=args.threads) for ubatch in (1024, 2048)}
+            models = {
+                ubatch: clef_gguf.load(path, ubatch=ubatch, parallel=4, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+                for ubatch in (1024, 2048)
+            }
             seconds: dict[str, list[float]] = {way: [] for way in WAYS}
             tokens = 0
             for round_ in range(args.rounds):
@@ -64,10 +71,11 @@ def main() -> None:
                     if way == WAYS[2] and not model.batchable(prompts):
                         raise SystemExit(f"four tickets of {tokens} tokens do not fit one ubatch of 2048")
                     seconds[way].append(four_tickets(model, way, prompts))
+            device = models[1024].head.device
             for model in models.values():
                 model.close()
             alone = statistics.median(seconds[WAYS[0]])
-            print(f"{file_type}, four tickets of {tokens} tokens, medians of {args.rounds}:")
+            print(f"{file_type}, four tickets of {tokens} tokens, the head on {device}, medians of {args.rounds}:")
             for way in WAYS:
                 median = statistics.median(seconds[way])
                 print(f"  {way}: {median * 1000:.1f} ms ({median / alone:.2f})")
