@@ -5,18 +5,23 @@
 #   bash tools/gpu_check.sh run       # there, in a copy of this checkout that includes .gpu/
 #
 # prepare: llama-cpp-python 0.3.36's sdist (76 MB) stripped to what a CUDA build of its
-#   libraries needs (no models, docs, tests, examples, tools, other backends; mtmd off)
-#   as .gpu/llama_cpp_python-0.3.36.tar.gz, and the pure-Python wheels such a machine may
-#   lack (gguf, diskcache, clef-finetune: the reference the parity tests hold us to).
+#   libraries needs (no models, docs, tests, examples, other backends, no tools but mtmd: the
+#   vision tower's libmtmd) as .gpu/llama_cpp_python-0.3.36.tar.gz, and, as CPython 3.12 wheels
+#   (that machine's python3), what clef-gguf and its tests need and its image lacks (the device
+#   tool's KINDS.md lists what it has): the server's FastAPI stack, gguf, diskcache, clef-finetune
+#   (the reference the parity tests hold us to). About 13 MB.
 # run: into python3's own environment (the GPU machine is disposable; a virtual environment
 #   made from it would not see its torch, transformers, scikit-build-core...), builds
 #   llama-cpp-python with GGML_CUDA for this card's architecture only, installs clef-gguf
 #   (editable: its native head is compiled against that CUDA ggml), checks the head runs
-#   on the GPU, then runs, with n_gpu_layers=-1: the device set (the tests marked `device`, as
-#   tools/device_check.sh runs them on Vulkan), a GPU-vs-CPU comparison of every fixture decision,
-#   and tools/bench_head.py. Everything it reports
-#   lands in $OUT (or .gpu/out): gpu_check.log, head_gpu.md/.json/.png.
-#   Budget: 10 minutes including the build. CUDA flash-attention kernels are compiled only
+#   on the GPU, then runs, with n_gpu_layers=-1, the quick checks first: tools/compare_devices.py
+#   (the request suite on the GPU against the CPU), tools/bench_batch.py (tickets alone against
+#   batched: what batching gives on a GPU, issue 22), then the device set (the tests marked
+#   `device`, as tools/device_check.sh runs them on Vulkan) and tools/bench_head.py, each cut off
+#   where the budget ends (GPU_CHECK_BUDGET seconds from the start, default 570: the device tool
+#   runs a command for 10 minutes at most), so that one call brings back what it got to.
+#   Everything it reports lands in $OUT (or .gpu/out): gpu_check.log, head_gpu.md/.json/.png.
+#   CUDA flash-attention kernels are compiled only
 #   with GPU_CHECK_CUDA_FA=ON (they dominate the build time); without them llama.cpp's
 #   automatic flash-attention setting falls back to the regular path, for the benchmark's
 #   bare llama.cpp and for clef-gguf alike.
@@ -30,7 +35,12 @@ SDIST=llama_cpp_python-$LLAMA_VERSION
 
 # What the build of llama-cpp-python's libraries reads, relative to vendor/llama.cpp.
 KEEP_LLAMA=(CMakeLists.txt LICENSE cmake include src common vendor licenses ggml/CMakeLists.txt ggml/cmake ggml/include
-    ggml/src/CMakeLists.txt ggml/src/ggml-cpu ggml/src/ggml-cuda)
+    ggml/src/CMakeLists.txt ggml/src/ggml-cpu ggml/src/ggml-cuda tools/mtmd)
+# What the NVIDIA image's python3 (3.12) lacks of clef-gguf's dependencies and its tests', each at the version this
+# project is tested with (fastapi imports opentelemetry-api; pydantic needs typing-extensions 4.16).
+WHEELS=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+    typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0
+    backports.zstd==1.8.0 gguf==0.19.0 diskcache==5.6.3 clef-finetune==0.1.0)
 
 prepare() {
     local work
@@ -48,7 +58,9 @@ prepare() {
     # ggml/src's own sources (ggml.c, gguf.cpp, ggml-backend*.cpp, ...), without the other backends' folders.
     find "$src/vendor/llama.cpp/ggml/src" -maxdepth 1 -type f -exec cp {} "$strip/vendor/llama.cpp/ggml/src/" \;
     tar -czf "$BUNDLE/$SDIST.tar.gz" -C "$work/stripped" "$SDIST"
-    python -m pip download -q --no-deps --only-binary=:all: gguf==0.19.0 diskcache clef-finetune==0.1.0 -d "$BUNDLE/wheels"
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$BUNDLE/wheels" "${WHEELS[@]}"
     grep -qx "/$BUNDLE/" .git/info/exclude 2>/dev/null || echo "/$BUNDLE/" >>.git/info/exclude
     rm -rf "$work"
     du -sh "$BUNDLE"
@@ -73,7 +85,7 @@ run() {
     python3 -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
 
     echo "== llama-cpp-python $LLAMA_VERSION with CUDA for $arch ($(nproc) jobs)"
-    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_CUDA_FA=${GPU_CHECK_CUDA_FA:-OFF} -DLLAVA_BUILD=OFF" \
+    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_CUDA_FA=${GPU_CHECK_CUDA_FA:-OFF}" \
         CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         python3 -m pip install -q --no-index --no-deps --no-build-isolation "$BUNDLE/$SDIST.tar.gz"
     echo "   built in $((SECONDS - start)) s"
@@ -89,39 +101,26 @@ assert model.head.device.startswith("CUDA"), model.head.device
 EOF
     echo "   ready after $((SECONDS - start)) s"
 
-    # The device set (tests/conftest.py): every model, head and vision tower the tests load on the GPU.
-    # A test module whose packages this machine lacks (the released clients) fails to collect; the rest runs.
+    # Each step is cut off where the budget ends (timeout's status 124), so that the log says how far it got.
     export PYTHONUNBUFFERED=1
-    echo "== the device set: python3 -m pytest -m device --on-device"
-    python3 -m pytest -m device --on-device -q -p no:cacheprovider --continue-on-collection-errors ||
-        echo "!! some tests failed (see above)"
-    echo "   tests done after $((SECONDS - start)) s"
-
-    echo "== GPU vs CPU decisions on the fixtures"
-    python3 - <<'EOF' || echo "!! the GPU-vs-CPU comparison failed"
-import sys, tempfile
-from pathlib import Path
-from clef_gguf.testing.release_builder import ReleaseSpec, build_release
-from clef_gguf.testing.request_suite import all_requests
-import clef_gguf
-
-def probabilities(answer):
-    return {"true": answer["noul"]} if answer["type"] == "noul" else answer["probabilities"]
-
-with tempfile.TemporaryDirectory() as tmp:
-    for file_type in ("f32", "q8_0"):
-        release = build_release(Path(tmp) / f"r-{file_type}", ReleaseSpec(seed=0))
-        path = clef_gguf.convert(release, Path(tmp) / f"m-{file_type}.gguf", file_type)
-        gpu, cpu = clef_gguf.load(path, n_gpu_layers=-1, n_ctx=8192), clef_gguf.load(path, n_ctx=8192)
-        worst = 0.0
-        for request in all_requests().values():
-            a, b = gpu.decide(request)["answers"], cpu.decide(request)["answers"]
-            worst = max(worst, *(abs(probabilities(a[q])[k] - v) for q in b for k, v in probabilities(b[q]).items()))
-        print(f"{file_type}: max |p_gpu - p_cpu| = {worst:.5f} over the request suite (head on {gpu.head.device})")
-EOF
-
-    echo "== benchmarks (n_gpu_layers=-1)"
-    python3 tools/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out" || echo "!! the benchmark failed"
+    local budget=${GPU_CHECK_BUDGET:-570}
+    step() {
+        local name=$1 left=$((budget - SECONDS + start))
+        shift
+        echo "== $name ($left s of the budget left)"
+        if ((left < 20)); then
+            echo "!! not run: the budget is spent"
+            return
+        fi
+        timeout "$left" "$@" || echo "!! $name: exit status $? (124: cut off by the budget)"
+        echo "   after $((SECONDS - start)) s"
+    }
+    step "GPU vs CPU decisions on the fixtures" python3 tools/compare_devices.py
+    step "four tickets alone and batched" python3 tools/bench_batch.py --types f32 q4_k_m --rounds 9 --n-gpu-layers -1
+    # The device set (tests/conftest.py): every model, head and vision tower the tests load on the GPU. A test
+    # module whose packages this machine lacks (the released clients) fails to collect; the rest runs.
+    step "the device set" python3 -m pytest -m device --on-device -q -p no:cacheprovider --continue-on-collection-errors
+    step "the head against bare llama.cpp" python3 tools/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out"
     echo "== done in $((SECONDS - start)) s"
 }
 
