@@ -9,7 +9,7 @@
 #   vision tower's libmtmd) as .gpu/llama_cpp_python-0.3.36.tar.gz, and, as CPython 3.12 wheels
 #   (that machine's python3), what clef-gguf and its tests need and its image lacks (the device
 #   tool's KINDS.md lists what it has): the server's FastAPI stack, gguf, diskcache, clef-finetune
-#   (the reference the parity tests hold us to). About 13 MB.
+#   (the reference the parity tests hold us to). 9 MB in all.
 # run: into python3's own environment (the GPU machine is disposable; a virtual environment
 #   made from it would not see its torch, transformers, scikit-build-core...), builds
 #   llama-cpp-python with GGML_CUDA for this card's architecture only, installs clef-gguf
