@@ -24,20 +24,15 @@ from typing import Any
 
 from bench_vs_llama_server import new_state, requests_by_size
 
-WAYS = ("one at a time", "two batches of two", "one batch of four (ubatch 2048)")
+# Each way by its batch size; four tickets need the second model's ubatch of 2,048.
+WAYS = {"one at a time": 1, "two batches of two": 2, "one batch of four (ubatch 2048)": 4}
 
 
-def four_tickets(model: Any, way: str, prompts: list[Any]) -> float:
-    """Seconds to decide the four prompts `way`."""
+def four_tickets(model: Any, size: int, prompts: list[Any]) -> float:
+    """Seconds to decide the four prompts in batches of `size`."""
     start = time.perf_counter()
-    if way == WAYS[0]:
-        for prompt in prompts:
-            model.decide_batch([prompt])
-    elif way == WAYS[1]:
-        model.decide_batch(prompts[:2])
-        model.decide_batch(prompts[2:])
-    else:
-        model.decide_batch(prompts)
+    for i in range(0, len(prompts), size):
+        model.decide_batch(prompts[i : i + size])
     return time.perf_counter() - start
 
 
@@ -63,18 +58,21 @@ def main() -> None:
             }
             seconds: dict[str, list[float]] = {way: [] for way in WAYS}
             tokens = 0
+            ways = list(WAYS)
             for round_ in range(args.rounds):
-                for way in WAYS[round_ % 3 :] + WAYS[: round_ % 3]:  # each way first in turn
-                    model = models[2048 if way == WAYS[2] else 1024]
+                turn = round_ % len(ways)
+                for way in ways[turn:] + ways[:turn]:  # each way first in turn
+                    size = WAYS[way]
+                    model = models[2048 if size == 4 else 1024]
                     prompts = [model.encode(new_state(ticket, next(states))) for _ in range(4)]
                     tokens = len(prompts[0].tokens)
-                    if way == WAYS[2] and not model.batchable(prompts):
-                        raise SystemExit(f"four tickets of {tokens} tokens do not fit one ubatch of 2048")
-                    seconds[way].append(four_tickets(model, way, prompts))
+                    if not model.batchable(prompts[:size]):
+                        raise SystemExit(f"{size} tickets of {tokens} tokens do not fit one ubatch of {model.ubatch}")
+                    seconds[way].append(four_tickets(model, size, prompts))
             device = models[1024].head.device
             for model in models.values():
                 model.close()
-            alone = statistics.median(seconds[WAYS[0]])
+            alone = statistics.median(seconds[ways[0]])
             print(f"{file_type}, four tickets of {tokens} tokens, the head on {device}, medians of {args.rounds}:")
             for way in WAYS:
                 median = statistics.median(seconds[way])
