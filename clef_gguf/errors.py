@@ -122,3 +122,9 @@ class AnswersFileError(ClefError):
     another input, or is damaged before its last line."""
 
     exit_code = 2
+
+
+class OutputError(ClefError):
+    """An output (a report, its folder) could not be written: the disk is full, a permission, a special file."""
+
+    exit_code = 9

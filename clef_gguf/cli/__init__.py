@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from . import convert, decide, plan, serve, validate
+from . import convert, decide, plan, quality, serve, validate
 
 app = typer.Typer(
     help="Cloudflare's Clef decision models on llama.cpp: convert, validate and run them.",
@@ -18,6 +18,8 @@ app = typer.Typer(
 )
 for command in (convert.convert, convert.graft, decide.decide, plan.plan, decide.demo, validate.validate, serve.serve):
     app.command()(command)
+app.command("eval")(quality.eval_)
+app.command()(quality.compare)
 
 
 def main() -> None:

@@ -40,8 +40,19 @@ def _progress() -> Iterator[Callable[[str, int, int, str], None]]:
 
 
 def convert(
-    source: Annotated[str, typer.Argument(help="Release folder, or Hugging Face repo id (owner/name).")],
+    source: Annotated[
+        str, typer.Argument(help="Release folder, Hugging Face repo id (owner/name), or a clef-finetune checkpoint with --base.")
+    ],
     out: Out,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            "--base",
+            help="For a clef-finetune checkpoint (adapter/ + joint_head.safetensors): the release it was trained from, "
+            "whose weights its LoRA is merged into as they are converted.",
+            show_default=False,
+        ),
+    ] = None,
     file_type: Annotated[str, typer.Option("--type", "-t", help=f"Backbone type: {', '.join(FILE_TYPES)}.")] = DEFAULT_FILE_TYPE,
     head_type: Annotated[
         str,
@@ -73,7 +84,8 @@ def convert(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT (and the mmproj) if they exist.")] = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata), and its vision
-    tower into llama.cpp's mmproj file beside it."""
+    tower into llama.cpp's mmproj file beside it. A clef-finetune checkpoint with --base: the base release with the
+    checkpoint's LoRA merged in and its head."""
     if no_mmproj and mmproj is not None:
         fail("--mmproj and --no-mmproj exclude each other")
 
@@ -83,6 +95,7 @@ def convert(
                 source,
                 out,
                 file_type,
+                base=base,
                 head_type=head_type,
                 imatrix=imatrix,
                 mmproj=False if no_mmproj else (mmproj or True),

@@ -24,6 +24,7 @@ from ..errors import ConversionError, ReleaseError
 from ..format import contract as C
 from ..format import vision as V
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
+from .lora import checkpoint_files, is_checkpoint, needs_base, open_checkpoint
 from .mmproj import MmprojPlan, no_tower_reason, plan_mmproj
 from .mmproj import mmproj_type as resolve_mmproj_type
 from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
@@ -151,6 +152,7 @@ def _mmproj_path(out: Path, mmproj: str | Path | bool | None) -> Path | None:
 class ConvertOptions(TypedDict, total=False):
     """convert_files' keyword arguments (and their defaults there), which convert passes on."""
 
+    base: str | Path | None
     head_type: str
     imatrix: str | Path | None
     mmproj: str | Path | bool | None
@@ -176,6 +178,7 @@ def convert_files(
     out: str | Path,
     file_type: str = DEFAULT_FILE_TYPE,
     *,
+    base: str | Path | None = None,
     head_type: str = "auto",
     imatrix: str | Path | None = None,
     mmproj: str | Path | bool | None = True,
@@ -183,7 +186,11 @@ def convert_files(
     force: bool = False,
     progress: Progress | None = None,
 ) -> Converted:
-    """convert(), saying what it wrote: the model, the mmproj (or why none)."""
+    """convert(), saying what it wrote: the model, the mmproj (or why none).
+
+    `source` may be a clef-finetune checkpoint (adapter/ + joint_head.safetensors) with `base`, the release it was
+    trained from: its LoRA is merged into the base's weights as they stream (lora.py), its head replaces the base's.
+    """
     if file_type not in FILE_TYPES:
         raise ConversionError(f"unknown --type {file_type}; choose one of {', '.join(FILE_TYPES)}")
     head_qtype(head_type, None)  # an unknown --head-type fails before anything is read
@@ -195,8 +202,8 @@ def convert_files(
     check_output(out, force)  # fail before any download or reading
     if mmproj_out is not None:
         check_output(mmproj_out, force)
-    release = open_release(source)
-    inputs = [*release_files(release), *([Path(imatrix)] if imatrix else [])]
+    release, own_files = _open_source(source, base)
+    inputs = [*release_files(release), *own_files, *([Path(imatrix)] if imatrix else [])]
     refuse_inputs(out, inputs)
     note = ""
     plan: MmprojPlan | None = None
@@ -213,6 +220,20 @@ def convert_files(
             plan.write(tmp, release.name, progress)
         model = _convert_model(release, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress)
     return Converted(model, mmproj_out if plan is not None else None, note + ": no mmproj written" if note else "")
+
+
+def _open_source(source: str | Path, base: str | Path | None) -> tuple[Release, list[Path]]:
+    """The release to convert, and the files besides the release's that the outputs must not overwrite."""
+    path = Path(source).expanduser()
+    if base is None:
+        if path.is_dir() and is_checkpoint(path):
+            raise needs_base(path)
+        return open_release(source), []
+    if not (path.is_dir() and is_checkpoint(path)):
+        raise ReleaseError(
+            f"{source}: --base is for a clef-finetune checkpoint (adapter/ + joint_head.safetensors); this is not one"
+        )
+    return open_checkpoint(path, base), checkpoint_files(path)
 
 
 def _convert_model(

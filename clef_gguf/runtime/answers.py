@@ -66,18 +66,24 @@ def answer(question: EncodedQuestion, p: np.ndarray) -> dict[str, Any]:
     }
 
 
-def response(prompt: EncodedPrompt, model_name: str, logits: list[np.ndarray], cached_tokens: int = 0) -> dict[str, Any]:
-    """The response body. usage.input_tokens counts every prompt token; input_tokens_details.cached_tokens
-    (OpenAI's name for the same extension) those whose backbone state came from the state cache."""
+def question_probabilities(model_name: str, logits: list[np.ndarray]) -> list[np.ndarray]:
+    """Each question's option probabilities (float64, unrounded) from its scores; ModelOutputError if not finite."""
     if not all(np.isfinite(z).all() for z in logits):  # JSON has no NaN: never answer with one
         raise ModelOutputError(
             f"{model_name}: the model's scores are not finite (NaN or Inf); its weights are broken "
             "(`clef-gguf validate --deep` names the tensor)"
         )
+    return [probabilities(z) for z in logits]
+
+
+def response(prompt: EncodedPrompt, model_name: str, probs: list[np.ndarray], cached_tokens: int = 0) -> dict[str, Any]:
+    """The response body from each question's probabilities (question_probabilities). usage.input_tokens counts
+    every prompt token; input_tokens_details.cached_tokens (OpenAI's name for the same extension) those whose
+    backbone state came from the state cache."""
     model = prompt.request.model
     return {
         "model": model if model is not None else model_name,
-        "answers": {q.question.id: answer(q, probabilities(z)) for q, z in zip(prompt.questions, logits, strict=True)},
+        "answers": {q.question.id: answer(q, p) for q, p in zip(prompt.questions, probs, strict=True)},
         "usage": {
             "input_tokens": len(prompt.tokens),
             "input_tokens_details": {"cached_tokens": cached_tokens},

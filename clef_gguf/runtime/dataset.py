@@ -1,6 +1,6 @@
 """Deciding many requests: `model.decide_many(requests)`, one answer per request, in order.
 
-The model decides them in batches (ClefModel.decide_batch: the prompts that are `batchable`, prefilled in the
+The model decides them in batches (ClefModel.score_batch: the prompts that are `batchable`, prefilled in the
 same llama_decode calls), and its state cache serves every request after the first about a state. With
 `sort_by_state` the requests of each window are decided grouped by state, so that a state repeated far apart
 is still in the cache; the answers still come in input order.
@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PromptTooLongError, RequestError
+from .answers import response
 from .problems import error_object, problem_of
 from .prompt import EncodedPrompt
 from .reader import parse_json, read_image
 from .state_cache import prefix_key, split_at_prefix
 
 if TYPE_CHECKING:
-    from .model import ClefModel
+    from .model import ClefModel, Scores
 
 # Requests read ahead and reordered by state with sort_by_state: enough for a dataset's repeated states to meet,
 # few enough that their encoded prompts (images included) stay small and an interrupted run loses little.
@@ -41,6 +42,7 @@ class Outcome:
     request: Any  # the parsed request (None: not JSON)
     tokens: int = 0
     state_hit: bool = False  # its state's backbone state came from the state cache
+    scores: Scores | None = None  # the response's probabilities, unrounded
 
     def answer(self) -> dict[str, Any]:
         """What decide_many yields: the response body, or {"error": the error object}."""
@@ -139,16 +141,16 @@ class _Window:
     def decide(self, batch: list[int]) -> None:
         prompts = [self.prompts.pop(i) for i in batch]
         try:
-            answers = self.model.decide_batch(prompts)
+            scored = self.model.score_batch(prompts)
         except Exception as e:  # the batch's error (a llama.cpp failure) is each of its requests'; the run goes on
-            answers = [e] * len(batch)
-        for i, prompt, answer in zip(batch, prompts, answers, strict=True):
-            if isinstance(answer, Exception):
-                self.outcomes[i] = Outcome(None, error_object(problem_of(answer, self.parsed[i])), self.parsed[i])
+            scored = [e] * len(batch)
+        for i, prompt, scores in zip(batch, prompts, scored, strict=True):
+            if isinstance(scores, Exception):
+                self.outcomes[i] = Outcome(None, error_object(problem_of(scores, self.parsed[i])), self.parsed[i])
                 continue
-            cached = answer["usage"]["input_tokens_details"]["cached_tokens"]
-            hit = _cached_state(prompt) and cached >= prompt.state_prefix
-            self.outcomes[i] = Outcome(answer, None, self.parsed[i], len(prompt.tokens), hit)
+            answer = response(prompt, self.model.name, scores.probabilities, scores.cached_tokens)
+            hit = _cached_state(prompt) and scores.cached_tokens >= prompt.state_prefix
+            self.outcomes[i] = Outcome(answer, None, self.parsed[i], len(prompt.tokens), hit, scores)
 
 
 def _windows(requests: Iterable[Any], size: int) -> Iterator[list[Any]]:

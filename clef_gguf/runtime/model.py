@@ -21,7 +21,7 @@ from ..llama.backbone import Backbone, Part, prompt_positions
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
-from .answers import response
+from .answers import question_probabilities, response
 from .dataset import decide_many
 from .images import ImageLimits, image_limits
 from .prompt import EncodedPrompt, encode, parse_request
@@ -42,6 +42,21 @@ class _Plan:
 
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A prompt decided, before its response is written: each question's option probabilities, unrounded, in its
+    options' order (the order the prompt lists them: choice options sorted by id), and the tokens the state cache gave."""
+
+    probabilities: list[np.ndarray]
+    cached_tokens: int
+    questions: tuple[str, ...]  # the question ids, in the request's order
+    options: tuple[tuple[str, ...], ...]  # each question's option ids, in its probabilities' order
+
+    def by_question(self) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+        """{question id: (option ids, probabilities)}."""
+        return dict(zip(self.questions, zip(self.options, self.probabilities, strict=True), strict=True))
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
@@ -202,23 +217,33 @@ class ClefModel:
 
         One answer (or the exception that prompt raised: PromptTooLongError, ComputeError, ...) per prompt, in order.
         """
+        return [
+            s if isinstance(s, Exception) else response(p, self.name, s.probabilities, s.cached_tokens)
+            for p, s in zip(prompts, self.score_batch(prompts), strict=True)
+        ]
+
+    def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
+        """decide_batch's decisions before rounding: each prompt's Scores (or its exception), in order."""
         if not self.batchable(prompts):
             tokens = sum(len(p.tokens) for p in prompts)
             raise ComputeError(f"{len(prompts)} prompts of {tokens} tokens in all cannot be decided together")
-        return self.compute(self._decide_batch, prompts)
+        return self.compute(self._score_batch, prompts)
 
-    def _decide_batch(self, prompts: Sequence[EncodedPrompt]) -> list[dict[str, Any] | Exception]:
+    def _score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
         hidden = self._hidden_states(prompts)  # a prompt's error, or (its hidden states, tokens the cache gave)
-        answers: list[dict[str, Any] | Exception] = []
+        scored: list[Scores | Exception] = []
         for prompt, result in zip(prompts, hidden, strict=True):
             if isinstance(result, Exception):
-                answers.append(result)
+                scored.append(result)
                 continue
             try:  # views of llama.cpp's output buffer: the head reads them before the next decode
-                answers.append(response(prompt, self.name, self.head(result[0], prompt), cached_tokens=result[1]))
+                probabilities = question_probabilities(self.name, self.head(result[0], prompt))
+                questions = tuple(q.question for q in prompt.questions)
+                options = tuple(tuple(option for option, _ in q.options) for q in questions)
+                scored.append(Scores(probabilities, result[1], tuple(q.id for q in questions), options))
             except (ComputeError, ModelOutputError) as e:
-                answers.append(e)
-        return answers
+                scored.append(e)
+        return scored
 
     def _hidden_states(self, prompts: Sequence[EncodedPrompt]) -> list[tuple[np.ndarray, int] | Exception]:
         """Every token's final hidden state of each prompt (sequence i: prompts[i]), and how many tokens of

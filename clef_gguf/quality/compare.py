@@ -1,0 +1,120 @@
+"""`clef-gguf compare A B DATA.jsonl`: what changing the file (a quantization, a calibration, a new fine-tune)
+does to the decisions, per question type and overall:
+
+- changed: questions whose top answer differs (the first maximum, as `choice` answers it);
+- flips: changed questions where A was decided, its top-two margin over FLIP_MARGIN (mlx-decision's "decided
+  flips": a change there is not a near-tie falling the other way);
+- |dp|: every option's |p_B - p_A|: mean, p99, max;
+- KL(A||B): per question, sum p_A log(p_A / p_B), each p floored at 1e-12: mean, p99, max.
+With labels, both models' metrics side by side, as clef-finetune's base-vs-tuned comparison shows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import RequestError
+from .metrics import DEFAULT_TARGET_PRECISIONS, summarize
+from .report import metrics_table, output_dir, write_bytes, write_json
+from .scoring import Run
+
+FLIP_MARGIN = 0.04
+FLOOR = 1e-12
+
+
+def _margin(p: np.ndarray) -> float:
+    top = np.sort(p)[-2:]
+    return float(top[1] - top[0])
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def _changes(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    changed = [int(np.argmax(a)) != int(np.argmax(b)) for a, b in pairs]
+    flips = sum(c and _margin(a) > FLIP_MARGIN for c, (a, _) in zip(changed, pairs, strict=True))
+    dp = [float(x) for a, b in pairs for x in np.abs(b - a)]
+    kl = [float(np.sum(a * (np.log(np.maximum(a, FLOOR)) - np.log(np.maximum(b, FLOOR))))) for a, b in pairs]
+    return {
+        "n": len(pairs),
+        "changed": sum(changed),
+        "changed_share": sum(changed) / len(pairs),
+        "flips": flips,
+        "abs_dp": _stats(dp),
+        "kl": _stats(kl),
+    }
+
+
+def compare_runs(a: Run, b: Run, target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS) -> dict[str, Any]:
+    """The comparison of two models' runs over the same file."""
+    b_by_line = {d.record.line: d for d in b.decided if d.error is None}
+    pairs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for d in a.decided:
+        other = b_by_line.get(d.record.line)
+        if d.error is not None or other is None:
+            continue
+        for qid, (qtype, options, pa) in d.questions.items():
+            _, options_b, pb = other.questions[qid]
+            if options_b != options:
+                raise RequestError(f"line {d.record.line}: question {qid} has options {options} in A, {options_b} in B")
+            pairs.setdefault(qtype, []).append((pa, pb))
+    if not pairs:
+        raise RequestError(f"{a.data}: no question was decided by both models")
+    result: dict[str, Any] = {
+        "a": a.model,
+        "b": b.model,
+        "data": a.data,
+        "records": len(b_by_line),
+        "changes": {
+            "overall": _changes([p for v in pairs.values() for p in v]),
+            "per_type": {t: _changes(v) for t, v in sorted(pairs.items())},
+        },
+        "errors": {"a": a.errors, "b": b.errors},
+        "timing": {"a": a.timing(), "b": b.timing()},
+    }
+    rows_a, rows_b = a.rows(), b.rows()
+    if rows_a and rows_b:
+        result["metrics"] = {"a": summarize(rows_a, target_precisions), "b": summarize(rows_b, target_precisions)}
+    return result
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Comparison",
+        "",
+        f"A: `{result['a']}`  ",
+        f"B: `{result['b']}`  ",
+        f"data: `{result['data']}`, {result['records']} records decided by both",
+        "",
+        "| questions | n | top answer changed | decided flips | mean abs dp | p99 abs dp | max abs dp "
+        "| mean KL(A‖B) | p99 KL | max KL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in [("all", result["changes"]["overall"]), *result["changes"]["per_type"].items()]:
+        dp, kl = c["abs_dp"], c["kl"]
+        lines.append(
+            f"| {name} | {c['n']} | {c['changed']} ({c['changed_share']:.1%}) | {c['flips']} | {dp['mean']:.5f} | "
+            f"{dp['p99']:.5f} | {dp['max']:.5f} | {kl['mean']:.2e} | {kl['p99']:.2e} | {kl['max']:.2e} |"
+        )
+    lines += ["", f"Decided flips: changed where A's top-two margin was over {FLIP_MARGIN}."]
+    if "metrics" in result:
+        lines += ["", "## On the labels", "", *metrics_table({"A": result["metrics"]["a"], "B": result["metrics"]["b"]})]
+    for side in ("a", "b"):
+        errors = result["errors"][side]
+        if errors:
+            lines += ["", f"## Lines {side.upper()} did not decide ({len(errors)})", "", *(f"- {e}" for e in errors[:50])]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(out: Path, result: dict[str, Any]) -> list[Path]:
+    out = output_dir(out)
+    written = [out / "comparison.json", out / "report.md"]
+    write_json(written[0], result)
+    write_bytes(written[1], report_markdown(result).encode())
+    return written

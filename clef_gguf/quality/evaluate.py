@@ -1,0 +1,86 @@
+"""`clef-gguf eval MODEL DATA.jsonl`: clef-finetune's metrics of a GGUF model on labelled data.
+
+The result has the shape of clef-finetune's tuned_metrics.json ({"metrics": {"overall", "per_question"}, ...}), so
+that the two can be diffed; `-o DIR` writes metrics.json, predictions.jsonl (clef-finetune's columns), report.md and
+a reliability diagram per question type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import RequestError
+from ..runtime.model import ClefModel
+from .metrics import DEFAULT_TARGET_PRECISIONS, Row, reliability, summarize
+from .report import metrics_table, output_dir, reliability_png, write_bytes, write_json, write_jsonl
+from .scoring import Progress, Run, score_file
+
+MAX_ERRORS_SHOWN = 50
+
+
+def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) -> dict[str, Any]:
+    """The eval's result: clef-finetune's tuned_metrics.json fields (model_dir, checkpoint, eval, metrics) and ours."""
+    return {
+        "model_dir": run.model,
+        "checkpoint": None,
+        "eval": run.data,
+        "metrics": summarize(rows, target_precisions),
+        "rows": len(rows),
+        "errors": run.errors,
+        **run.timing(),
+        "tokens": run.tokens,
+    }
+
+
+def evaluate(
+    model: ClefModel,
+    data: str | Path,
+    *,
+    target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
+    out_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The metrics of `model` on the labelled file `data`; with out_dir, the reports there too."""
+    run = score_file(model, data, progress=progress)
+    rows = run.rows()
+    if not rows:
+        shown = "; ".join(run.errors[:3])
+        raise RequestError(f"{data}: no labelled question could be decided" + (f" ({shown})" if shown else ""))
+    result = evaluation(run, rows, target_precisions)
+    if out_dir is not None:
+        write_reports(output_dir(out_dir), result, rows)
+    return result
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Evaluation",
+        "",
+        f"model: `{result['model_dir']}`  ",
+        f"data: `{result['eval']}`: {result['records']} records decided, {result['rows']} labelled questions, "
+        f"{len(result['errors'])} lines with errors ({result['records_per_s']} records/s)",
+        "",
+        *metrics_table({"value": result["metrics"]}),
+        "",
+        "Lower is better for nll, brier and ece. Auto-decide coverage: the share of questions whose top probability "
+        "clears the threshold while the precision on them stays at the target; small sets make it noisy.",
+    ]
+    if result["errors"]:
+        lines += ["", "## Lines not counted", "", *(f"- {e}" for e in result["errors"][:MAX_ERRORS_SHOWN])]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(out: Path, result: dict[str, Any], rows: list[Row]) -> list[Path]:
+    written = [out / "metrics.json", out / "predictions.jsonl", out / "report.md"]
+    write_json(written[0], result)
+    write_jsonl(written[1], [r.as_dict() for r in rows])
+    write_bytes(written[2], report_markdown(result).encode())
+    for qtype in sorted({r.type for r in rows}):
+        of_type = [r for r in rows if r.type == qtype]
+        bins = reliability([float(r.probs.max()) for r in of_type], [r.predicted == r.target for r in of_type])
+        path = out / f"reliability-{qtype}.png"
+        reliability_png(bins, f"{qtype}: {len(of_type)} questions", path)
+        written.append(path)
+    return written

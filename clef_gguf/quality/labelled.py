@@ -1,0 +1,143 @@
+"""clef-finetune's labelled JSON Lines: one System One request per line, with `labels` and an optional `id`.
+
+The conventions are clef-finetune 0.1.0's (its data.py), so that one file serves `clef-finetune train`/`eval` and
+`clef-gguf eval`/`compare`/`calibrate`:
+- noul: true / false, or the strings "true" / "false";
+- choice: an option id, a key of `criteria`;
+- score: an integer level 0..n-1 (an index into `criteria`), or its digit string.
+A question without a label is still decided (it is part of the prompt) but counts in no metric. A bad line is
+reported as `line N (id): what`, clef-finetune's form, and the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+QUESTION_TYPES = ("noul", "choice", "score")
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """A record: its line, its id (its own, else the line number), the request, and each label as an option id."""
+
+    line: int
+    id: Any
+    request: dict[str, Any]
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class BadLine:
+    line: int
+    id: Any
+    errors: tuple[str, ...]
+
+    def messages(self) -> list[str]:
+        shown = "?" if self.id is None else self.id
+        return [f"line {self.line} ({shown}): {e}" for e in self.errors]
+
+
+def option_ids(question: dict[str, Any]) -> list[str]:
+    """Option ids in the order the model lists them: noul true, false; choice sorted by id (as Cloudflare's encoder
+    sorts them); score its levels' indices."""
+    if question["type"] == "noul":
+        return ["true", "false"]
+    if question["type"] == "choice":
+        return sorted(str(k) for k in question["criteria"])
+    return [str(i) for i in range(len(question["criteria"]))]
+
+
+def normalize_label(question: dict[str, Any], label: Any) -> str:
+    """A raw label as an option id; ValueError saying why it is not one."""
+    qtype = question["type"]
+    if qtype == "noul":
+        if isinstance(label, bool):
+            return "true" if label else "false"
+        if isinstance(label, str) and label.lower() in ("true", "false"):
+            return label.lower()
+        raise ValueError(f"noul label must be true/false, got {label!r}")
+    if qtype == "choice":
+        if not isinstance(label, str):
+            raise ValueError(f"choice label must be a string option id, got {label!r}")
+        if label not in {str(k) for k in question["criteria"]}:
+            raise ValueError(f"choice label {label!r} not in options {sorted(question['criteria'])}")
+        return label
+    if isinstance(label, int) and not isinstance(label, bool):
+        level = label
+    elif isinstance(label, str) and label.strip().isdigit():
+        level = int(label)
+    else:
+        raise ValueError(f"score label must be an integer level, got {label!r}")
+    n = len(question["criteria"])
+    if not 0 <= level < n:
+        raise ValueError(f"score label {level} outside 0..{n - 1}")
+    return str(level)
+
+
+def _question_errors(qid: str, question: Any) -> list[str]:
+    if not isinstance(question, dict):
+        return [f"{qid}: question must be an object"]
+    qtype, criteria = question.get("type"), question.get("criteria")
+    if qtype not in QUESTION_TYPES:
+        return [f"{qid}: type must be one of {QUESTION_TYPES}, got {qtype!r}"]
+    if qtype == "choice" and (not isinstance(criteria, dict) or len(criteria) < 2):
+        return [f"{qid}: choice criteria must be an object with >=2 options"]
+    if qtype == "score" and (not isinstance(criteria, list) or len(criteria) < 2):
+        return [f"{qid}: score criteria must be a list with >=2 levels"]
+    if qtype == "noul" and criteria is not None and (not isinstance(criteria, dict) or set(criteria) - {"true", "false"}):
+        return [f"{qid}: noul criteria may only override 'true'/'false' descriptions"]
+    return []
+
+
+def check_record(record: Any, require_labels: bool) -> tuple[dict[str, str], list[str]]:
+    """The record's labels as option ids, and what is wrong with it (clef-finetune's validate_record's checks)."""
+    if not isinstance(record, dict):
+        return {}, ["record must be a JSON object"]
+    errors = [] if "state" in record else ["missing 'state'"]
+    questions = record.get("questions")
+    if not isinstance(questions, dict) or not questions:
+        return {}, [*errors, "'questions' must be a non-empty object"]
+    bad_questions = {qid for qid, q in questions.items() if _question_errors(qid, q)}
+    for qid in bad_questions:
+        errors += _question_errors(qid, questions[qid])
+    labels = record.get("labels")
+    if labels is None:
+        return {}, [*errors, "missing 'labels'"] if require_labels else errors
+    if not isinstance(labels, dict):
+        return {}, [*errors, "'labels' must be an object"]
+    if require_labels and not labels:
+        errors.append("'labels' is empty")
+    targets = {}
+    for qid, label in labels.items():
+        if qid not in questions:
+            errors.append(f"label for unknown question {qid!r}")
+        elif qid not in bad_questions:
+            try:
+                targets[qid] = normalize_label(questions[qid], label)
+            except ValueError as e:
+                errors.append(f"{qid}: {e}")
+    return targets, errors
+
+
+def read_labelled(path: str | Path, *, require_labels: bool = True) -> Iterator[Labelled | BadLine]:
+    """Each non-blank line of the file as a Labelled record, or the BadLine that says what is wrong with it."""
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                yield BadLine(number, None, (f"invalid JSON: {e}",))
+                continue
+            own = record.get("id") if isinstance(record, dict) else None
+            shown = own if isinstance(own, (str, int)) and not isinstance(own, bool) else number
+            labels, errors = check_record(record, require_labels)
+            if errors:
+                yield BadLine(number, shown, tuple(errors))
+            else:
+                yield Labelled(number, shown, record, labels)

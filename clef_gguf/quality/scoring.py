@@ -1,0 +1,107 @@
+"""A model over a labelled file: every record decided through the dataset mode (its batches, its state cache),
+keeping each question's unrounded probabilities. What `eval`, `compare` and `calibrate` measure."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import RequestError
+from ..runtime.dataset import decide_outcomes
+from ..runtime.model import ClefModel
+from .labelled import BadLine, Labelled, read_labelled
+from .metrics import Row
+
+Progress = Callable[[int, int], None]  # (records done, records in all)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A record and what the model made of it: {question id: (type, option ids, probabilities)}, or its error."""
+
+    record: Labelled
+    questions: dict[str, tuple[str, tuple[str, ...], np.ndarray]]
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    """One model over one file."""
+
+    model: str
+    data: str
+    decided: list[Decided] = field(default_factory=list)
+    bad: list[BadLine] = field(default_factory=list)  # lines that are not labelled records
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def errors(self) -> list[str]:
+        """Every line that counts in no metric, with why: a bad line, or a request the model refused."""
+        lines = [(b.line, m) for b in self.bad for m in b.messages()]
+        lines += [(d.record.line, f"line {d.record.line} ({d.record.id}): {d.error}") for d in self.decided if d.error]
+        return [m for _, m in sorted(lines, key=lambda x: x[0])]
+
+    def rows(self) -> list[Row]:
+        """One Row per labelled question of every decided record, in file order."""
+        rows = []
+        for d in self.decided:
+            for qid, label in d.record.labels.items():
+                if d.error is None:
+                    qtype, options, probs = d.questions[qid]
+                    rows.append(Row(d.record.id, qid, qtype, options, probs, options.index(label)))
+        return rows
+
+    def timing(self) -> dict[str, Any]:
+        n = len(self.decided)
+        return {
+            "records": n,
+            "seconds": round(self.seconds, 3),
+            "records_per_s": round(n / self.seconds, 2) if self.seconds else 0.0,
+        }
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as file:
+        return sum(1 for line in file if line.strip())
+
+
+def score_file(model: ClefModel, data: str | Path, *, require_labels: bool = True, progress: Progress | None = None) -> Run:
+    """Decide every labelled record of `data` (image paths relative to its folder); bad lines are kept, not fatal."""
+    path = Path(data)
+    try:
+        total = count_lines(path)
+    except OSError as e:
+        raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
+    run = Run(str(model.path), str(path))
+    pending: deque[Labelled] = deque()
+    started = time.perf_counter()
+
+    def requests() -> Iterator[dict[str, Any]]:
+        for item in read_labelled(path, require_labels=require_labels):
+            if isinstance(item, BadLine):
+                run.bad.append(item)
+                continue
+            pending.append(item)
+            yield item.request
+
+    for outcome in decide_outcomes(model, requests(), base=path.resolve().parent):
+        record = pending.popleft()
+        if outcome.scores is None:
+            detail = (outcome.error or {}).get("detail", "not decided")
+            run.decided.append(Decided(record, {}, str(detail)))
+        else:
+            types = {qid: q["type"] for qid, q in record.request["questions"].items()}
+            questions = {qid: (types[qid], options, p) for qid, (options, p) in outcome.scores.by_question().items()}
+            run.decided.append(Decided(record, questions))
+            run.tokens += outcome.tokens
+        if progress:
+            progress(len(run.decided) + len(run.bad), total)
+    run.seconds = time.perf_counter() - started
+    return run
