@@ -1,0 +1,104 @@
+"""clef-finetune 0.1.0 itself, run on the fixture releases: `train` (a LoRA + head checkpoint), `merge` (a release
+folder) and `eval` (its metrics), each in a child process (`python -m clef_gguf.testing.finetune ARGS`).
+
+Its `load_tokenizer_and_processor` asks AutoProcessor, which needs torchvision for Qwen3.5, and torchvision does not
+load beside torch 2.13.0 CPU (FACTS.md): for text-only data the tokenizer alone is what it needs, so this module
+replaces that one function before calling clef-finetune's own CLI. Nothing else of clef-finetune is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# A fine-tune that moves the fixture's answers in a few steps: a high learning rate, no warm-up, rank 8.
+TRAIN: dict[str, Any] = {
+    "lora": {"r": 8, "alpha": 16},
+    "train": {
+        "max_steps": 4,
+        "grad_accum": 2,
+        "lr": 0.02,
+        "head_lr": 0.005,
+        "warmup_steps": 0,
+        "save_every": 4,
+        "gradient_checkpointing": False,
+        "augment_train": False,
+        "label_smoothing": 0.0,
+    },
+}
+
+
+def run_cli(*args: str) -> None:
+    """clef-finetune's CLI in a child process (torch's threads and memory go with it)."""
+    env = {**os.environ, "CLEF_FINETUNE_JSM": "vendored", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([sys.executable, "-m", __name__, *args], check=True, env=env)
+
+
+def train(release: Path, data: Path, out_dir: Path, **overrides: Any) -> Path:
+    """clef-finetune train on `release` and `data`; the checkpoint folder it writes."""
+    config = {
+        "model": {"path": str(release), "dtype": "float32"},
+        "data": {"train": str(data), "max_length": 4096},
+        "output_dir": str(out_dir),
+        "lora": {**TRAIN["lora"], **overrides.get("lora", {})},
+        "train": {**TRAIN["train"], **overrides.get("train", {})},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "train.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    run_cli("train", str(path))
+    return out_dir / f"checkpoint-{config['train']['max_steps']}"
+
+
+def merge(release: Path, checkpoint: Path, out_dir: Path) -> Path:
+    """clef-finetune merge, in float32 (backbone and head): the release folder it writes."""
+    run_cli(
+        "merge",
+        "--model",
+        str(release),
+        "--checkpoint",
+        str(checkpoint),
+        "--output",
+        str(out_dir),
+        "--dtype",
+        "float32",
+        "--head-dtype",
+        "float32",
+    )
+    return out_dir
+
+
+def evaluate(release: Path, data: Path, out_dir: Path) -> dict[str, Any]:
+    """clef-finetune eval of a release in float32: its tuned_metrics.json."""
+    run_cli(
+        "eval",
+        "--model",
+        str(release),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out_dir),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    )
+    return json.loads((out_dir / "tuned_metrics.json").read_text())
+
+
+def main(argv: list[str]) -> int:
+    import torch
+    from clef_finetune import cli, model
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model.load_tokenizer_and_processor = lambda model_dir: (AutoTokenizer.from_pretrained(model_dir), None)
+    return cli.main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
