@@ -128,3 +128,9 @@ class OutputError(ClefError):
     """An output (a report, its folder) could not be written: the disk is full, a permission, a special file."""
 
     exit_code = 9
+
+
+class ModelClosedError(ClefError):
+    """A closed ClefModel was asked to encode or decide: its memory is freed; load the file again."""
+
+    exit_code = 1

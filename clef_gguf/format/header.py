@@ -9,6 +9,7 @@ anything is allocated). Works on a memory map or on the first bytes of a file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import mmap
 import re
@@ -298,6 +299,10 @@ class GGUFFile:
         header = parse_header(mapped)
         check_data_layout(header, len(mapped))
         return cls(path, mapped, header)
+
+    def digest(self) -> str:
+        """SHA-256 of the header (metadata and tensor infos): what the file's vocabulary, template and layout are."""
+        return hashlib.sha256(memoryview(self.map)[: self.header.header_end]).hexdigest()
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         t = self.header.tensors[name]

@@ -36,7 +36,7 @@ class PromptEncoder:
         validated = open_validated(self.path)  # the header check ClefModel runs: the same refusals, the same messages
         try:
             d = validated.description
-            self.name, self.template = d.name, d.template
+            self.name, self.template, self.identity = d.name, d.template, validated.file.digest()
             # The replicas' image limits: images are decoded and sized here, the tower runs on a replica.
             self.image_limits = image_limits(open_vision(validated.file.header, mmproj)) if mmproj is not None else None
             self.vocabulary = Vocabulary(validated.file, nfc=d.nfc)  # llama.cpp keeps its own copy: the file can close
@@ -45,7 +45,7 @@ class PromptEncoder:
 
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
         """Validate, tokenize and (images) decode and size a request; no compute. Raises RequestError."""
-        return encode(parse_request(request, self.image_limits), self.template, self.vocabulary.tokenize)
+        return encode(parse_request(request, self.image_limits), self.template, self.vocabulary.tokenize, self.identity)
 
     def close(self) -> None:
         self.vocabulary.close()

@@ -6,7 +6,7 @@ import io
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +16,7 @@ from PIL import Image
 
 from ..check.pair import open_vision
 from ..check.validate import open_validated
-from ..errors import ComputeError, ModelOutputError, PromptTooLongError
+from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
 from ..llama.backbone import Backbone, Part, prompt_positions
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
@@ -106,6 +106,8 @@ class ClefModel:
         self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
         self.path = Path(path)
         self._closed = False
+        self._busy = threading.Condition()  # guards _closed and _active
+        self._active = 0  # API calls in progress: close() frees the model only once none is
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-compute", initializer=self._mark)
         try:
             self.compute(self._load, n_gpu_layers, max_prompt_tokens, n_threads, parallel, mmproj)
@@ -139,6 +141,7 @@ class ClefModel:
             stack.callback(validated.close)
             self.file, d = validated.file, validated.description
             self.description, self.name, self.template = d, d.name, d.template
+            self.identity = self.file.digest()  # what the prompts it encodes carry
             self.backbone = Backbone(
                 self.file,
                 n_gpu_layers=n_gpu_layers,
@@ -182,9 +185,36 @@ class ClefModel:
         )
         return encoder, limits
 
+    @contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """An API call on the open model: refused once close() has begun; close() waits for it to end."""
+        with self._busy:
+            if self._closed:
+                raise ModelClosedError(f"{self.path.name}: the model is closed; load the file again to decide")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._busy:
+                self._active -= 1
+                self._busy.notify_all()
+
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
         """Validate, tokenize and (images) decode and size a request; no compute. Raises RequestError."""
-        return encode(parse_request(request, self.image_limits), self.template, self.backbone.tokenize)
+        with self._in_use():
+            return encode(parse_request(request, self.image_limits), self.template, self.backbone.tokenize, self.identity)
+
+    def _check(self, prompt: Any) -> None:
+        """Refuse a prompt this model did not encode (another file's tokens would index other rows) or one forged."""
+        if not isinstance(prompt, EncodedPrompt):
+            raise RequestError(f"a prompt is what model.encode(request) returns, not a {type(prompt).__name__}")
+        if prompt.model != self.identity:
+            raise RequestError("this prompt was encoded by another model (another file): encode it with this model")
+        tokens, n_vocab = np.asarray(prompt.tokens), self.backbone.token_embd.n_rows
+        if tokens.ndim != 1 or (tokens.size and (tokens.dtype.kind != "i" or tokens.min() < 0 or tokens.max() >= n_vocab)):
+            raise RequestError(f"the prompt holds token ids outside this model's vocabulary (0..{n_vocab - 1})")
+        if prompt.images and self.vision is None:
+            raise RequestError("the prompt has images, and this model was loaded without a vision tower (mmproj)")
 
     def decide(self, request: dict[str, Any] | EncodedPrompt) -> dict[str, Any]:
         """Answer a SystemOne request body (or one already encoded by `encode`) with the SystemOne response body."""
@@ -199,6 +229,8 @@ class ClefModel:
     ) -> Iterator[dict[str, Any]]:
         """Decide many requests, in batches and through the state cache: for each, in order, its response body or
         {"error": {"status", "detail"}}, the server's error for it (runtime/dataset.py)."""
+        with self._in_use():  # a closed model is refused here, not at the first answer
+            pass
         return decide_many(self, requests, sort_by_state=sort_by_state, base=base)
 
     def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool:
@@ -224,10 +256,13 @@ class ClefModel:
 
     def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
         """decide_batch's decisions before rounding: each prompt's Scores (or its exception), in order."""
-        if not self.batchable(prompts):
-            tokens = sum(len(p.tokens) for p in prompts)
-            raise ComputeError(f"{len(prompts)} prompts of {tokens} tokens in all cannot be decided together")
-        return self.compute(self._score_batch, prompts)
+        with self._in_use():
+            for prompt in prompts:
+                self._check(prompt)
+            if not self.batchable(prompts):
+                tokens = sum(len(p.tokens) for p in prompts)
+                raise ComputeError(f"{len(prompts)} prompts of {tokens} tokens in all cannot be decided together")
+            return self.compute(self._score_batch, prompts)
 
     def _score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
         hidden = self._hidden_states(prompts)  # a prompt's error, or (its hidden states, tokens the cache gave)
@@ -324,10 +359,13 @@ class ClefModel:
         return embeddings
 
     def close(self) -> None:
-        """Free the model; a second close does nothing."""
-        if self._closed:
-            return
-        self._closed = True
+        """Free the model once the calls in progress have ended; later calls raise ModelClosedError. A second close
+        does nothing."""
+        with self._busy:
+            if self._closed:
+                return
+            self._closed = True
+            self._busy.wait_for(lambda: self._active == 0)
         self.state_cache.clear()  # host memory only: the saved states are of no use without the context
         self.compute(self._resources.close)  # head, backbone, then the mapping: the reverse of loading
         self._compute.shutdown()

@@ -77,6 +77,7 @@ class EncodedPrompt:
     # tokens[:preamble] are the template's pieces before the request's first own one (its images or its
     # state): the system prompt and the user turn's opening, the same for every request to the model.
     preamble: int = 0
+    model: str = ""  # the header digest of the file whose vocabulary and template encoded it (GGUFFile.digest)
 
 
 # --- Validation -------------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ def parse_request(body: Any, image_limits: ImageLimits | None = None) -> Request
 
 
 # --- Encoding ---------------------------------------------------------------------------------------------------
-def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> EncodedPrompt:
+def encode(request: Request, template: PromptTemplate, tokenize: Tokenize, model: str = "") -> EncodedPrompt:
     """Token ids and spans: the template's pieces, each tokenized on its own as in the reference's encode_record."""
     questions = [
         {
@@ -206,4 +207,4 @@ def encode(request: Request, template: PromptTemplate, tokenize: Tokenize) -> En
     if len(placed) != len(request.images):
         raise ModelFileError("the systemone prompt template does not place every image")
     encoded = tuple(EncodedQuestion(q, span, tuple(o)) for q, span, o in zip(request.questions, spans, option_spans, strict=True))
-    return EncodedPrompt(request, tokens, encoded, state_prefix, tuple(placed), preamble or 0)
+    return EncodedPrompt(request, tokens, encoded, state_prefix, tuple(placed), preamble or 0, model)
