@@ -21,6 +21,7 @@ from PIL import Image
 
 import clef_gguf
 from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
+from clef_gguf.runtime.dataset_file import LINE_FIELDS
 from clef_gguf.testing.request_suite import mixed_request
 
 DEMO = json.loads(DEMO_REQUEST.read_text())
@@ -73,7 +74,7 @@ def test_answers_are_in_order_with_ids_and_a_bad_line_is_the_servers_error(refer
     requests = [json.loads(line) for line in source.read_text().splitlines()]
     want = list(demo_model.decide_many(requests))  # the Python API: the same answers and the same error object
     for line, answer in zip(lines, want, strict=True):
-        assert {k: v for k, v in line.items() if k not in ("id", "line", "request_sha256")} == answer
+        assert {k: v for k, v in line.items() if k not in LINE_FIELDS} == answer
 
 
 def test_the_summary_says_the_errors_and_json_gives_it_to_a_machine(tmp_path):

@@ -126,6 +126,13 @@ def decide(
     json_summary: Annotated[
         bool, typer.Option("--json", help="JSON Lines: a JSON summary at the end (on stdout; on stderr when the answers are).")
     ] = False,
+    images_anywhere: Annotated[
+        bool,
+        typer.Option(
+            "--allow-image-paths-anywhere",
+            help="JSON Lines: image paths may leave the JSON Lines file's folder (by default they must stay inside it).",
+        ),
+    ] = False,
     parallel: Parallel = DEFAULT_PARALLEL,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
@@ -144,7 +151,7 @@ def decide(
     if jsonl or request_path.lower().endswith(JSONL_SUFFIXES):
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")
-        options = {"resume": resume, "force": force, "sort_by_state": sort_by_state}
+        options = {"resume": resume, "force": force, "sort_by_state": sort_by_state, "images_anywhere": images_anywhere}
         cache = DEFAULT_STATE_CACHE if state_cache is None else state_cache
         _decide_jsonl(
             model_path,
@@ -164,6 +171,7 @@ def decide(
             ("--force", force),
             ("--sort-by-state", sort_by_state),
             ("--json", json_summary),
+            ("--allow-image-paths-anywhere", images_anywhere),
         )
         if on
     ]

@@ -43,7 +43,7 @@ def _precisions(text: str) -> tuple[float, ...]:
 
 
 @contextmanager
-def _bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
+def _bar(label: str) -> Iterator[Callable[[int, int | None], None] | None]:
     if not err.is_terminal:
         yield None
         return

@@ -51,8 +51,8 @@ UNMERGEABLE: dict[str, tuple[Any, str]] = {
 
 
 def is_checkpoint(path: Path) -> bool:
-    """A clef-finetune checkpoint folder (adapter/ and the head, no release config.json)."""
-    return (path / ADAPTER_DIR).is_dir() or ((path / HEAD_WEIGHTS).is_file() and not (path / "config.json").is_file())
+    """A clef-finetune checkpoint folder: it holds the adapter/ that train writes (a release never does)."""
+    return (path / ADAPTER_DIR).is_dir()
 
 
 def trained_from(checkpoint: Path) -> str | None:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 QUESTION_TYPES = ("noul", "choice", "score")
 
@@ -123,21 +122,20 @@ def check_record(record: Any, require_labels: bool) -> tuple[dict[str, str], lis
     return targets, errors
 
 
-def read_labelled(path: str | Path, *, require_labels: bool = True) -> Iterator[Labelled | BadLine]:
+def read_labelled(file: IO[bytes], *, require_labels: bool = True) -> Iterator[Labelled | BadLine]:
     """Each non-blank line of the file as a Labelled record, or the BadLine that says what is wrong with it."""
-    with open(path, "rb") as file:
-        for number, raw in enumerate(file, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                yield BadLine(number, None, (f"invalid JSON: {e}",))
-                continue
-            own = record.get("id") if isinstance(record, dict) else None
-            shown = own if isinstance(own, (str, int)) and not isinstance(own, bool) else number
-            labels, errors = check_record(record, require_labels)
-            if errors:
-                yield BadLine(number, shown, tuple(errors))
-            else:
-                yield Labelled(number, shown, record, labels)
+    for number, raw in enumerate(file, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            yield BadLine(number, None, (f"invalid JSON: {e}",))
+            continue
+        own = record.get("id") if isinstance(record, dict) else None
+        shown = own if isinstance(own, (str, int)) and not isinstance(own, bool) else number
+        labels, errors = check_record(record, require_labels)
+        if errors:
+            yield BadLine(number, shown, tuple(errors))
+        else:
+            yield Labelled(number, shown, record, labels)

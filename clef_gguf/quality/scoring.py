@@ -18,7 +18,7 @@ from ..runtime.model import ClefModel
 from .labelled import BadLine, Labelled, read_labelled
 from .metrics import Row
 
-Progress = Callable[[int, int], None]  # (records done, records in all)
+Progress = Callable[[int, int | None], None]  # (records done, records in all when known)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,10 @@ class Run:
         }
 
 
-def count_lines(path: Path) -> int:
+def count_lines(path: Path) -> int | None:
+    """The records of a regular file, for the progress bar; None for a pipe or a FIFO (it can be read once only)."""
+    if not path.is_file():
+        return None
     with open(path, "rb") as file:
         return sum(1 for line in file if line.strip())
 
@@ -77,6 +80,7 @@ def score_file(model: ClefModel, data: str | Path, *, require_labels: bool = Tru
     path = Path(data)
     try:
         total = count_lines(path)
+        file = open(path, "rb")  # noqa: SIM115 (closed below, once the requests are read)
     except OSError as e:
         raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
     run = Run(str(model.path), str(path))
@@ -84,12 +88,16 @@ def score_file(model: ClefModel, data: str | Path, *, require_labels: bool = Tru
     started = time.perf_counter()
 
     def requests() -> Iterator[dict[str, Any]]:
-        for item in read_labelled(path, require_labels=require_labels):
-            if isinstance(item, BadLine):
-                run.bad.append(item)
-                continue
-            pending.append(item)
-            yield item.request
+        with file:
+            try:
+                for item in read_labelled(file, require_labels=require_labels):
+                    if isinstance(item, BadLine):
+                        run.bad.append(item)
+                        continue
+                    pending.append(item)
+                    yield item.request
+            except OSError as e:  # (the records read before are decided first: decide_outcomes)
+                raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
 
     for outcome in decide_outcomes(model, requests(), base=path.resolve().parent):
         record = pending.popleft()

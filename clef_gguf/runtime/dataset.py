@@ -59,27 +59,32 @@ def _is_path(image: Any) -> bool:
     return isinstance(image, str) and "." in image and not image.startswith("data:") and "://" not in image
 
 
-def with_image_files(request: Any, base: Path) -> Any:
+def with_image_files(request: Any, base: Path, anywhere: bool = False) -> Any:
     """The request with each image given as a file path (relative to `base`) read as the CLI's --image files are
-    (runtime/reader.read_image: a regular file, at most 4 MiB). Raises RequestError naming the image."""
+    (runtime/reader.read_image: a regular file, at most 4 MiB). Raises RequestError naming the image.
+
+    A path must stay inside `base` (symbolic links resolved) unless `anywhere`: a dataset from elsewhere cannot read
+    the machine's other files, nor tell by its errors which of them exist (the refusal comes before any look)."""
     images = request.get("images") if isinstance(request, dict) else None
     if not isinstance(images, list) or not any(_is_path(image) for image in images):
         return request
     read = []
+    inside = base.resolve()
     for i, image in enumerate(images):
         if not _is_path(image):
             read.append(image)
             continue
+        path = base / image
+        if not anywhere and not path.resolve().is_relative_to(inside):
+            raise RequestError(
+                "an image path must stay inside the JSON Lines file's folder (--allow-image-paths-anywhere lifts this)",
+                f"images.{i}",
+            )
         try:
-            read.append(read_image(base / image))
+            read.append(read_image(path))
         except RequestError as e:
             raise RequestError(e.reason, f"images.{i}") from None
     return {**request, "images": read}
-
-
-def _parse(request: Any, base: Path | None) -> Any:
-    value = parse_json(request) if isinstance(request, bytes) else request
-    return with_image_files(value, base) if base is not None else value
 
 
 def _state_key(prompt: EncodedPrompt) -> bytes:
@@ -97,14 +102,17 @@ def _cached_state(prompt: EncodedPrompt) -> bool:
 class _Window:
     """Requests read and encoded, waiting for their batch; outcomes kept until they can be given in order."""
 
-    def __init__(self, model: ClefModel, requests: list[Any], base: Path | None) -> None:
+    def __init__(self, model: ClefModel, requests: list[Any], base: Path | None, anywhere: bool = False) -> None:
         self.model = model
         self.outcomes: list[Outcome | None] = [None] * len(requests)
         self.prompts: dict[int, EncodedPrompt] = {}
         self.parsed: list[Any] = [None] * len(requests)
         for i, request in enumerate(requests):
             try:
-                self.parsed[i] = value = _parse(request, base)
+                # Parsed first: a request whose images cannot be read keeps its own id in its error line.
+                self.parsed[i] = value = parse_json(request) if isinstance(request, bytes) else request
+                if base is not None:
+                    value = with_image_files(value, base, anywhere)
                 prompt = model.encode(value)
                 if len(prompt.tokens) > model.max_prompt_tokens:  # refused before any compute, as the server does
                     raise PromptTooLongError(len(prompt.tokens), model.max_prompt_tokens)
@@ -154,12 +162,19 @@ class _Window:
 
 
 def _windows(requests: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """The requests in windows of `size`. When the source raises, the requests taken before are still a window, and
+    the exception comes after it: every request taken is answered before the source's error passes on."""
     window: list[Any] = []
-    for request in requests:
-        window.append(request)
-        if len(window) == size:
+    try:
+        for request in requests:
+            window.append(request)
+            if len(window) == size:
+                yield window
+                window = []
+    except Exception:
+        if window:
             yield window
-            window = []
+        raise
     if window:
         yield window
 
@@ -175,7 +190,12 @@ def _decided(window: _Window, sort_by_state: bool) -> Iterator[Outcome]:
 
 
 def decide_outcomes(
-    model: ClefModel, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
+    model: ClefModel,
+    requests: Iterable[Any],
+    *,
+    sort_by_state: bool = False,
+    base: Path | None = None,
+    anywhere: bool = False,
 ) -> Iterator[Outcome]:
     """The Outcome of each request, in order; see decide_many. Each is given as soon as it and those before it
     are decided (with sort_by_state: its window's).
@@ -187,7 +207,7 @@ def decide_outcomes(
 
     def read_next() -> _Window | None:
         requests_now = next(windows, None)
-        return None if requests_now is None else _Window(model, requests_now, base)
+        return None if requests_now is None else _Window(model, requests_now, base, anywhere)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-read") as reader:
         upcoming = reader.submit(read_next)

@@ -1,24 +1,30 @@
 """`clef-gguf decide MODEL requests.jsonl -o answers.jsonl`: a JSON Lines file of requests decided into a JSON Lines
 file of answers, one line per request line, in order, that survives being stopped at any point.
 
-An answer line is the response body with three fields of its own in front (the response's fields are
+An answer line is the response body with four fields of its own in front (the response's fields are
 model, answers and usage, so they never meet):
-  id              the request's own "id" when it has one, else its line number;
+  id              the request's own "id" when it has one, else its line number (also when the id cannot be written
+                  in JSON, 1e400 say: then id_error says so);
   line            the request's line number in the input (1-based; blank lines are no request and get no answer);
   request_sha256  the SHA-256 of the request line's bytes (without its line ending);
+  model_sha256    the SHA-256 of the model file's header (its metadata and tensor infos: GGUFFile.digest), which
+                  --resume checks: answers from two models never share a file;
 and, for a request that could not be decided, `error` in place of the response: {"status", "detail"}, the
 status and body the server answers it with (runtime/problems.py).
 
 Nothing lost: each line is written whole and flushed as soon as it and the ones before it are decided, and the
 file is fsynced every FSYNC_EVERY lines and at the end. --resume continues a file: its lines must be the
-answers to the input's first requests, line number and digest alike (else AnswersFileError); a last line that
-is not a whole answer (a torn write, a power cut's zeros) is cut off and decided again.
+answers to the input's first requests, line number and digest alike, by the same model (else AnswersFileError);
+a last line that is not a whole answer (a torn write, a full disk, a power cut's zeros) is cut off and decided
+again. One run writes a file at a time (an exclusive lock on it); a write that fails is an OutputError (exit 9).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -27,14 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import AnswersFileError, RequestError
+from ..errors import AnswersFileError, OutputError, RequestError
 from .dataset import Outcome, decide_outcomes, request_sha256
 
 if TYPE_CHECKING:
     from .model import ClefModel
 
 FSYNC_EVERY = 64
-LINE_FIELDS = ("id", "line", "request_sha256")
+LINE_FIELDS = ("id", "line", "request_sha256", "model_sha256")  # (and id_error, when the id could not be written)
 
 
 @dataclass(frozen=True)
@@ -76,16 +82,32 @@ Progress = Callable[[Summary, int | None], None]  # (the counts so far, the reco
 
 
 def read_records(file: IO[bytes]) -> Iterator[Record]:
-    for number, line in enumerate(file, 1):
-        raw = line.rstrip(b"\n").removesuffix(b"\r")
-        if raw.strip():
-            yield Record(number, raw)
+    try:
+        for number, line in enumerate(file, 1):
+            raw = line.rstrip(b"\n").removesuffix(b"\r")
+            if raw.strip():
+                yield Record(number, raw)
+    except OSError as e:  # an I/O error, a directory: the requests read before are answered first (decide_outcomes)
+        raise RequestError(f"cannot read the requests: {e.strerror or e}") from None
 
 
-def answer_line(record: Record, outcome: Outcome) -> bytes:
+def _writable_id(own: Any) -> bool:
+    try:
+        json.dumps(own, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return True
+
+
+def answer_line(record: Record, outcome: Outcome, model: str = "") -> bytes:
+    """The answer line; `model` is the header digest of the model that decided it (ClefModel.identity)."""
     request = outcome.request
     own = request.get("id") if isinstance(request, dict) else None
-    head = {"id": own if own is not None else record.line, "line": record.line, "request_sha256": request_sha256(record.raw)}
+    head: dict[str, Any] = {"id": record.line if own is None else own, "line": record.line}
+    if not _writable_id(own):  # 1e400 parses as inf, which JSON cannot hold: the line number stands in, and says so
+        head = {"id": record.line, "id_error": "the request's id is not a finite JSON value: its line number stands in"}
+        head["line"] = record.line
+    head |= {"request_sha256": request_sha256(record.raw), **({"model_sha256": model} if model else {})}
     body = {**head, **outcome.answer()}
     try:
         text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -94,8 +116,8 @@ def answer_line(record: Record, outcome: Outcome) -> bytes:
     return text.encode("utf-8") + b"\n"
 
 
-def _whole_answer(line: bytes) -> tuple[int, str, bool] | None:
-    """(line, request_sha256, whether it is an error) of a whole answer line, or None."""
+def _whole_answer(line: bytes) -> tuple[int, str, bool, str | None] | None:
+    """(line, request_sha256, whether it is an error, model_sha256) of a whole answer line, or None."""
     if not line.endswith(b"\n"):
         return None
     try:
@@ -104,18 +126,19 @@ def _whole_answer(line: bytes) -> tuple[int, str, bool] | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("line"), int) or not isinstance(value.get("request_sha256"), str):
         return None
-    return value["line"], value["request_sha256"], "error" in value
+    return value["line"], value["request_sha256"], "error" in value, value.get("model_sha256")
 
 
-def answered_lines(out: Path) -> list[tuple[int, str, bool]]:
-    """The answers in `out` as (line, request_sha256, is an error), a torn tail cut off the file (and fsynced)."""
+def answered_lines(out: Path) -> list[tuple[int, str, bool, str | None]]:
+    """The answers in `out` as (line, request_sha256, is an error, model_sha256), a torn tail cut off the file
+    (and fsynced)."""
     try:
         data = out.read_bytes()
     except FileNotFoundError:
         return []
     except OSError as e:
         raise AnswersFileError(f"cannot read {out}: {e.strerror or e}") from None
-    answers: list[tuple[int, str, bool]] = []
+    answers: list[tuple[int, str, bool, str | None]] = []
     end = 0
     lines = data.splitlines(keepends=True)
     for n, line in enumerate(lines):
@@ -134,11 +157,20 @@ def answered_lines(out: Path) -> list[tuple[int, str, bool]]:
 
 
 def _count(path: Path) -> int | None:
+    """The requests in a regular file, for the progress bar; None for a pipe, a FIFO or a device, which can be read
+    once only (counting it would consume the requests)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         with open(path, "rb") as file:
             return sum(1 for line in file if line.strip())
     except OSError:
         return None
+
+
+def _close(file: IO[bytes]) -> None:
+    with suppress(OSError):  # after a failed write, close tries the flush again: that error is the one already raised
+        file.close()
 
 
 def _fsync(file: IO[bytes]) -> None:
@@ -146,8 +178,23 @@ def _fsync(file: IO[bytes]) -> None:
         os.fsync(file.fileno())
 
 
-def _open_output(out: str, source: str, *, resume: bool, force: bool) -> tuple[IO[bytes], list[tuple[int, str, bool]], bool]:
-    """The answers file, positioned after its whole answers; those answers; and whether it is to be closed."""
+def _lock(file: IO[bytes], out: str) -> None:
+    """One writer per answers file: a second run on it is refused, not interleaved."""
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise AnswersFileError(f"{out} is being written by another run (it holds the file's lock)") from None
+    except OSError:  # a file system without locks (some network ones): nothing to hold
+        pass
+
+
+def _open_output(
+    out: str, source: str, *, resume: bool, force: bool
+) -> tuple[IO[bytes], list[tuple[int, str, bool, str | None]], bool]:
+    """The answers file, locked and positioned after its whole answers; those answers; and whether it is to be closed.
+
+    Opened (and locked) before the answers are read or the file is emptied, so that a second run changes nothing."""
     if out == "-":
         if resume:
             raise AnswersFileError("--resume continues an answers file: give it with -o")
@@ -155,13 +202,24 @@ def _open_output(out: str, source: str, *, resume: bool, force: bool) -> tuple[I
     path = Path(out)
     if source != "-" and path.exists() and Path(source).exists() and path.samefile(source):
         raise AnswersFileError(f"{out} is the input: write the answers to another file")
-    done = answered_lines(path) if resume else []
     if not resume and not force and path.exists() and path.stat().st_size > 0:
         raise AnswersFileError(f"{out} exists: --resume continues it, --force overwrites it")
     try:
-        return open(path, "ab" if resume else "wb"), done, True
+        file = open(path, "ab")  # noqa: SIM115 (returned open, closed by decide_file)
     except OSError as e:
-        raise AnswersFileError(f"cannot write {out}: {e.strerror or e}") from None
+        raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
+    _lock(file, out)
+    try:
+        done = answered_lines(path) if resume else []
+        if not resume and file.seekable():
+            file.truncate(0)
+    except OSError as e:
+        file.close()
+        raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
+    except BaseException:
+        file.close()
+        raise
+    return file, done, True
 
 
 def decide_file(
@@ -172,24 +230,33 @@ def decide_file(
     resume: bool = False,
     force: bool = False,
     sort_by_state: bool = False,
+    images_anywhere: bool = False,
     progress: Progress | None = None,
 ) -> Summary:
-    """Decide the JSON Lines requests of `source` ("-": stdin) into the answers file `out` ("-": stdout).
+    """Decide the JSON Lines requests of `source` ("-": stdin; a pipe, a FIFO or a device streams as stdin does)
+    into the answers file `out` ("-": stdout).
 
-    Image paths in a request's `images` are relative to the input's folder (stdin: the working directory)."""
+    Image paths in a request's `images` are relative to the input's folder (stdin, a pipe: the working directory)
+    and must stay inside it unless `images_anywhere`. Each answer line carries the model's header digest
+    (model_sha256): --resume with another model is refused."""
     summary = Summary(out=out)
     with ExitStack() as stack:
         try:
             file = sys.stdin.buffer if source == "-" else stack.enter_context(open(source, "rb"))
         except OSError as e:
             raise RequestError(f"cannot read the requests: {e.strerror or e}") from None
-        total = None if source == "-" else _count(Path(source))
+        total = None if source == "-" else _count(Path(source))  # (None: not a regular file)
         output, done, owned = _open_output(out, source, resume=resume, force=force)
         if owned:
-            stack.callback(output.close)
+            stack.callback(_close, output)
         stack.callback(_fsync, output)  # at the end, and on the way out of an interrupted run
         records = read_records(file)
-        for number, (line, digest, failed) in enumerate(done, 1):
+        for number, (line, digest, failed, by) in enumerate(done, 1):
+            if by is not None and by != model.identity:
+                raise AnswersFileError(
+                    f"{out}: answer {number} was decided by another model (header sha256 {by[:12]}..., this one "
+                    f"{model.identity[:12]}...): resume with that model, or write the answers to another file"
+                )
             record = next(records, None)
             if record is None or (record.line, request_sha256(record.raw)) != (line, digest):
                 raise AnswersFileError(f"{out}: answer {number} (line {line}) is not the answer to this input's request {number}")
@@ -203,12 +270,16 @@ def decide_file(
                 pending.append(record)
                 yield record.raw
 
-        base = Path.cwd() if source == "-" else Path(source).resolve().parent
+        base = Path(source).resolve().parent if total is not None else Path.cwd()
         if progress:
             progress(summary, total)
-        for outcome in decide_outcomes(model, raw_requests(), sort_by_state=sort_by_state, base=base):
-            output.write(answer_line(pending.pop(0), outcome))
-            output.flush()
+        outcomes = decide_outcomes(model, raw_requests(), sort_by_state=sort_by_state, base=base, anywhere=images_anywhere)
+        for outcome in outcomes:
+            try:
+                output.write(answer_line(pending.pop(0), outcome, model.identity))
+                output.flush()
+            except OSError as e:  # a full disk, an I/O error: the lines before are whole, --resume mends a torn last one
+                raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
             summary.records += 1
             if outcome.error is None:
                 summary.answered += 1
