@@ -47,7 +47,8 @@ def tuned(ws, tmp_path_factory) -> FineTune:
 
 
 def _requests() -> list[dict]:
-    return [r.request for r in read_labelled(DATA) if not isinstance(r, BadLine)]
+    with open(DATA, "rb") as file:
+        return [r.request for r in read_labelled(file) if not isinstance(r, BadLine)]
 
 
 def _probabilities(path: Path) -> list[list[np.ndarray]]:
