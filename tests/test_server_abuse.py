@@ -439,3 +439,39 @@ def test_requests_cut_off_by_the_drain_timeout_get_a_json_503(tmp_path):
             assert response.json()["detail"]["error_type"] == "overloaded_error"
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr, stderr
+
+
+def test_bodies_under_the_minimum_rate_cannot_lock_others_out():
+    """Every intake slot taken by a connection trickling its body a byte at a time (the lock-out of issue 39: 503 for
+    everyone until the body timeout): each gets 408 once the grace period has passed, a normal client is answered
+    within about that time, and an honest slow client (1 KiB/s, over the grace period) still passes."""
+    grace, rate, slots = 1.0, 240.0, 4
+    options = ["--body-timeout", "30", "--body-grace", str(grace), "--min-body-rate", str(rate), "--max-queue", str(slots)]
+    with served(DEMO_MODEL, *options) as (url, process):
+        port = int(url.rsplit(":", 1)[1])
+        started = time.perf_counter()
+        with ThreadPoolExecutor(slots) as pool:
+            trickled = [pool.submit(exchange, port, [post_head(500)] + [b" "] * 60, 0.5) for _ in range(slots)]
+            time.sleep(0.3)  # every slot is taken now
+            answered_at = None
+            with httpx.Client(base_url=url, timeout=30) as client:
+                while time.perf_counter() - started < 10:
+                    if client.post("/v1/systemone", json=NORMAL).status_code == 200:
+                        answered_at = time.perf_counter() - started
+                        break
+                    time.sleep(0.1)
+            answers = [f.result() for f in trickled]
+        for answer in answers:
+            detail = assert_json_error(answer, 408)["detail"]
+            assert "under this server's minimum of 240" in detail["message"]
+            assert grace - 0.05 < answer.seconds < grace + 1.5, answer.seconds
+        assert answered_at is not None and answered_at < grace + 2.0, answered_at
+        raw = json.dumps({**NORMAL, "state": "x" * 2000}).encode()
+        pieces = [raw[i : i + 256] for i in range(0, len(raw), 256)]
+        sending = 0.25 * len(pieces)  # 1 KiB/s: past the grace period
+        honest = exchange(port, [post_head(len(raw)), *pieces], 0.25)
+        assert honest.status == 200 and sending > grace, honest.status
+        print(
+            f"\n{slots} trickling bodies: 408 after {max(a.seconds for a in answers):.2f} s; a normal request answered "
+            f"after {answered_at:.2f} s; a 1 KiB/s body of {len(raw)} bytes sent over {sending:.2f} s: 200"
+        )

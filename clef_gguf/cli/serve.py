@@ -61,6 +61,13 @@ def serve(
         float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
     ] = 10.0,
     body_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request has to send its whole body; then 408.")] = 30.0,
+    min_body_rate: Annotated[
+        float,
+        typer.Option(
+            min=0, help="Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none)."
+        ),
+    ] = 240.0,
+    body_grace: Annotated[float, typer.Option(min=0, help="Seconds before --min-body-rate applies to a body.")] = 5.0,
     keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
     log_format: LogFormatOption = "text",
     state_cache: Annotated[int, state_cache_option(f"{DEFAULT_STATE_CACHE >> 30}GiB")] = DEFAULT_STATE_CACHE,
@@ -91,7 +98,13 @@ def serve(
     from ..server.launch import Endpoint, RayScale, serve_file, serve_on_ray
 
     check_ubatch(ubatch, max_prompt_tokens)
-    limits = HttpLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive)
+    limits = HttpLimits(
+        header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout,
+        min_body_rate=min_body_rate,
+        body_grace_s=body_grace,
+        keep_alive_s=keep_alive,
+    )
     endpoint = Endpoint(host, port, api_key, max_queue, drain_timeout, limits, log_format)
     options = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "n_threads": n_threads, "ubatch": ubatch}
     options |= {"parallel": parallel, "state_cache": state_cache, "mmproj": mmproj}

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import RequestError
 from ..runtime.state_cache import StateCache
 from . import workers_ai
-from .body import DEFAULT_BODY_TIMEOUT_S, body_limit
+from .body import DEFAULT_BODY_GRACE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MIN_BODY_RATE, BodyPace, body_limit
 from .intake import Intake
 from .metrics import CONTENT_TYPE, create_metrics
 from .observe import LogFormat, Observed, note_decision
@@ -137,6 +137,8 @@ def create_app(
     max_pending: int = DEFAULT_MAX_PENDING,
     max_body_bytes: int | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    min_body_rate: float = DEFAULT_MIN_BODY_RATE,
+    body_grace_s: float = DEFAULT_BODY_GRACE_S,
     owns_model: bool = True,
     decider: Decider | None = None,
     log_format: LogFormat = "text",
@@ -146,7 +148,8 @@ def create_app(
 
     max_pending bounds the requests being read and the requests admitted to decide, each; max_body_bytes
     (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
-    raw and decoded. Decisions are model.decide's on one worker thread (DecideWorker) unless a decider is
+    raw and decoded; a body must arrive within body_timeout_s, and after body_grace_s at min_body_rate bytes/s.
+    Decisions are model.decide's on one worker thread (DecideWorker) unless a decider is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
@@ -159,7 +162,7 @@ def create_app(
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
-    intake = Intake(model, max_pending, limit, body_timeout_s, text_limit)
+    intake = Intake(model, max_pending, limit, BodyPace(body_timeout_s, min_body_rate, body_grace_s), text_limit)
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
     metrics = create_metrics(model, worker, intake, cache if isinstance(cache, StateCache) else None)
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .body import DEFAULT_BODY_TIMEOUT_S
+from .body import DEFAULT_BODY_GRACE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MIN_BODY_RATE
 from .problems import ApiError, render_problem
 
 
@@ -37,6 +37,8 @@ class HttpLimits:
     max_url_bytes: int = 8 * 1024  # the request target (nginx's default line buffer)
     header_timeout_s: float = 10.0
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    min_body_rate: float = DEFAULT_MIN_BODY_RATE  # bytes/s a body must average after body_grace_s (the app's check)
+    body_grace_s: float = DEFAULT_BODY_GRACE_S
     keep_alive_s: float = 5.0  # uvicorn's default: an idle connection after an answer
 
 

@@ -43,7 +43,8 @@ def serve(
     One access log line per request on stderr, in log_format (observe.py)."""
     limits = limits or HttpLimits()
     access_lines = configure_access_log()
-    app = create_app(model, api_key=api_key, max_pending=max_pending, body_timeout_s=limits.body_timeout_s, log_format=log_format)
+    pace = {"body_timeout_s": limits.body_timeout_s, "min_body_rate": limits.min_body_rate, "body_grace_s": limits.body_grace_s}
+    app = create_app(model, api_key=api_key, max_pending=max_pending, log_format=log_format, **pace)
     config = uvicorn_config(
         app,
         limits,
