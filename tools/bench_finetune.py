@@ -2,8 +2,9 @@
 own `train` on examples/labelled.jsonl, its checkpoint converted with `clef-gguf convert CHECKPOINT --base` to f32,
 f16, q8_0 and Q4_K_M, then, in one run:
 
-- records/s of `clef-gguf eval` (f32 and Q4_K_M) against `clef-finetune eval` (its merged release, float32, CPU) on
-  the same --count records, each as a whole command (load included) and, for clef-gguf, its own decide time;
+- records/s of `clef-gguf eval` (f32 and Q4_K_M) against `clef-finetune eval` (its merged release on the CPU, in
+  float32 and in bfloat16, its default dtype) on the same --count records, each as a whole command (load included)
+  and, for clef-gguf, its own decide time;
 - `clef-gguf compare` of f16, q8_0 and Q4_K_M against f32 on the same records: what a user would see.
 
     python tools/bench_finetune.py [--count 200] [--out docs/benchmarks/finetune.json]
@@ -88,25 +89,17 @@ def main() -> None:
         data = work / "eval.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in records(args.count)))
         result: dict = {"count": args.count, "eval": {}, "compare": {}}
-        finetune_eval = [
-            sys.executable,
-            "-m",
-            "clef_gguf.testing.finetune",
-            "eval",
-            "--model",
-            str(merged),
-            "--data",
-            str(data),
-            "--output-dir",
-            str(work / "cf"),
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-        ]
-        seconds, _ = timed(finetune_eval)
-        result["eval"]["clef-finetune (torch, float32)"] = {"seconds": round(seconds, 2), "records_per_s": args.count / seconds}
-        reference = json.loads((work / "cf" / "tuned_metrics.json").read_text())["metrics"]["overall"]
+        for dtype in ("float32", "bfloat16"):
+            finetune = [sys.executable, "-m", "clef_gguf.testing.finetune", "eval", "--model", str(merged)]
+            finetune += ["--data", str(data), "--output-dir", str(work / dtype), "--dtype", dtype, "--device", "cpu"]
+            seconds, _ = timed(finetune)
+            overall = json.loads((work / dtype / "tuned_metrics.json").read_text())["metrics"]["overall"]
+            result["eval"][f"clef-finetune (torch, {dtype})"] = {
+                "seconds": round(seconds, 2),
+                "records_per_s": args.count / seconds,
+                "accuracy": overall["accuracy"],
+                "nll": overall["nll"],
+            }
         for file_type in ("f32", "q4_k_m"):
             seconds, out = timed([*CLI, "eval", str(files[file_type]), str(data), "--json"])
             ours = json.loads(out)
@@ -117,12 +110,12 @@ def main() -> None:
                 "accuracy": ours["metrics"]["overall"]["accuracy"],
                 "nll": ours["metrics"]["overall"]["nll"],
             }
-        result["eval"]["clef-finetune (torch, float32)"] |= {"accuracy": reference["accuracy"], "nll": reference["nll"]}
         for file_type in ("f16", "q8_0", "q4_k_m"):
             _, out = timed([*CLI, "compare", str(files["f32"]), str(files[file_type]), str(data), "--json"])
             result["compare"][file_type] = json.loads(out)["changes"]
-    base = result["eval"]["clef-finetune (torch, float32)"]["records_per_s"]
-    print(f"| eval of {args.count} records | seconds | records/s | x clef-finetune | decide only, records/s | accuracy | nll |")
+    base = result["eval"]["clef-finetune (torch, bfloat16)"]["records_per_s"]
+    columns = "seconds | records/s | x clef-finetune bf16 (its default) | decide only, records/s | accuracy | nll"
+    print(f"| eval of {args.count} records | {columns} |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, e in result["eval"].items():
         print(
