@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from itertools import repeat
 
 import gguf
@@ -95,6 +96,27 @@ def check_decision_metadata(h: Header) -> tuple[list[Problem], PromptTemplate | 
         except ModelFileError as e:
             bad.append(str(e))
     return [Problem("decision", m) for m in bad], template
+
+
+def check_temperatures(h: Header) -> tuple[list[Problem], list[str], dict[str, float]]:
+    """The softmax temperatures (`clef.decision.temperature.<name>`): a problem for a value that is not a finite
+    number > 0 (llama-server refuses <= 0, and would take NaN and infinity), a note for a name no question can use."""
+    bad, notes, temperatures = [], [], {}
+    usable = C.usable_temperature_names()
+    for key, f in h.fields.items():
+        if not key.startswith(C.KEY_TEMPERATURE_PREFIX):
+            continue
+        name, value = key[len(C.KEY_TEMPERATURE_PREFIX) :], f.value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            bad.append(f"{key} = {value!r}: a temperature must be a finite number > 0")
+            continue
+        temperatures[name] = float(value)
+        if name not in usable:
+            notes.append(
+                f"{key} is used by no question (names: <type> or <type>.<bucket>, buckets 2, 3_5, 6_10, 11 by option count; "
+                "noul has 2 options, score at most 10)"
+            )
+    return [Problem("decision", m) for m in bad], notes, dict(sorted(temperatures.items()))
 
 
 def old_layout(h: Header) -> bool:

@@ -63,6 +63,7 @@ class Report:
     file_size: int | None = None
     header_size: int | None = None  # bytes before the tensor data: all a header-only validation needs
     tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type -> number of tensors
+    temperatures: dict[str, float] = field(default_factory=dict)  # clef.decision.temperature.<name>: the valid ones
     notes: tuple[str, ...] = ()
     deep: bool = False
     sha256: str | None = None  # of the whole file, when asked for
@@ -107,6 +108,7 @@ class Findings:
     shape: C.BackboneShape | None = None
     head: C.HeadConfig | None = None
     template: PromptTemplate | None = None
+    temperatures: dict[str, float] = field(default_factory=dict)
     # A file of another kind (an mmproj, check/mmproj.py) has a summary of its own.
     summarize: Callable[[Verdict, Findings, Header | None], str] | None = None
 
@@ -191,6 +193,7 @@ def make_report(source: str, found: Findings, h: Header | None, file_size: int |
         file_size=file_size,
         header_size=h.data_offset if h else None,
         tensor_types=_type_summary(h) if h else {},
+        temperatures={printable(k, limit=100): v for k, v in found.temperatures.items()},
         notes=tuple(printable(n) for n in found.notes),
         seconds=round(time.perf_counter() - started, 4),
         **extra,

@@ -37,7 +37,7 @@ from ..format.hparams import prefix_of, read_backbone_shape, read_head_config
 from .deep import check_data, file_sha256
 from .description import ClefDescription, ValidatedFile
 from .layout import EMPTY, MAX_HEADER_BYTES, check_layout, parse_prefix
-from .metadata import OLD_LAYOUT_MESSAGE, check_decision_metadata, check_tokenizer, old_layout
+from .metadata import OLD_LAYOUT_MESSAGE, check_decision_metadata, check_temperatures, check_tokenizer, old_layout
 from .mmproj import is_mmproj, judge_mmproj
 from .report import Counts, Findings, Problem, Report, corrupt, make_report
 from .tensors import check_backbone, check_head, check_types
@@ -75,6 +75,9 @@ def judge_header(h: Header, file_size: int) -> Findings:
     if found.decision:
         problems, found.template = check_decision_metadata(h)
         found.problems += problems
+        problems, notes, found.temperatures = check_temperatures(h)
+        found.problems += problems
+        found.notes += notes
         config, problems = read_head_config(h, shape.n_embd if shape else None)
         found.problems += [Problem("head", m) for m in problems]
         found.head = config
@@ -230,5 +233,6 @@ def open_validated(path: str | os.PathLike[str]) -> ValidatedFile:
         template=found.template,
         nfc=h.get(C.KEY_NORMALIZER, "NFC") == "NFC",
         tensors=MappingProxyType(h.tensors),
+        temperatures=MappingProxyType(found.temperatures),
     )
     return ValidatedFile(f, description)

@@ -20,6 +20,7 @@ for command in (convert.convert, convert.graft, decide.decide, plan.plan, decide
     app.command()(command)
 app.command("eval")(quality.eval_)
 app.command()(quality.compare)
+app.command()(quality.calibrate)
 
 
 def main() -> None:

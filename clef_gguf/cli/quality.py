@@ -12,7 +12,11 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
+from ..check.validate import validate as validate_file
+from ..conversion.rekey import rekey
+from ..format import contract as C
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE
+from ..quality import calibrate as calibrating
 from ..quality import compare as comparing
 from ..quality import evaluate as evaluating
 from ..quality.metrics import DEFAULT_TARGET_PRECISIONS
@@ -152,3 +156,58 @@ def compare(
     result = run(work)
     typer.echo(json.dumps(result, indent=2) if json_output else comparing.report_markdown(result))
     _finish(sorted(set(result["errors"]["a"]) | set(result["errors"]["b"])))
+
+
+def calibrate(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file (never changed).")],
+    data: Data,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The calibrated copy of MODEL.")],
+    holdout: Annotated[
+        float, typer.Option(min=0.0, max=0.9, help="Share of records held out of the fit, to measure it on (by record id).")
+    ] = 0.0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+    target_precision: TargetPrecision = DEFAULT_PRECISIONS,
+    json_output: JsonOption = False,
+    n_gpu_layers: GpuLayers = 0,
+    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    ubatch: Ubatch = None,
+    state_cache: Annotated[int | None, state_cache_option("1GiB")] = None,
+    mmproj: Mmproj = None,
+    parallel: Parallel = DEFAULT_PARALLEL,
+) -> None:
+    """Fit llama.cpp's softmax temperatures (clef.decision.temperature.<type>[.<bucket>]) on labelled data by NLL,
+    and write MODEL with them as OUT: its tensor data byte for byte, llama-server and clef-gguf apply them alike.
+    Prints the temperatures, and NLL, ECE and auto-decide coverage before and after (--holdout: on records kept
+    out of the fit)."""
+    precisions = _precisions(target_precision)
+    settings = _settings(n_gpu_layers, max_prompt_tokens, ubatch, state_cache, mmproj, parallel)
+
+    def work() -> dict[str, Any]:
+        scored = _score(model_path, data, "calibrate", True, settings)
+        rows = scored.rows()
+        current = dict(validate_file(model_path).temperatures)  # (load refused a file whose keys are invalid)
+        fit = calibrating.calibrate_rows(rows, current, holdout, precisions)
+        if not fit.counts:
+            fail(f"{data}: no question type has {calibrating.MIN_QUESTIONS} labelled questions to fit a temperature on")
+        keys = {C.KEY_TEMPERATURE_PREFIX + name: value for name, value in fit.temperatures.items()}
+        with signals_clean_up(), _bar("writing") as progress:
+            update = (lambda stage, done, total, item: progress(done, total)) if progress else None
+            rekey(model_path, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=update)
+        return {
+            "model": str(model_path),
+            "out": str(out),
+            "eval": str(data),
+            "temperatures": fit.temperatures,
+            "fitted_on": fit.counts,
+            "before": fit.before,
+            "after": fit.after,
+            "errors": scored.errors,
+        }
+
+    result = run(work)
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        typer.echo(calibrating.report_markdown(result))
+    say(f"wrote {out}")
+    _finish(result["errors"])

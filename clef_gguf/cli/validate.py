@@ -21,6 +21,9 @@ def _print_report(report: Report) -> None:
             typer.echo(f"  - {problem.message}")
     for note in report.notes:
         typer.echo(f"  note: {note}")
+    if report.temperatures:
+        shown = ", ".join(f"{name} {value:g}" for name, value in report.temperatures.items())
+        typer.echo(f"  softmax temperatures: {shown}")
     if report.header_size is not None:
         read = f"{report.bytes_read} bytes over HTTP" if report.bytes_read is not None else f"a {report.header_size}-byte header"
         deep = " and every tensor (--deep)" if report.deep else ""

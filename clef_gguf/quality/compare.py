@@ -59,11 +59,11 @@ def compare_runs(a: Run, b: Run, target_precisions: Sequence[float] = DEFAULT_TA
         other = b_by_line.get(d.record.line)
         if d.error is not None or other is None:
             continue
-        for qid, (qtype, options, pa) in d.questions.items():
-            _, options_b, pb = other.questions[qid]
-            if options_b != options:
-                raise RequestError(f"line {d.record.line}: question {qid} has options {options} in A, {options_b} in B")
-            pairs.setdefault(qtype, []).append((pa, pb))
+        for qid, a_q in d.questions.items():
+            b_q = other.questions[qid]
+            if b_q.options != a_q.options:
+                raise RequestError(f"line {d.record.line}: question {qid} has options {a_q.options} in A, {b_q.options} in B")
+            pairs.setdefault(a_q.type, []).append((a_q.probs, b_q.probs))
     if not pairs:
         raise RequestError(f"{a.data}: no question was decided by both models")
     result: dict[str, Any] = {

@@ -35,6 +35,7 @@ class Row:
     option_ids: tuple[str, ...]
     probs: np.ndarray  # unrounded, in option_ids' order
     target: int  # the label's index in option_ids
+    logits: np.ndarray | None = None  # the scores before the temperature and the softmax (not in predictions.jsonl)
 
     @property
     def predicted(self) -> int:

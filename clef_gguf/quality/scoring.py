@@ -22,11 +22,21 @@ Progress = Callable[[int, int | None], None]  # (records done, records in all wh
 
 
 @dataclass(frozen=True)
+class Answered:
+    """A question decided: its type, option ids, probabilities (unrounded) and scores (before the temperature)."""
+
+    type: str
+    options: tuple[str, ...]
+    probs: np.ndarray
+    logits: np.ndarray
+
+
+@dataclass(frozen=True)
 class Decided:
-    """A record and what the model made of it: {question id: (type, option ids, probabilities)}, or its error."""
+    """A record and what the model made of it, {question id: Answered}, or its error."""
 
     record: Labelled
-    questions: dict[str, tuple[str, tuple[str, ...], np.ndarray]]
+    questions: dict[str, Answered]
     error: str | None = None
 
 
@@ -54,8 +64,8 @@ class Run:
         for d in self.decided:
             for qid, label in d.record.labels.items():
                 if d.error is None:
-                    qtype, options, probs = d.questions[qid]
-                    rows.append(Row(d.record.id, qid, qtype, options, probs, options.index(label)))
+                    q = d.questions[qid]
+                    rows.append(Row(d.record.id, qid, q.type, q.options, q.probs, q.options.index(label), q.logits))
         return rows
 
     def timing(self) -> dict[str, Any]:
@@ -106,7 +116,7 @@ def score_file(model: ClefModel, data: str | Path, *, require_labels: bool = Tru
             run.decided.append(Decided(record, {}, str(detail)))
         else:
             types = {qid: q["type"] for qid, q in record.request["questions"].items()}
-            questions = {qid: (types[qid], options, p) for qid, (options, p) in outcome.scores.by_question().items()}
+            questions = {qid: Answered(types[qid], *answered) for qid, answered in outcome.scores.by_question().items()}
             run.decided.append(Decided(record, questions))
             run.tokens += outcome.tokens
         if progress:

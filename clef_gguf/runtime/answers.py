@@ -18,9 +18,10 @@ from .prompt import EncodedPrompt, EncodedQuestion
 DECIMALS = 4
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
+def probabilities(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """The softmax of the scores divided by the temperature, in float64 (as llama-server: exp((s - max) / t))."""
     z = np.asarray(logits, dtype=np.float64)
-    e = np.exp(z - z.max())
+    e = np.exp((z - z.max()) / temperature)
     return e / e.sum()
 
 
@@ -66,14 +67,15 @@ def answer(question: EncodedQuestion, p: np.ndarray) -> dict[str, Any]:
     }
 
 
-def question_probabilities(model_name: str, logits: list[np.ndarray]) -> list[np.ndarray]:
-    """Each question's option probabilities (float64, unrounded) from its scores; ModelOutputError if not finite."""
+def question_probabilities(model_name: str, logits: list[np.ndarray], temperatures: list[float]) -> list[np.ndarray]:
+    """Each question's option probabilities (float64, unrounded) from its scores and its softmax temperature (the
+    file's clef.decision.temperature.* keys: contract.temperature_of); ModelOutputError if a score is not finite."""
     if not all(np.isfinite(z).all() for z in logits):  # JSON has no NaN: never answer with one
         raise ModelOutputError(
             f"{model_name}: the model's scores are not finite (NaN or Inf); its weights are broken "
             "(`clef-gguf validate --deep` names the tensor)"
         )
-    return [probabilities(z) for z in logits]
+    return [probabilities(z, t) for z, t in zip(logits, temperatures, strict=True)]
 
 
 def response(prompt: EncodedPrompt, model_name: str, probs: list[np.ndarray], cached_tokens: int = 0) -> dict[str, Any]:

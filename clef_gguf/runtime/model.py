@@ -17,6 +17,7 @@ from PIL import Image
 from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
+from ..format import contract as C
 from ..llama.backbone import Backbone, Part, prompt_positions
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
@@ -53,10 +54,11 @@ class Scores:
     cached_tokens: int
     questions: tuple[str, ...]  # the question ids, in the request's order
     options: tuple[tuple[str, ...], ...]  # each question's option ids, in its probabilities' order
+    logits: list[np.ndarray]  # each question's scores, before the temperature and the softmax (what calibrate fits)
 
-    def by_question(self) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
-        """{question id: (option ids, probabilities)}."""
-        return dict(zip(self.questions, zip(self.options, self.probabilities, strict=True), strict=True))
+    def by_question(self) -> dict[str, tuple[tuple[str, ...], np.ndarray, np.ndarray]]:
+        """{question id: (option ids, probabilities, scores)}."""
+        return dict(zip(self.questions, zip(self.options, self.probabilities, self.logits, strict=True), strict=True))
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
@@ -272,10 +274,12 @@ class ClefModel:
                 scored.append(result)
                 continue
             try:  # views of llama.cpp's output buffer: the head reads them before the next decode
-                probabilities = question_probabilities(self.name, self.head(result[0], prompt))
                 questions = tuple(q.question for q in prompt.questions)
+                tempered = [C.temperature_of(self.description.temperatures, q.type, len(q.options)) for q in questions]
+                logits = [np.array(z, dtype=np.float32) for z in self.head(result[0], prompt)]
+                probabilities = question_probabilities(self.name, logits, tempered)
                 options = tuple(tuple(option for option, _ in q.options) for q in questions)
-                scored.append(Scores(probabilities, result[1], tuple(q.id for q in questions), options))
+                scored.append(Scores(probabilities, result[1], tuple(q.id for q in questions), options, logits))
             except (ComputeError, ModelOutputError) as e:
                 scored.append(e)
         return scored
