@@ -18,6 +18,7 @@ import clef_gguf
 from clef_gguf.check.validate import validate
 from clef_gguf.conversion.rekey import rekey
 from clef_gguf.errors import IncompleteModelError
+from clef_gguf.testing.request_suite import temperature_buckets_request
 
 PREFIX = "clef.decision.temperature."
 CLI = [sys.executable, "-m", "clef_gguf.cli"]
@@ -25,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
 # A key at every bucket of choice; score by its fallback (3 levels) and a bucket (7 levels); noul by its type.
 KEYS = {"choice.2": 0.5, "choice.3_5": 2.5, "choice.6_10": 0.8, "choice.11": 1.7, "noul": 0.6, "score": 1.9, "score.6_10": 0.7}
-OPTION_COUNTS = (2, 3, 5, 6, 10, 11, 255)
 
 
 def llama_server_probabilities(scores: np.ndarray, qtype: str, keys: dict[str, float]) -> np.ndarray:
@@ -37,13 +37,6 @@ def llama_server_probabilities(scores: np.ndarray, qtype: str, keys: dict[str, f
     return p / p.sum()
 
 
-def _request() -> dict:
-    questions = {f"c{n}": {"type": "choice", "criteria": {f"o{i:03d}": None for i in range(n)}} for n in OPTION_COUNTS}
-    questions |= {"yes": {"type": "noul"}, "s3": {"type": "score", "criteria": ["a", "b", "c"]}}
-    questions["s7"] = {"type": "score", "criteria": [str(i) for i in range(7)]}
-    return {"state": {"ticket": "The parcel is late again."}, "questions": questions}
-
-
 @pytest.fixture(scope="module")
 def keyed(ws, tmp_path_factory) -> Path:
     keys = {PREFIX + k: v for k, v in KEYS.items()}
@@ -52,7 +45,7 @@ def keyed(ws, tmp_path_factory) -> Path:
 
 def test_every_bucket_boundary_follows_llama_server_s_rule(ws, keyed):
     plain = ws.model("untied_f32", "f32")
-    request = _request()
+    request = temperature_buckets_request()
     [scores] = plain.score_batch([plain.encode(request)])
     types = {qid: q["type"] for qid, q in request["questions"].items()}
     with clef_gguf.load(keyed, max_prompt_tokens=8192) as model:

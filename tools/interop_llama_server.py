@@ -1,7 +1,8 @@
 """llama.cpp's own llama-server loads clef-gguf's files and answers as clef-gguf does.
 
 Builds two fixture releases (clef_gguf/testing/release_builder.py), converts them with clef-gguf
-(f32, and Q4_K_M on the fixture whose rows are multiples of 256), starts the pinned
+(f32, and Q4_K_M on the fixture whose rows are multiples of 256; the f32 file again with softmax temperatures at
+every bucket, and calibrated by `clef-gguf calibrate` on examples/labelled.jsonl), starts the pinned
 llama-server on each file (loopback, one ubatch for the whole prompt: its Clef graph has
 no memory) and sends it the request suite through /v1/systemone, then compares every
 probability and `input_tokens` with clef-gguf's own decision on the same file.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 import unicodedata
@@ -112,6 +114,25 @@ def compare(binary: Path, path: Path, requests: dict[str, dict[str, Any]], log: 
     return rows
 
 
+# A temperature at every bucket of choice, score by its fallback and a bucket, noul by its type (as tests/test_temperatures.py).
+TEMPERATURES = {
+    "choice.2": 0.5,
+    "choice.3_5": 2.5,
+    "choice.6_10": 0.8,
+    "choice.11": 1.7,
+    "noul": 0.6,
+    "score": 1.9,
+    "score.6_10": 0.7,
+}
+
+
+def calibrated(model: Path, out: Path) -> Path:
+    """`clef-gguf calibrate` of the model on examples/labelled.jsonl."""
+    command = [sys.executable, "-m", "clef_gguf.cli", "calibrate", str(model), str(ROOT / "examples" / "labelled.jsonl")]
+    subprocess.run([*command, "-o", str(out)], check=True, capture_output=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
@@ -120,15 +141,21 @@ def main() -> None:
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
 
     import clef_gguf
+    from clef_gguf.conversion.rekey import rekey
+    from clef_gguf.format import contract as C
     from clef_gguf.testing.release_builder import RELEASES, build_release
-    from clef_gguf.testing.request_suite import all_requests
+    from clef_gguf.testing.request_suite import all_requests, temperature_buckets_request
 
     requests = {name: as_llama_server_accepts(r) for name, r in all_requests().items()}
+    requests["temperature_buckets"] = as_llama_server_accepts(temperature_buckets_request())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        f32 = clef_gguf.convert(build_release(root / "untied_f32", RELEASES["untied_f32"]), root / "untied-f32.gguf", "f32")
         files = [
-            clef_gguf.convert(build_release(root / "untied_f32", RELEASES["untied_f32"]), root / "untied-f32.gguf", "f32"),
+            f32,
             clef_gguf.convert(build_release(root / "k256", RELEASES["k256"]), root / "k256-q4_k_m.gguf", "q4_k_m"),
+            rekey(f32, root / "untied-f32-temperatures.gguf", {C.KEY_TEMPERATURE_PREFIX + k: v for k, v in TEMPERATURES.items()}),
+            calibrated(f32, root / "untied-f32-calibrated.gguf"),
         ]
         print("| file | request | tokens (clef-gguf) | tokens (llama-server) | max abs dp |")
         print("|---|---|---:|---:|---:|")

@@ -120,6 +120,20 @@ def long_state_request(paragraphs: int = 18) -> Request:
     return _request(long_state_text(paragraphs), questions)
 
 
+# Option counts at every edge of llama.cpp's temperature buckets (2 | 3..5 | 6..10 | 11..): contract.TEMPERATURE_BUCKETS.
+BUCKET_EDGES = (2, 3, 5, 6, 10, 11, 255)
+
+
+def temperature_buckets_request() -> Request:
+    """A choice question at each bucket edge, a noul, and scores of 3 and 7 levels: every temperature lookup."""
+    questions: dict[str, Any] = {
+        f"c{n}": {"type": "choice", "criteria": {f"o{i:03d}": None for i in range(n)}} for n in BUCKET_EDGES
+    }
+    questions |= {"yes": {"type": "noul"}, "s3": {"type": "score", "criteria": ["a", "b", "c"]}}
+    questions["s7"] = {"type": "score", "criteria": [str(i) for i in range(7)]}
+    return _request({"ticket": "The parcel is late again."}, questions)
+
+
 def all_requests() -> dict[str, Request]:
     """The whole suite by name, for parametrized tests."""
     return {
