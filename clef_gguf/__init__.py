@@ -6,13 +6,22 @@ model.decide({"model": "clef", "state": "...", "questions": {...}})
 """
 
 from .conversion.convert import convert
-from .errors import ClefError, ConversionError, ModelFileError, PromptTooLongError, ReleaseError, RequestError
+from .errors import (
+    ClefError,
+    ConversionError,
+    ModelClosedError,
+    ModelFileError,
+    PromptTooLongError,
+    ReleaseError,
+    RequestError,
+)
 from .runtime.model import ClefModel, load
 
 __all__ = [
     "ClefError",
     "ClefModel",
     "ConversionError",
+    "ModelClosedError",
     "ModelFileError",
     "PromptTooLongError",
     "ReleaseError",

@@ -25,6 +25,7 @@ import pytest
 from PIL import Image
 
 import clef_gguf
+from clef_gguf.testing import finetune
 from clef_gguf.testing.release_builder import RELEASES, build_release
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,6 +186,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     release = build_release(tmp_path_factory.mktemp("release") / "Clef-flash", RELEASES["untied_f32"])
     [request] = code_blocks(README.read_text(), ("json",))
     (root / "request.json").write_text(json.dumps(json.loads(request)))  # (the README's request is JSON)
+    # The README's clef-finetune checkpoint: a few steps of clef-finetune's own train on that release.
+    checkpoint = finetune.train(release, ROOT / "examples" / "labelled.jsonl", tmp_path_factory.mktemp("run"))
+    (root / "runs" / "my-clef").mkdir(parents=True)
+    checkpoint.rename(root / "runs" / "my-clef" / "checkpoint-1000")
     return root, release
 
 

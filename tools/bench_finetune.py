@@ -5,7 +5,8 @@ f16, q8_0 and Q4_K_M, then, in one run:
 - records/s of `clef-gguf eval` (f32 and Q4_K_M) against `clef-finetune eval` (its merged release on the CPU, in
   float32 and in bfloat16, its default dtype) on the same --count records, each as a whole command (load included)
   and, for clef-gguf, its own decide time;
-- `clef-gguf compare` of f16, q8_0 and Q4_K_M against f32 on the same records: what a user would see.
+- `clef-gguf compare` of f16, q8_0 and Q4_K_M against f32 on the same records: what a user would see;
+- `clef-gguf calibrate` of the Q4_K_M file on the same records, 30% held out: NLL and ECE before and after.
 
     python tools/bench_finetune.py [--count 200] [--out docs/benchmarks/finetune.json]
 
@@ -113,6 +114,9 @@ def main() -> None:
         for file_type in ("f16", "q8_0", "q4_k_m"):
             _, out = timed([*CLI, "compare", str(files["f32"]), str(files[file_type]), str(data), "--json"])
             result["compare"][file_type] = json.loads(out)["changes"]
+        calibrate = [*CLI, "calibrate", str(files["q4_k_m"]), str(data), "-o", str(work / "calibrated.gguf"), "--holdout", "0.3"]
+        _, out = timed([*calibrate, "--json"])
+        result["calibrate"] = json.loads(out)
     base = result["eval"]["clef-finetune (torch, bfloat16)"]["records_per_s"]
     columns = "seconds | records/s | x clef-finetune bf16 (its default) | decide only, records/s | accuracy | nll"
     print(f"| eval of {args.count} records | {columns} |")
@@ -131,6 +135,12 @@ def main() -> None:
             f"| {file_type} | {c['n']} | {c['changed']} ({c['changed_share']:.1%}) | {c['flips']} | {c['abs_dp']['mean']:.5f} | "
             f"{c['abs_dp']['p99']:.5f} | {c['abs_dp']['max']:.5f} | {c['kl']['mean']:.2e} | {c['kl']['max']:.2e} |"
         )
+    c = result["calibrate"]
+    print(f"\ncalibrate Q4_K_M, --holdout 0.3: temperatures {', '.join(f'{k} {v:.3f}' for k, v in c['temperatures'].items())}")
+    print("\n| part | n | nll before | nll after | ece before | ece after |\n|---|---:|---:|---:|---:|---:|")
+    for part, before in c["before"].items():
+        after = c["after"][part]
+        print(f"| {part} | {before['n']} | {before['nll']:.4f} | {after['nll']:.4f} | {before['ece']:.4f} | {after['ece']:.4f} |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
