@@ -29,4 +29,4 @@ __all__ = [
     "convert",
     "load",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # pyproject.toml's; tests/test_cli.py checks that they agree

@@ -6,8 +6,10 @@ import base64
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -131,3 +133,10 @@ def test_convert_shows_progress_and_writes_the_file(ws, tmp_path):
     assert run.returncode == 0 and "vision tower" not in run.stderr, run.stderr
     run = clef_gguf("convert", str(ws.release("untied_f32")), "-o", str(out), "--no-mmproj", "--mmproj", str(mmproj))
     assert run.returncode == 2 and "exclude each other" in run.stderr
+
+
+def test_version_is_the_package_s():
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    [version] = re.findall(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
+    done = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"clef-gguf {version}" == f"clef-gguf {clef_gguf_api.__version__}"

@@ -8,6 +8,7 @@ a uniform distribution. Both are clamped to [0, 1].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,22 @@ def answer(question: EncodedQuestion, p: np.ndarray) -> dict[str, Any]:
         "legend": dict(zip(levels, q.levels, strict=True)),
         "probabilities": {level: _round(by_option[level]) for level in levels},
     }
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A prompt decided, before its response is written: each question's option probabilities, unrounded, in its
+    options' order (the order the prompt lists them: choice options sorted by id), and the tokens the state cache gave."""
+
+    probabilities: list[np.ndarray]
+    cached_tokens: int
+    questions: tuple[str, ...]  # the question ids, in the request's order
+    options: tuple[tuple[str, ...], ...]  # each question's option ids, in its probabilities' order
+    logits: list[np.ndarray]  # each question's scores, before the temperature and the softmax (what calibrate fits)
+
+    def by_question(self) -> dict[str, tuple[tuple[str, ...], np.ndarray, np.ndarray]]:
+        """{question id: (option ids, probabilities, scores)}."""
+        return dict(zip(self.questions, zip(self.options, self.probabilities, self.logits, strict=True), strict=True))
 
 
 def question_probabilities(model_name: str, logits: list[np.ndarray], temperatures: list[float]) -> list[np.ndarray]:

@@ -12,21 +12,38 @@ runtime/problems.py), and the others go on.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import PromptTooLongError, RequestError
-from .answers import response
+from .answers import Scores, response
 from .problems import error_object, problem_of
 from .prompt import EncodedPrompt
 from .reader import parse_json, read_image
-from .state_cache import prefix_key, split_at_prefix
+from .state_cache import StateCache, prefix_key, split_at_prefix
 
-if TYPE_CHECKING:
-    from .model import ClefModel, Scores
+
+class Decider(Protocol):
+    """What deciding many requests needs of a model (ClefModel is one)."""
+
+    name: str
+    state_cache: StateCache
+
+    @property
+    def parallel(self) -> int: ...
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    def encode(self, request: dict[str, Any]) -> EncodedPrompt: ...
+
+    def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool: ...
+
+    def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]: ...
+
 
 # Requests read ahead and reordered by state with sort_by_state: enough for a dataset's repeated states to meet,
 # few enough that their encoded prompts (images included) stay small and an interrupted run loses little.
@@ -102,7 +119,7 @@ def _cached_state(prompt: EncodedPrompt) -> bool:
 class _Window:
     """Requests read and encoded, waiting for their batch; outcomes kept until they can be given in order."""
 
-    def __init__(self, model: ClefModel, requests: list[Any], base: Path | None, anywhere: bool = False) -> None:
+    def __init__(self, model: Decider, requests: list[Any], base: Path | None, anywhere: bool = False) -> None:
         self.model = model
         self.outcomes: list[Outcome | None] = [None] * len(requests)
         self.prompts: dict[int, EncodedPrompt] = {}
@@ -190,7 +207,7 @@ def _decided(window: _Window, sort_by_state: bool) -> Iterator[Outcome]:
 
 
 def decide_outcomes(
-    model: ClefModel,
+    model: Decider,
     requests: Iterable[Any],
     *,
     sort_by_state: bool = False,
@@ -217,7 +234,7 @@ def decide_outcomes(
 
 
 def decide_many(
-    model: ClefModel, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
+    model: Decider, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
 ) -> Iterator[dict[str, Any]]:
     """Decide requests (request bodies, or JSON texts as bytes, read as strictly as the server reads a body):
     for each, in order, its response body or {"error": {"status", "detail"}}, the error the server answers it

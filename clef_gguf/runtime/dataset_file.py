@@ -31,13 +31,15 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 from ..errors import AnswersFileError, OutputError, RequestError
+from . import dataset
 from .dataset import Outcome, decide_outcomes, request_sha256
 
-if TYPE_CHECKING:
-    from .model import ClefModel
+
+class Decider(dataset.Decider, Protocol):
+    identity: str  # the model file's header digest (GGUFFile.digest): what model_sha256 records
 
 FSYNC_EVERY = 64
 LINE_FIELDS = ("id", "line", "request_sha256", "model_sha256")  # (and id_error, when the id could not be written)
@@ -223,7 +225,7 @@ def _open_output(
 
 
 def decide_file(
-    model: ClefModel,
+    model: Decider,
     source: str,
     out: str,
     *,

@@ -22,7 +22,7 @@ from ..llama.backbone import Backbone, Part, prompt_positions
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
-from .answers import question_probabilities, response
+from .answers import Scores, question_probabilities, response
 from .dataset import decide_many
 from .images import ImageLimits, image_limits
 from .prompt import EncodedPrompt, encode, parse_request
@@ -44,21 +44,6 @@ class _Plan:
 
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class Scores:
-    """A prompt decided, before its response is written: each question's option probabilities, unrounded, in its
-    options' order (the order the prompt lists them: choice options sorted by id), and the tokens the state cache gave."""
-
-    probabilities: list[np.ndarray]
-    cached_tokens: int
-    questions: tuple[str, ...]  # the question ids, in the request's order
-    options: tuple[tuple[str, ...], ...]  # each question's option ids, in its probabilities' order
-    logits: list[np.ndarray]  # each question's scores, before the temperature and the softmax (what calibrate fits)
-
-    def by_question(self) -> dict[str, tuple[tuple[str, ...], np.ndarray, np.ndarray]]:
-        """{question id: (option ids, probabilities, scores)}."""
-        return dict(zip(self.questions, zip(self.options, self.probabilities, self.logits, strict=True), strict=True))
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
