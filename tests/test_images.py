@@ -13,9 +13,7 @@ import io
 import json
 import math
 import struct
-import sys
 import zlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,10 +28,8 @@ from clef_gguf.errors import ModelOutputError, RequestError
 from clef_gguf.format import vision as V
 from clef_gguf.runtime import images as I
 from clef_gguf.runtime.state_cache import MIN_PREFIX_TOKENS
+from clef_gguf.testing.golden import make_golden
 from clef_gguf.testing.request_suite import largest_difference, long_state_text, response_probabilities
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from make_golden import make_golden  # noqa: E402
 
 RELEASE = "untied_f32"
 N_CTX = 4096
@@ -694,7 +690,7 @@ def test_corrupt_images_are_request_errors_or_answered(model_of):
 # --- 7. An mmproj of llama.cpp's own converter ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_cpp_model(ws, tmp_path_factory):
-    """The f32 model with the vision tower llama.cpp's convert_hf_to_gguf.py --mmproj writes (tools/make_golden.py)."""
+    """The f32 model with the vision tower llama.cpp's convert_hf_to_gguf.py --mmproj writes (clef_gguf/testing/golden.py)."""
     mmproj = make_golden(ws.release(RELEASE), tmp_path_factory.mktemp("golden-mmproj"), "f32", mmproj=True)
     with clef_gguf.load(ws.gguf(RELEASE, "f32"), max_prompt_tokens=N_CTX, state_cache=0, mmproj=mmproj) as model:
         yield model

