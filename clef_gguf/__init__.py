@@ -5,8 +5,10 @@ model = clef_gguf.load("clef-flash-Q8_0.gguf")
 model.decide({"model": "clef", "state": "...", "questions": {...}})
 """
 
-from .conversion.convert import convert
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
+    BackendUnavailableError,
     ClefError,
     ConversionError,
     ModelClosedError,
@@ -15,9 +17,26 @@ from .errors import (
     ReleaseError,
     RequestError,
 )
-from .runtime.model import ClefModel, load
+
+if TYPE_CHECKING:
+    from .conversion.convert import convert
+    from .runtime.model import ClefModel, load
+
+# Loaded on first use: they load llama-cpp-python's libraries, which a build may fail to do on this machine (a CUDA
+# build without NVIDIA's driver). `import clef_gguf` then still works, and the first use raises BackendUnavailableError.
+_LAZY = {"convert": ".conversion.convert", "ClefModel": ".runtime.model", "load": ".runtime.model"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'clef_gguf' has no attribute {name!r}")
+
 
 __all__ = [
+    "BackendUnavailableError",
     "ClefError",
     "ClefModel",
     "ConversionError",

@@ -134,3 +134,9 @@ class ModelClosedError(ClefError):
     """A closed ClefModel was asked to encode or decide: its memory is freed; load the file again."""
 
     exit_code = 1
+
+
+class BackendUnavailableError(ClefError, ImportError):
+    """llama-cpp-python's libraries cannot load on this machine (a CUDA build without NVIDIA's driver, say)."""
+
+    exit_code = 1

@@ -1,47 +1,21 @@
 """The `clef-gguf` command: each command parses its arguments and calls the Python API, nothing else.
 
 Library errors are typed (clef_gguf/errors.py); cli/errors.py turns them, and signals, into one line on
-stderr and an exit code, never a traceback.
+stderr and an exit code, never a traceback. The commands (cli/app.py) are imported by main(): a llama-cpp-python
+whose libraries cannot load here is that one line too.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import sys
 
-import typer
-
-from . import convert, decide, plan, quality, serve, validate
-
-app = typer.Typer(
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-def _version(show: bool) -> None:
-    if show:
-        from .. import __version__
-
-        typer.echo(f"clef-gguf {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _options(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
-    ] = False,
-) -> None:
-    """Cloudflare's Clef decision models on llama.cpp: convert, validate and run them."""
-
-
-for command in (convert.convert, convert.graft, decide.decide, plan.plan, decide.demo, validate.validate, serve.serve):
-    app.command()(command)
-app.command("eval")(quality.eval_)
-app.command()(quality.compare)
-app.command()(quality.calibrate)
+from ..errors import BackendUnavailableError
 
 
 def main() -> None:
+    try:
+        from .app import app
+    except BackendUnavailableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
     app()

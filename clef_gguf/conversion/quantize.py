@@ -12,11 +12,11 @@ import os
 import re
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
 
 from ..errors import ConversionError
 from ..format.header import GGUFFile
+from ..llama import llama_cpp as L
 from ..llama import log as llama_log
 from .writer import Progress
 

@@ -1,0 +1,50 @@
+"""A llama-cpp-python whose libraries cannot load here (issue 42: a CUDA build on a machine without NVIDIA's driver)
+is one clear error, never the dynamic loader's traceback: `import clef_gguf` works, and the first use, the CLI
+included, says what is wrong and what to do.
+
+Here a stand-in llama_cpp package first on the path raises the loader's own error, and holds a libggml-cuda.so as a
+CUDA build does. tools/cuda_check_here.sh runs the same checks on the real CUDA wheel (tools/cuda_build.sh), where
+.ci/run finds it built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LOADER = "libcuda.so.1: cannot open shared object file: No such file or directory"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    package = tmp_path / "llama_cpp"
+    (package / "lib").mkdir(parents=True)
+    (package / "lib" / "libggml-cuda.so").write_bytes(b"")
+    (package / "__init__.py").write_text(f"raise OSError({LOADER!r})\n")
+    return {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_import_works_and_the_first_use_says_why(env):
+    assert _python("import clef_gguf; print(clef_gguf.__version__)", env).returncode == 0
+    done = _python(
+        "import clef_gguf\ntry:\n    clef_gguf.load('m.gguf')\nexcept clef_gguf.BackendUnavailableError as e:\n    print(e)", env
+    )
+    assert done.returncode == 0, done.stderr
+    assert LOADER in done.stdout and "CUDA build" in done.stdout and "no NVIDIA driver" in done.stdout
+    assert "pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36" in done.stdout
+
+
+@pytest.mark.parametrize("args", [["demo"], ["demo", "-ngl", "-1"], ["--version"]])
+def test_the_cli_is_one_line_and_exit_1(env, args):
+    done = subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: llama-cpp-python's libraries cannot load (libcuda.so.1")
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
