@@ -48,3 +48,27 @@ def test_the_cli_is_one_line_and_exit_1(env, args):
     assert done.returncode == 1
     assert done.stderr.startswith("error: llama-cpp-python's libraries cannot load (libcuda.so.1")
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def _installed_cuda_build_without_driver() -> str | None:
+    """Why the installed llama-cpp-python is not a CUDA build on a machine without NVIDIA's driver (None: it is)."""
+    import ctypes.util
+
+    from clef_gguf.llama.backends import built_backends
+
+    if "CUDA" not in built_backends():
+        return "the installed llama-cpp-python is not a CUDA build (tools/cuda_check_here.sh installs one)"
+    if ctypes.util.find_library("cuda"):
+        return "this machine has NVIDIA's driver (libcuda): the CUDA build loads here"
+    return None
+
+
+@pytest.mark.skipif(_installed_cuda_build_without_driver() is not None, reason=str(_installed_cuda_build_without_driver()))
+@pytest.mark.parametrize("args", [["demo"], ["demo", "-ngl", "-1"]])
+def test_the_real_cuda_build_without_a_driver(args):
+    """tools/cuda_check_here.sh: the CUDA wheel of tools/cuda_build.sh, installed here."""
+    assert subprocess.run([sys.executable, "-c", "import clef_gguf"], capture_output=True).returncode == 0
+    done = subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "libcuda.so.1" in done.stderr and "no NVIDIA driver" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

