@@ -13,9 +13,10 @@ The head: the released layout (6 routing + 3 joint layers, 206 tensors) at width
 weights take 0.44 GiB in F32, the "about 0.45 GiB" docs/memory.md gives. The vocabulary is byte-level (the 256
 byte tokens, the template's special tokens, unused padding to 248,320): a prompt's text is one token per byte.
 
---plan: `plan` at 65,536 and 4,096 tokens, and the buffers llama.cpp really allocates when clef-gguf loads the file
-at 4,096 tokens (its own log lines), side by side. --time: the seeds' request (328 tokens, three questions) decided
-by clef-gguf and by llama-server (`--bin`) on this file, one at a time, medians of --rounds.
+--plan: `plan` at 4,096 tokens against the buffers llama.cpp really allocates when clef-gguf loads the file at
+4,096 tokens (its own log lines), side by side. --time: the seeds' request (three questions, 328 tokens with Qwen's
+tokenizer) decided by clef-gguf and by llama-server (`--bin`) on this file, one at a time, medians of --rounds. In
+this byte-level vocabulary the template alone is about 880 tokens, so the request has 916: the timing is of that.
 """
 
 from __future__ import annotations
