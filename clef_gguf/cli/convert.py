@@ -18,7 +18,7 @@ Out = Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")]
 
 
 @contextmanager
-def _progress() -> Iterator[Callable[[str, int, int, str], None]]:
+def progress_bars() -> Iterator[Callable[[str, int, int, str], None]]:
     """A progress callback (stage, done, total, item): one bar per stage; where a deferred signal is raised."""
     columns = (
         TextColumn("[bold]{task.description}"),
@@ -90,7 +90,7 @@ def convert(
         fail("--mmproj and --no-mmproj exclude each other")
 
     def work() -> Converted:
-        with signals_clean_up(), _progress() as progress:
+        with signals_clean_up(), progress_bars() as progress:
             return convert_files(
                 source,
                 out,
@@ -124,7 +124,7 @@ def graft(
     """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
 
     def work() -> Path:
-        with signals_clean_up(), _progress() as progress:
+        with signals_clean_up(), progress_bars() as progress:
             return graft_head(backbone, source, out, head_type=head_type, force=force, progress=progress)
 
     say(f"wrote {run(work)}")

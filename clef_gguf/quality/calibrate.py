@@ -17,12 +17,18 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..check.validate import validate
+from ..conversion.rekey import rekey
+from ..conversion.writer import check_output
+from ..errors import RequestError, SettingsError
 from ..format import contract as C
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, block
+from .scoring import Progress, score_path
 
 MIN_QUESTIONS = 20
 MIN_BUCKET_QUESTIONS = 100
@@ -127,6 +133,42 @@ def calibrate_rows(
     before = {k: block(tempered(v, current), target_precisions) for k, v in parts.items() if v}
     after = {k: block(tempered(v, after_keys), target_precisions) for k, v in parts.items() if v}
     return Fit(after_keys, before, after, {name: len(v) for name, v in groups(fit_rows).items()})
+
+
+def calibrate(
+    model: str | Path,
+    data: str | Path,
+    out: str | Path,
+    *,
+    holdout_fraction: float = 0.0,
+    force: bool = False,
+    target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
+    progress: Progress | None = None,
+    **load: Any,
+) -> dict[str, Any]:
+    """Fit the temperatures of the model at `model` on the labelled file `data` and write the model with them to
+    `out` (rekey: its tensor data byte for byte). Raises RequestError when no type has enough labelled questions."""
+    if not 0.0 <= holdout_fraction < 1.0:
+        raise SettingsError(f"the held-out share must be in [0, 1), not {holdout_fraction}")
+    check_output(Path(out), force)  # before the data is decided: minutes, on a real model
+    run = score_path(model, data, stage="calibrate", progress=progress, **load)
+    current = dict(validate(model).temperatures)  # (the load refused a file whose keys are invalid)
+    fit = calibrate_rows(run.rows(), current, holdout_fraction, target_precisions)
+    if not fit.counts:
+        raise RequestError(f"{data}: no question type has {MIN_QUESTIONS} labelled questions to fit a temperature on")
+    keys = {C.KEY_TEMPERATURE_PREFIX + name: value for name, value in fit.temperatures.items()}
+    writing = None if progress is None else (lambda stage, done, total, item: progress(stage, done, total, item))
+    rekey(model, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=writing)
+    return {
+        "model": str(model),
+        "out": str(out),
+        "eval": str(data),
+        "temperatures": fit.temperatures,
+        "fitted_on": fit.counts,
+        "before": fit.before,
+        "after": fit.after,
+        "errors": run.errors,
+    }
 
 
 def _at_bound(temperature: float) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import RequestError
 from .metrics import DEFAULT_TARGET_PRECISIONS, summarize
 from .report import metrics_table, output_dir, write_bytes, write_json
-from .scoring import Run
+from .scoring import Progress, Run, score_path
 
 FLIP_MARGIN = 0.04
 FLOOR = 1e-12
@@ -81,6 +81,25 @@ def compare_runs(a: Run, b: Run, target_precisions: Sequence[float] = DEFAULT_TA
     rows_a, rows_b = a.rows(), b.rows()
     if rows_a and rows_b:
         result["metrics"] = {"a": summarize(rows_a, target_precisions), "b": summarize(rows_b, target_precisions)}
+    return result
+
+
+def compare(
+    model_a: str | Path,
+    model_b: str | Path,
+    data: str | Path,
+    *,
+    target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
+    out_dir: Path | None = None,
+    progress: Progress | None = None,
+    **load: Any,
+) -> dict[str, Any]:
+    """compare_runs of the two models on `data`, loaded one after the other (never together: each may be large)."""
+    a = score_path(model_a, data, stage="A", require_labels=False, progress=progress, **load)
+    b = score_path(model_b, data, stage="B", require_labels=False, progress=progress, **load)
+    result = compare_runs(a, b, target_precisions)
+    if out_dir is not None:
+        result["written"] = [str(p) for p in write_reports(out_dir, result)]
     return result
 
 

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RequestError
-from ..runtime.model import ClefModel
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, reliability, summarize
 from .report import metrics_table, output_dir, reliability_png, write_bytes, write_json, write_jsonl
-from .scoring import Progress, Run, score_file
+from .scoring import Progress, Run, score_path
 
 MAX_ERRORS_SHOWN = 50
 
@@ -35,22 +34,24 @@ def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) ->
 
 
 def evaluate(
-    model: ClefModel,
+    model: str | Path,
     data: str | Path,
     *,
     target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
     out_dir: Path | None = None,
     progress: Progress | None = None,
+    **load: Any,
 ) -> dict[str, Any]:
-    """The metrics of `model` on the labelled file `data`; with out_dir, the reports there too."""
-    run = score_file(model, data, progress=progress)
+    """The metrics of the model at `model` (loaded with load's keyword arguments) on the labelled file `data`; with
+    out_dir, the reports there too (result["written"] lists them)."""
+    run = score_path(model, data, stage="eval", progress=progress, **load)
     rows = run.rows()
     if not rows:
         shown = "; ".join(run.errors[:3])
         raise RequestError(f"{data}: no labelled question could be decided" + (f" ({shown})" if shown else ""))
     result = evaluation(run, rows, target_precisions)
     if out_dir is not None:
-        write_reports(output_dir(out_dir), result, rows)
+        result["written"] = [str(p) for p in write_reports(output_dir(out_dir), result, rows)]
     return result
 
 

@@ -18,7 +18,7 @@ from ..runtime.model import ClefModel
 from .labelled import BadLine, Labelled, read_labelled
 from .metrics import Row
 
-Progress = Callable[[int, int | None], None]  # (records done, records in all when known)
+Progress = Callable[[str, int, int | None, str], None]  # (stage, records done, records in all when known, "")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,28 @@ def count_lines(path: Path) -> int | None:
         return sum(1 for line in file if line.strip())
 
 
-def score_file(model: ClefModel, data: str | Path, *, require_labels: bool = True, progress: Progress | None = None) -> Run:
+def score_path(
+    model: str | Path,
+    data: str | Path,
+    *,
+    stage: str,
+    require_labels: bool = True,
+    progress: Progress | None = None,
+    **load: Any,
+) -> Run:
+    """score_file with the model at `model` loaded (ClefModel's keyword arguments) for the run, then closed."""
+    with ClefModel(model, **load) as loaded:
+        return score_file(loaded, data, require_labels=require_labels, progress=progress, stage=stage)
+
+
+def score_file(
+    model: ClefModel,
+    data: str | Path,
+    *,
+    require_labels: bool = True,
+    progress: Progress | None = None,
+    stage: str = "decide",
+) -> Run:
     """Decide every labelled record of `data` (image paths relative to its folder); bad lines are kept, not fatal."""
     path = Path(data)
     try:
@@ -120,6 +141,6 @@ def score_file(model: ClefModel, data: str | Path, *, require_labels: bool = Tru
             run.decided.append(Decided(record, questions))
             run.tokens += outcome.tokens
         if progress:
-            progress(len(run.decided) + len(run.bad), total)
+            progress(stage, len(run.decided) + len(run.bad), total, "")
     run.seconds = time.perf_counter() - started
     return run
