@@ -4,7 +4,6 @@ file of requests decided into a JSON Lines file of answers (runtime/dataset_file
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAUL
 from ..runtime.dataset_file import Summary, decide_file
 from ..runtime.model import load
 from ..runtime.reader import read_request
-from .errors import err, error, fail, run, say, signals_clean_up
+from .errors import err, fail, run, say, signals_clean_up
 from .options import GpuLayers, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
 
 # Some requests of a JSON Lines run got an error line. Not 3, the first pick: that is ReleaseError's code
@@ -74,18 +73,14 @@ def _decide_jsonl(
     bar = err.is_terminal and not (out == "-" and sys.stdout.isatty())  # (answers on this terminal would tear the bar)
 
     def work() -> Summary:
-        try:
-            with signals_clean_up(), load(model_path, **settings) as model:
-                if not bar:
-                    return decide_file(model, source, out, **options)
-                with _progress_bar() as progress:
-                    return decide_file(model, source, out, progress=progress, **options)
-        except KeyboardInterrupt as e:  # SIGINT, SIGTERM, SIGHUP: the answers written are whole lines, fsynced on the way out
-            signum = getattr(e, "signum", signal.SIGINT)
-            error(f"stopped by {signal.Signals(signum).name}; the answers written are kept: --resume continues the run")
-            raise typer.Exit(128 + signum) from None
+        with signals_clean_up(), load(model_path, **settings) as model:
+            if not bar:
+                return decide_file(model, source, out, **options)
+            with _progress_bar() as progress:
+                return decide_file(model, source, out, progress=progress, **options)
 
-    summary = run(work)
+    # After a signal the answers written are whole lines, fsynced on the way out.
+    summary = run(work, stopped="the answers written are kept: --resume continues the run")
     code = SOME_ERRORS if summary.errors else 0
     say(_summary_line(summary, code))
     if json_summary:

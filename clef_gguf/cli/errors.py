@@ -93,20 +93,18 @@ def signals_clean_up() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _stopped_by(signum: int) -> NoReturn:
-    error(f"stopped by {signal.Signals(signum).name}; partial output removed")
-    raise typer.Exit(128 + signum) from None
+PARTIAL_REMOVED = "partial output removed"
 
 
-def run(action: Callable[[], T]) -> T:
-    """Run a library call; a ClefError becomes one line on stderr and its exit code, a signal 128+N."""
+def run(action: Callable[[], T], *, stopped: str = PARTIAL_REMOVED) -> T:
+    """Run a library call; a ClefError becomes one line on stderr and its exit code, a signal (SIGINT, SIGTERM,
+    SIGHUP) 128+N and one line saying so and what became of the output (`stopped`)."""
     try:
         return action()
     except ClefError as e:
         error(e)
         raise typer.Exit(e.exit_code) from None
-    except Terminated as e:
-        _stopped_by(e.signum)
-    except KeyboardInterrupt:
-        error("interrupted; partial output removed")
-        raise typer.Exit(128 + signal.SIGINT) from None
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        error(f"stopped by {signal.Signals(signum).name}; {stopped}")
+        raise typer.Exit(128 + signum) from None

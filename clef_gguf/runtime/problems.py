@@ -39,6 +39,17 @@ class Invalid(Exception):
         return {"detail": [{"loc": self.loc, "msg": self.msg, "type": self.type}]}
 
 
+def overloaded(message: str, *, close: bool = False) -> ApiError:
+    """The one 503: the server is full (intake, queue, replicas); the client may retry in a second."""
+    headers = {"Retry-After": "1", **({"Connection": "close"} if close else {})}
+    return ApiError(503, "overloaded_error", message, headers)
+
+
+def internal(error: BaseException) -> ApiError:
+    """The one 500: an error the server did not expect, named by its type."""
+    return internal(error)
+
+
 def location(field_path: str | None, body: Any) -> Location:
     """FastAPI-style `loc` of a RequestError's dotted field, e.g. questions.q1.criteria.
 
@@ -82,7 +93,7 @@ def problem_of(error: Exception, body: Any) -> ApiError | Invalid:
     and any other (ComputeError, a ModelOutputError's NaN) the server's 500 for an error it did not expect."""
     if isinstance(error, RequestError):
         return from_request_error(error, body)
-    return ApiError(500, "api_error", f"internal error: {type(error).__name__}: {error}")
+    return internal(error)
 
 
 def error_object(problem: ApiError | Invalid) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from .body import DEFAULT_BODY_GRACE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MIN_BODY
 from .intake import Intake
 from .metrics import CONTENT_TYPE, create_metrics
 from .observe import LogFormat, Observed, note_decision
-from .problems import ApiError, Invalid, from_request_error, render_problem, response_headers
+from .problems import ApiError, Invalid, from_request_error, internal, overloaded, render_problem, response_headers
 from .worker import Decider, DecideWorker, Encoder, Model
 
 DEFAULT_MAX_PENDING = 64
@@ -75,7 +75,7 @@ def _problem(request: Request, problem: ApiError | Invalid) -> Response:
 
 async def send_shutting_down(scope: Scope, send: Send, message: str) -> None:
     """Answer from ASGI middleware, outside FastAPI's handlers: the JSON 503 that clients retry elsewhere."""
-    problem = ApiError(503, "overloaded_error", message, {"Retry-After": "1", "Connection": "close"})
+    problem = overloaded(message, close=True)
     status, headers, body = render_problem(scope["path"], problem)
     raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     raw += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -126,8 +126,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _problem(request, ApiError(e.status_code, error_type, message, dict(e.headers or {})))
 
     @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception) -> Response:  # a bug, not the client's fault
-        return _problem(request, ApiError(500, "api_error", f"internal error: {type(e).__name__}: {e}"))
+    async def unexpected(request: Request, e: Exception) -> Response:  # a bug, not the client's fault
+        return _problem(request, internal(e))
 
 
 def create_app(

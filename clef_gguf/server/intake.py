@@ -26,7 +26,7 @@ from starlette.requests import Request
 from ..errors import PromptTooLongError, RequestError
 from ..runtime import images
 from . import body, media
-from .problems import ApiError, from_request_error
+from .problems import ApiError, from_request_error, overloaded
 from .worker import Encoder
 
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
@@ -115,7 +115,7 @@ class Intake:
         body.check_media_type(content_type)
         if self.reading >= self.max_reading:
             message = f"{self.reading} request bodies are already being read; retry shortly"
-            raise ApiError(503, "overloaded_error", message, {"Retry-After": "1"})
+            raise overloaded(message)
         self.reading += 1
         try:
             raw = await body.read(request, self.limit, self.pace)

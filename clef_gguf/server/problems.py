@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
-from ..runtime.problems import ApiError, Invalid, Location, from_request_error, location
+from ..runtime.problems import ApiError, Invalid, Location, from_request_error, internal, location, overloaded
 
-__all__ = ["ApiError", "Invalid", "Location", "from_request_error", "location"]  # (their home: runtime/problems.py)
+# (their home: runtime/problems.py)
+__all__ = ["ApiError", "Invalid", "Location", "from_request_error", "internal", "location", "overloaded"]
 REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
 X_REQUEST_ID = "x-request-id"  # the common name (proxies, tracing): a client's own id is taken from it
 MAX_REQUEST_ID = 128  # characters of a client's id kept; a longer one is replaced

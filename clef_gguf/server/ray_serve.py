@@ -52,9 +52,9 @@ from ..runtime.prompt import EncodedPrompt
 from .app import DEFAULT_MAX_PENDING, check_api_key, create_app, send_shutting_down
 from .body import DEFAULT_BODY_TIMEOUT_S
 from .observe import LogFormat, configure_access_log
-from .problems import ApiError
+from .problems import overloaded
 from .run import DEFAULT_DRAIN_TIMEOUT_S
-from .worker import DecideWorker, Decision, Prompt, overloaded, render
+from .worker import DecideWorker, Decision, Prompt, queue_full, render
 
 APP_NAME = "clef-gguf"
 API_KEY_ENV = "CLEF_GGUF_API_KEY"
@@ -135,7 +135,7 @@ class ReplicaDecider:
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_pending:
-            raise overloaded(self.pending)
+            raise queue_full(self.pending)
         self.pending += 1
         submitted = time.perf_counter()
         try:
@@ -145,7 +145,7 @@ class ReplicaDecider:
             # pure function of the prompt, so the client's retry is safe, and it is the client's to make (a
             # prompt that crashed one replica would crash each it was retried on here).
             message = f"the model replica deciding this request was lost or none is available ({type(e).__name__}); retry"
-            raise ApiError(503, "overloaded_error", message, {"Retry-After": "1"}) from e
+            raise overloaded(message) from e
         except RayTaskError as e:
             # The replica's own error, as decide raised it there: the app maps it as the plain server does.
             raise e.cause from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .problems import ApiError
+from .problems import ApiError, overloaded
 
 
 class Prompt(Protocol):
@@ -92,8 +92,8 @@ def _rendered(answer: dict[str, Any] | Exception) -> bytes | Exception:
         return e
 
 
-def overloaded(pending: int) -> ApiError:
-    return ApiError(503, "overloaded_error", f"{pending} requests are already waiting; retry shortly", {"Retry-After": "1"})
+def queue_full(pending: int) -> ApiError:
+    return overloaded(f"{pending} requests are already waiting; retry shortly")
 
 
 class Decider(Protocol):
@@ -173,7 +173,7 @@ class DecideWorker:
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_pending:
-            raise overloaded(self.pending)
+            raise queue_full(self.pending)
         self.pending += 1
         job = _Job(request, time.perf_counter(), asyncio.get_running_loop())
         try:
