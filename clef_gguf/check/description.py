@@ -20,7 +20,7 @@ class ClefDescription:
     template: PromptTemplate  # the systemone template, compiled once
     nfc: bool  # NFC-normalize prompts (Qwen's tokenizer.json does; llama.cpp's tokenizer does not)
     tensors: Mapping[str, TensorInfo]  # the header's tensor table, read-only
-    temperatures: Mapping[str, float]  # the softmax temperatures by name (contract.temperature_of)
+    temperatures: Mapping[str, float]  # the softmax temperatures by name (temperatures.temperature_of)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from gguf import Keys
 
 from ..errors import ModelFileError
 from ..format import contract as C
+from ..format import temperatures as T
 from ..format.header import Header
 from ..format.template import TEMPLATE_SPECIAL_TOKENS, PromptTemplate
 from .report import Problem
@@ -102,7 +103,7 @@ def check_temperatures(h: Header) -> tuple[list[Problem], list[str], dict[str, f
     """The softmax temperatures (`clef.decision.temperature.<name>`): a problem for a value that is not a finite
     number > 0 (llama-server refuses <= 0, and would take NaN and infinity), a note for a name no question can use."""
     bad, notes, temperatures = [], [], {}
-    usable = C.usable_temperature_names()
+    usable = T.usable_temperature_names()
     for key, f in h.fields.items():
         if not key.startswith(C.KEY_TEMPERATURE_PREFIX):
             continue

@@ -5,7 +5,7 @@ softmax(s / T) at the labels is convex in 1/T, so a golden-section search over 1
 
 Which keys are fitted:
 - `<type>` for each question type with at least MIN_QUESTIONS labelled questions: on all of them;
-- `<type>.<bucket>` for each option-count bucket (contract.TEMPERATURE_BUCKETS) with at least MIN_BUCKET_QUESTIONS,
+- `<type>.<bucket>` for each option-count bucket (temperatures.TEMPERATURE_BUCKETS) with at least MIN_BUCKET_QUESTIONS,
   when the type's data spans more than one bucket: a bucket's key is looked up first, so it is fitted on its own.
 With fewer questions a temperature mostly fits noise: the key is not written, and the type keeps 1 (or the
 file's key). OUT is MODEL with its temperature keys of the fitted types replaced (rekey: tensor data unchanged).
@@ -27,6 +27,7 @@ from ..conversion.rekey import rekey
 from ..conversion.writer import check_output
 from ..errors import RequestError, SettingsError
 from ..format import contract as C
+from ..format import temperatures as T
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, block
 from .scoring import Progress, score_path
 
@@ -92,7 +93,7 @@ def groups(rows: Sequence[Row]) -> dict[str, list[Row]]:
         out[qtype] = of_type
         buckets: dict[str, list[Row]] = {}
         for r in of_type:
-            buckets.setdefault(C.temperature_bucket(len(r.option_ids)), []).append(r)
+            buckets.setdefault(T.temperature_bucket(len(r.option_ids)), []).append(r)
         if len(buckets) > 1:
             out |= {f"{qtype}.{b}": v for b, v in sorted(buckets.items()) if len(v) >= MIN_BUCKET_QUESTIONS}
     return out
@@ -111,7 +112,7 @@ def tempered(rows: Sequence[Row], temperatures: dict[str, float]) -> list[Row]:
     out = []
     for r in rows:
         assert r.logits is not None
-        t = C.temperature_of(temperatures, r.type, len(r.option_ids))
+        t = T.temperature_of(temperatures, r.type, len(r.option_ids))
         p = np.exp(_log_softmax(r.logits.astype(np.float64) / t))
         out.append(Row(r.record_id, r.question_id, r.type, r.option_ids, p, r.target, r.logits))
     return out

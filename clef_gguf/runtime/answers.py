@@ -86,7 +86,7 @@ class Scores:
 
 def question_probabilities(model_name: str, logits: list[np.ndarray], temperatures: list[float]) -> list[np.ndarray]:
     """Each question's option probabilities (float64, unrounded) from its scores and its softmax temperature (the
-    file's clef.decision.temperature.* keys: contract.temperature_of); ModelOutputError if a score is not finite."""
+    file's clef.decision.temperature.* keys: temperatures.temperature_of); ModelOutputError if a score is not finite."""
     if not all(np.isfinite(z).all() for z in logits):  # JSON has no NaN: never answer with one
         raise ModelOutputError(
             f"{model_name}: the model's scores are not finite (NaN or Inf); its weights are broken "

@@ -17,7 +17,7 @@ from PIL import Image
 from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
-from ..format import contract as C
+from ..format.temperatures import temperature_of
 from ..llama.backbone import Backbone, Part, prompt_positions
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
@@ -260,7 +260,7 @@ class ClefModel:
                 continue
             try:  # views of llama.cpp's output buffer: the head reads them before the next decode
                 questions = tuple(q.question for q in prompt.questions)
-                tempered = [C.temperature_of(self.description.temperatures, q.type, len(q.options)) for q in questions]
+                tempered = [temperature_of(self.description.temperatures, q.type, len(q.options)) for q in questions]
                 logits = [np.array(z, dtype=np.float32) for z in self.head(result[0], prompt)]
                 probabilities = question_probabilities(self.name, logits, tempered)
                 options = tuple(tuple(option for option, _ in q.options) for q in questions)

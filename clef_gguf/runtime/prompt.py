@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ModelFileError, RequestError
-from ..format import contract as C
+from ..format import temperatures as T
 from ..format import vision as V
 from ..format.contract import QUESTION_TYPES
 from ..format.template import OMITTED, PromptTemplate
 from .images import ImageLimits, PreparedImage, prepare_all, request_images
 
 MAX_QUESTIONS = 64
-CHOICE_OPTIONS = C.OPTION_COUNTS["choice"]
-SCORE_LEVELS = C.OPTION_COUNTS["score"]
+CHOICE_OPTIONS = T.OPTION_COUNTS["choice"]
+SCORE_LEVELS = T.OPTION_COUNTS["score"]
 NOUL_OPTIONS = ("true", "false")
 Tokenize = Callable[[str], list[int]]
 Description = str | dict | list | None

@@ -120,7 +120,7 @@ def long_state_request(paragraphs: int = 18) -> Request:
     return _request(long_state_text(paragraphs), questions)
 
 
-# Option counts at every edge of llama.cpp's temperature buckets (2 | 3..5 | 6..10 | 11..): contract.TEMPERATURE_BUCKETS.
+# Option counts at every edge of llama.cpp's temperature buckets (2 | 3..5 | 6..10 | 11..: format/temperatures.py).
 BUCKET_EDGES = (2, 3, 5, 6, 10, 11, 255)
 
 
