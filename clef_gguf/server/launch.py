@@ -87,7 +87,7 @@ def serve_on_ray(model: Path, endpoint: Endpoint, scale: RayScale, **load_option
 
         loopback_only()  # the cluster started here listens on 127.0.0.1 only; before ray is imported
     try:
-        from . import ray_serve
+        from . import ray_cluster, ray_serve
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] != "ray":
             raise
@@ -110,6 +110,6 @@ def serve_on_ray(model: Path, endpoint: Endpoint, scale: RayScale, **load_option
         )
     except ValidationError as e:
         raise SettingsError("; ".join(error["msg"] for error in e.errors())) from None
-    ray_serve.run(
+    ray_cluster.run(
         settings, host=endpoint.host, port=endpoint.port, keep_alive_s=endpoint.limits.keep_alive_s, address=scale.address
     )

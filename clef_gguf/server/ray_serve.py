@@ -15,7 +15,7 @@ get_http_response_status: a RayActorError is a 500), which no client retries. He
 with its replica is our JSON 503 with Retry-After, which clients retry (typesafe-sdk honours it), and
 requests not yet handed to a replica are routed to the others by Ray's router itself.
 
-Run it with `clef-gguf serve --ray`, or `serve run` a config file whose import path is
+Run it with `clef-gguf serve --ray` (ray_cluster.py deploys it), or `serve run` a config file whose import path is
 clef_gguf.server.ray_serve:app_builder (examples/ray-serve.yaml).
 """
 
@@ -23,28 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import signal
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
 from typing import Any
 
-import ray
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
-from ray.exceptions import NodeDiedError, RayActorError, RayError, RayTaskError, WorkerCrashedError
-from ray.serve._private.constants import SERVE_NAMESPACE, SERVE_PROXY_NAME  # (the ray extra pins the minor release)
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException, ReplicaUnavailableError
+from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
-from ray.serve.schema import DeploymentStatus
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import DeploymentError
 from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, MAX_PARALLEL
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
@@ -64,13 +54,9 @@ AUTOSCALE_TARGET_ONGOING = 2
 # The ingress admits (as the plain server does) max_queue bodies being read and max_queue decisions; Ray's
 # own slots must not bind first, or requests past them would wait in Ray's proxy instead of getting our 503.
 INGRESS_HEADROOM = 16  # requests being refused, /health and /v1/models, on top of the two bounds
-# serve --ray's stop (run()): the time Ray may take to hand the ingress the drain call, beyond the drain itself; the
-# time the proxies have, once the ingress is drained, to send the answers they hold (then the cluster stops all the same).
-DRAIN_CALL_MARGIN_S = 30.0
-PROXY_STOP_TIMEOUT_S = 10.0
-# Where Ray reports a replica (or its node) gone or unreachable, or no replica able to take a request.
 # RaySettings' fields that are load()'s options, of the same names.
 LOAD_OPTIONS = ("n_gpu_layers", "max_prompt_tokens", "n_threads", "ubatch", "parallel", "state_cache", "mmproj")
+# Where Ray reports a replica (or its node) gone or unreachable, or no replica able to take a request.
 REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, DeploymentUnavailableError, ReplicaUnavailableError)
 
 
@@ -301,158 +287,3 @@ def settings_from_args(args: dict[str, Any]) -> RaySettings:
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """`serve run`'s entry (import_path: clef_gguf.server.ray_serve:app_builder)."""
     return build_app(settings_from_args(args))
-
-
-class _Stopped(Exception):
-    """SIGTERM or SIGINT while `clef-gguf serve --ray` deploys or serves."""
-
-
-def _stop(signum: int, _frame: object) -> None:
-    raise _Stopped(signal.Signals(signum).name)
-
-
-def _why_not_deployed(error: RuntimeError) -> str:
-    """Ray's reason, from the deployments' status: a replica constructor's traceback ends with its error."""
-    try:
-        deployments = serve.status().applications[APP_NAME].deployments
-    except (KeyError, RayServeException):
-        return str(error)
-    reasons = [
-        f"{name}: {d.message.strip().splitlines()[-1]}"
-        for name, d in deployments.items()
-        if d.status != DeploymentStatus.HEALTHY and d.message.strip()
-    ]
-    return "; ".join(reasons) or str(error)
-
-
-@contextmanager
-def _imported_from_here() -> Iterator[None]:
-    """The working directory, for the time of ray.init, the folder this process imported clef_gguf from.
-
-    Ray puts the driver's working directory first on every worker's sys.path (ray/_private/worker.py, the job's
-    py_driver_sys_path): run from a checkout, replicas imported its clef_gguf, which has no built libclef_head, not
-    the installed one. From here, they import the package the driver runs (the installed one, or an editable
-    install's checkout), whatever the directory `clef-gguf serve --ray` was started in. Every path Ray is given
-    is absolute (launch.py resolves them), so nothing else reads the working directory meanwhile."""
-    started_in = os.getcwd()
-    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_serve.py -> the folder holding clef_gguf
-    try:
-        yield
-    finally:
-        os.chdir(started_in)
-
-
-def _drain(timeout_s: float) -> None:
-    """The ingress refuses new requests (our 503) and lets those admitted finish, up to timeout_s (ClefIngress.drain)."""
-    try:
-        ingress = serve.get_deployment_handle("ClefIngress", APP_NAME)
-        left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + DRAIN_CALL_MARGIN_S)
-    except (TimeoutError, RayError, RayServeException) as e:  # the application gone or replaced, its ingress lost
-        print(f"the ingress did not drain: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return
-    if left:
-        print(f"{left} requests still running after the drain timeout are cut off", file=sys.stderr, flush=True)
-
-
-def _stop_proxies() -> None:
-    """Serve's HTTP proxies stop listening (the port then refuses connections) and finish sending the answers they
-    hold, as uvicorn stops at SIGTERM (Server.shutdown): on a cluster about to stop, after _drain.
-
-    Not serve.shutdown: it deletes the application first, and from then on until the proxies stop (2 to 3 s) Ray's
-    proxy answers every request with its own 404, "Path '/v1/systemone' not found" in text/plain; and it waits on the
-    controller's graceful_shutdown task, which returns only when the controller kills itself (ray.kill), which the
-    raylet reports as "Task ServeController.graceful_shutdown failed ... killed by `ray.kill`" at every stop (so it
-    does for any call left waiting on the controller: the controller is left to ray.shutdown). Not a kill of the
-    proxies: the ingress counts a request done once it has handed its answer to the proxy, not once the proxy has
-    sent it, and a killed proxy drops what it has not sent yet."""
-    proxies = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == SERVE_NAMESPACE and actor["name"].startswith(SERVE_PROXY_NAME):
-            with suppress(ValueError):  # gone meanwhile
-                proxies.append(ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE))
-    # ProxyActor's uvicorn server, as its ready() got it from start_asgi_http_server (Ray 2.60's serve/_private/proxy.py,
-    # http_util.py); its serve() task ends once the server has shut down. Where Ray's internals differ, a kill.
-    for proxy in proxies:
-        try:
-            ray.get(
-                proxy.__ray_call__.remote(lambda actor: setattr(actor._start_http_server_task.result()[1], "should_exit", True)),
-                timeout=PROXY_STOP_TIMEOUT_S,
-            )
-        except RayError:
-            ray.kill(proxy, no_restart=True)
-    deadline = time.monotonic() + PROXY_STOP_TIMEOUT_S
-    for proxy in proxies:
-        with suppress(RayError):  # killed, or gone
-            while not ray.get(
-                proxy.__ray_call__.remote(lambda actor: actor._running_http_server_task.done()), timeout=PROXY_STOP_TIMEOUT_S
-            ):
-                if time.monotonic() > deadline:  # a client still sending its body, or not reading its answer
-                    ray.kill(proxy, no_restart=True)  # (its process would hold up ray.shutdown's stop of the raylet)
-                    break
-                time.sleep(0.05)
-
-
-def _remove_session(session: Path) -> None:
-    """A stopped local cluster's session folder (its logs, also shown on stderr, and sockets), and Ray's session_latest
-    link when it names it: else Ray's temporary folder keeps a folder per `serve --ray`."""
-    latest = session.parent / "session_latest"
-    if latest.is_symlink() and latest.resolve() == session.resolve():
-        latest.unlink()
-    for _ in range(50):  # a worker that outlives the raylet by a moment may still write its log there
-        shutil.rmtree(session, ignore_errors=True)
-        if not session.exists():
-            return
-        time.sleep(0.1)
-
-
-def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, address: str | None) -> None:
-    """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
-    serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
-    admitted finish (up to drain_timeout); then, on a local cluster, Serve's proxy stops (the port refuses
-    connections) and the cluster with it, its session folder removed; on another cluster, the application is
-    deleted (its proxy, the cluster's, then answers 404 for the routes). A signal while deploying (replicas Ray
-    cannot place wait for resources forever) stops it the same way, with nothing to drain."""
-    local = address is None
-    session: Path | None = None
-    with _imported_from_here():
-        if local:
-            context = ray.init(address="local", include_dashboard=False, log_to_driver=True)
-            session = Path(context.address_info["session_dir"])  # this run's, under Ray's temporary folder
-        else:
-            try:
-                ray.init(address=address, log_to_driver=True)
-            except ConnectionError as e:
-                raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    deployed = False
-    try:
-        # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
-        keep_alive = max(1, round(keep_alive_s))  # Ray's proxy takes whole seconds
-        # No access log in Ray's proxy: the ingress writes the one line per request (observe.py), with its id.
-        http = {"host": host, "port": port, "keep_alive_timeout_s": keep_alive}
-        serve.start(http_options=http, logging_config={"enable_access_log": False})
-        try:
-            serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
-        except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries
-            raise DeploymentError(_why_not_deployed(e)) from None
-        deployed = True
-        print(f"serving {APP_NAME} on http://{host}:{port}/v1/systemone (Ray Serve)", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)  # until a signal raises _Stopped
-    except _Stopped:
-        pass
-    finally:
-        for sig, handler in previous.items():  # a second signal cuts the drain short
-            signal.signal(sig, handler)
-        try:
-            if deployed:
-                _drain(settings.drain_timeout)
-            if local:
-                _stop_proxies()
-            else:
-                with suppress(RayServeException):  # Serve never started, or someone shut it down
-                    serve.delete(APP_NAME)  # nothing left to drain, unless it never served
-        finally:
-            ray.shutdown(wait_for_processes=local)  # a local cluster's processes stopped before its folder goes
-            if session is not None:
-                _remove_session(session)

@@ -1,0 +1,143 @@
+"""`clef-gguf serve --ray`'s cluster: deploying ray_serve's application on a Ray cluster (a local one started here,
+or the one at an address), serving until a signal, then draining the ingress and stopping what was started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
+from ray.serve.schema import DeploymentStatus
+
+from ..errors import DeploymentError
+from .ray_private import stop_proxies
+from .ray_serve import APP_NAME, RaySettings, build_app
+
+# The time Ray may take to hand the ingress the drain call, beyond the drain itself.
+DRAIN_CALL_MARGIN_S = 30.0
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT while `clef-gguf serve --ray` deploys or serves."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _why_not_deployed(error: RuntimeError) -> str:
+    """Ray's reason, from the deployments' status: a replica constructor's traceback ends with its error."""
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments
+    except (KeyError, RayServeException):
+        return str(error)
+    reasons = [
+        f"{name}: {d.message.strip().splitlines()[-1]}"
+        for name, d in deployments.items()
+        if d.status != DeploymentStatus.HEALTHY and d.message.strip()
+    ]
+    return "; ".join(reasons) or str(error)
+
+
+@contextmanager
+def _imported_from_here() -> Iterator[None]:
+    """The working directory, for the time of ray.init, the folder this process imported clef_gguf from.
+
+    Ray puts the driver's working directory first on every worker's sys.path (ray/_private/worker.py, the job's
+    py_driver_sys_path): run from a checkout, replicas imported its clef_gguf, which has no built libclef_head, not
+    the installed one. From here, they import the package the driver runs (the installed one, or an editable
+    install's checkout), whatever the directory `clef-gguf serve --ray` was started in. Every path Ray is given
+    is absolute (launch.py resolves them), so nothing else reads the working directory meanwhile."""
+    started_in = os.getcwd()
+    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_serve.py -> the folder holding clef_gguf
+    try:
+        yield
+    finally:
+        os.chdir(started_in)
+
+
+def _drain(timeout_s: float) -> None:
+    """The ingress refuses new requests (our 503) and lets those admitted finish, up to timeout_s (ClefIngress.drain)."""
+    try:
+        ingress = serve.get_deployment_handle("ClefIngress", APP_NAME)
+        left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + DRAIN_CALL_MARGIN_S)
+    except (TimeoutError, RayError, RayServeException) as e:  # the application gone or replaced, its ingress lost
+        print(f"the ingress did not drain: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return
+    if left:
+        print(f"{left} requests still running after the drain timeout are cut off", file=sys.stderr, flush=True)
+
+
+def _remove_session(session: Path) -> None:
+    """A stopped local cluster's session folder (its logs, also shown on stderr, and sockets), and Ray's session_latest
+    link when it names it: else Ray's temporary folder keeps a folder per `serve --ray`."""
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and latest.resolve() == session.resolve():
+        latest.unlink()
+    for _ in range(50):  # a worker that outlives the raylet by a moment may still write its log there
+        shutil.rmtree(session, ignore_errors=True)
+        if not session.exists():
+            return
+        time.sleep(0.1)
+
+
+def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, address: str | None) -> None:
+    """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
+    serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
+    admitted finish (up to drain_timeout); then, on a local cluster, Serve's proxy stops (the port refuses
+    connections) and the cluster with it, its session folder removed; on another cluster, the application is
+    deleted (its proxy, the cluster's, then answers 404 for the routes). A signal while deploying (replicas Ray
+    cannot place wait for resources forever) stops it the same way, with nothing to drain."""
+    local = address is None
+    session: Path | None = None
+    with _imported_from_here():
+        if local:
+            context = ray.init(address="local", include_dashboard=False, log_to_driver=True)
+            session = Path(context.address_info["session_dir"])  # this run's, under Ray's temporary folder
+        else:
+            try:
+                ray.init(address=address, log_to_driver=True)
+            except ConnectionError as e:
+                raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    deployed = False
+    try:
+        # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
+        keep_alive = max(1, round(keep_alive_s))  # Ray's proxy takes whole seconds
+        # No access log in Ray's proxy: the ingress writes the one line per request (observe.py), with its id.
+        http = {"host": host, "port": port, "keep_alive_timeout_s": keep_alive}
+        serve.start(http_options=http, logging_config={"enable_access_log": False})
+        try:
+            serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
+        except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries
+            raise DeploymentError(_why_not_deployed(e)) from None
+        deployed = True
+        print(f"serving {APP_NAME} on http://{host}:{port}/v1/systemone (Ray Serve)", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)  # until a signal raises _Stopped
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():  # a second signal cuts the drain short
+            signal.signal(sig, handler)
+        try:
+            if deployed:
+                _drain(settings.drain_timeout)
+            if local:
+                stop_proxies()
+            else:
+                with suppress(RayServeException):  # Serve never started, or someone shut it down
+                    serve.delete(APP_NAME)  # nothing left to drain, unless it never served
+        finally:
+            ray.shutdown(wait_for_processes=local)  # a local cluster's processes stopped before its folder goes
+            if session is not None:
+                _remove_session(session)
