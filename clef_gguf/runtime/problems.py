@@ -47,7 +47,7 @@ def overloaded(message: str, *, close: bool = False) -> ApiError:
 
 def internal(error: BaseException) -> ApiError:
     """The one 500: an error the server did not expect, named by its type."""
-    return internal(error)
+    return ApiError(500, "api_error", f"internal error: {type(error).__name__}: {error}")
 
 
 def location(field_path: str | None, body: Any) -> Location:

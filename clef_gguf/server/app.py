@@ -8,9 +8,10 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,7 +21,7 @@ from ..runtime.state_cache import StateCache
 from . import workers_ai
 from .body import DEFAULT_BODY_GRACE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MIN_BODY_RATE, BodyPace, body_limit
 from .intake import Intake
-from .metrics import CONTENT_TYPE, create_metrics
+from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import LogFormat, Observed, note_decision
 from .problems import ApiError, Invalid, from_request_error, internal, overloaded, render_problem, response_headers
 from .worker import Decider, DecideWorker, Encoder, Model
@@ -130,6 +131,68 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _problem(request, internal(e))
 
 
+@dataclass
+class Service:
+    """What the routes do, over the app's parts: a model (to encode, or to decide too), the worker that decides, the
+    intake that reads bodies, the metrics. create_app puts its methods on routes."""
+
+    model: Encoder
+    worker: Decider
+    intake: Intake
+    metrics: Metrics
+
+    async def answer(self, request: Request) -> tuple[bytes, dict[str, str]]:
+        """Read, validate and decide one System One request: its response JSON and timing header."""
+        arrived = time.perf_counter()
+        prompt = await self.intake.request(request)  # read, validated and tokenized: known to fit the model
+        parsed = time.perf_counter()
+        try:
+            decision = await self.worker.decide(prompt)
+        except RequestError as e:  # not expected after intake: the same mapping all the same
+            raise from_request_error(e, None) from e
+        self.metrics.decided(prompt, decision)
+        note_decision(request, prompt, decision)
+        # Server-Timing tells a client where its latency went: reading, waiting, deciding (with how many others),
+        # handing back; and whether the state cache spared the prefill of its state.
+        back = time.perf_counter() - decision.finished
+        cache = f"hit {decision.cached_tokens} tokens" if decision.cached_tokens else "miss"
+        timing = (
+            f"read;dur={(parsed - arrived) * 1e3:.3f}, queue;dur={decision.queued_s * 1e3:.3f}, "
+            f'decide;dur={decision.decide_s * 1e3:.3f};desc="batch of {decision.batch}", back;dur={back * 1e3:.3f}, '
+            f'cache;desc="{cache}"'
+        )
+        return decision.body, {"Server-Timing": timing}
+
+    async def systemone(self, request: Request) -> Response:
+        body, headers = await self.answer(request)
+        return Response(body, media_type="application/json", headers=response_headers(headers))
+
+    async def workers_ai_run(self, request: Request, model_id: str) -> Response:
+        # Any account id: the server holds one model, and the key (when set) is the access control.
+        workers_ai.check_model(model_id)
+        body, headers = await self.answer(request)
+        return Response(workers_ai.success(body), media_type="application/json", headers=response_headers(headers))
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse(_models_listing(self.model), headers=response_headers())
+
+    async def health(self) -> JSONResponse:
+        status = {
+            "status": "ok",
+            "model": self.model.name,
+            "max_prompt_tokens": self.model.max_prompt_tokens,
+            "ubatch": self.model.ubatch,
+            "images": self.model.image_limits is not None,
+            "pending": self.worker.pending,
+            "reading": self.intake.reading,
+        }
+        return JSONResponse(status, headers=response_headers())
+
+    async def scrape(self) -> Response:
+        # generate_latest reads every series under their locks: microseconds for this registry, on the event loop.
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE, headers=response_headers())
+
+
 def create_app(
     model: Encoder,
     *,
@@ -158,19 +221,19 @@ def create_app(
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a decider")
         decider = DecideWorker(model, max_pending)
-    worker = decider
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
     intake = Intake(model, max_pending, limit, BodyPace(body_timeout_s, min_body_rate, body_grace_s), text_limit)
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
-    metrics = create_metrics(model, worker, intake, cache if isinstance(cache, StateCache) else None)
+    metrics = create_metrics(model, decider, intake, cache if isinstance(cache, StateCache) else None)
+    service = Service(model, decider, intake, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         # uvicorn has drained the connections (or timed out): finish the running decide, then free.
-        await worker.close()
+        await decider.close()
         await asyncio.to_thread(intake.close)
         if owns_model:
             model.close()
@@ -178,70 +241,13 @@ def create_app(
     app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     app.add_middleware(AnswerCutOff)
-    app.add_middleware(
-        Observed, metrics=metrics, log_format=log_format, echo_id=not behind_ray
-    )  # added last: outside AnswerCutOff, sees its 503
+    # added last: outside AnswerCutOff, it sees its 503
+    app.add_middleware(Observed, metrics=service.metrics, log_format=log_format, echo_id=not behind_ray)
     auth = [Depends(_require_key(api_key))] if api_key else []
-    router = APIRouter(prefix="/v1", dependencies=auth)
-
-    async def answer(request: Request) -> tuple[bytes, dict[str, str]]:
-        """Read, validate and decide one System One request: its response JSON and timing header."""
-        arrived = time.perf_counter()
-        prompt = await intake.request(request)  # read, validated and tokenized: known to fit the model
-        parsed = time.perf_counter()
-        try:
-            decision = await worker.decide(prompt)
-        except RequestError as e:  # not expected after intake: the same mapping all the same
-            raise from_request_error(e, None) from e
-        metrics.decided(prompt, decision)
-        note_decision(request, prompt, decision)
-        # Server-Timing tells a client where its latency went: reading, waiting, deciding (with how many others),
-        # handing back; and whether the state cache spared the prefill of its state.
-        back = time.perf_counter() - decision.finished
-        cache = f"hit {decision.cached_tokens} tokens" if decision.cached_tokens else "miss"
-        timing = (
-            f"read;dur={(parsed - arrived) * 1e3:.3f}, queue;dur={decision.queued_s * 1e3:.3f}, "
-            f'decide;dur={decision.decide_s * 1e3:.3f};desc="batch of {decision.batch}", back;dur={back * 1e3:.3f}, '
-            f'cache;desc="{cache}"'
-        )
-        return decision.body, {"Server-Timing": timing}
-
-    @router.post("/systemone")
-    async def systemone(request: Request) -> Response:
-        body, headers = await answer(request)
-        return Response(body, media_type="application/json", headers=response_headers(headers))
-
-    async def workers_ai_run(request: Request, model_id: str) -> Response:
-        # Any account id: the server holds one model, and the key (when set) is the access control.
-        workers_ai.check_model(model_id)
-        body, headers = await answer(request)
-        return Response(workers_ai.success(body), media_type="application/json", headers=response_headers(headers))
-
+    app.add_api_route("/v1/systemone", service.systemone, methods=["POST"], dependencies=auth)
     for prefix in workers_ai.PREFIXES:
-        app.add_api_route(prefix + workers_ai.ROUTE, workers_ai_run, methods=["POST"], dependencies=auth)
-
-    @router.get("/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(_models_listing(model), headers=response_headers())
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        # Unauthenticated on purpose: liveness probes carry no key.
-        status = {
-            "status": "ok",
-            "model": model.name,
-            "max_prompt_tokens": model.max_prompt_tokens,
-            "ubatch": model.ubatch,
-            "images": model.image_limits is not None,
-            "pending": worker.pending,
-            "reading": intake.reading,
-        }
-        return JSONResponse(status, headers=response_headers())
-
-    @app.get("/metrics", dependencies=auth)
-    async def metrics_scrape() -> Response:
-        # generate_latest reads every series under their locks: microseconds for this registry, on the event loop.
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE, headers=response_headers())
-
-    app.include_router(router)
+        app.add_api_route(prefix + workers_ai.ROUTE, service.workers_ai_run, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/models", service.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/health", service.health, methods=["GET"])  # unauthenticated on purpose: probes carry no key
+    app.add_api_route("/metrics", service.scrape, methods=["GET"], dependencies=auth)
     return app
