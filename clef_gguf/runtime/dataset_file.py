@@ -63,6 +63,15 @@ class Summary:
     out: str = "-"
     started: float = field(default_factory=time.perf_counter, repr=False)
 
+    def count(self, outcome: Outcome) -> None:
+        self.records += 1
+        if outcome.error is None:
+            self.answered += 1
+            self.tokens += outcome.tokens
+            self.cache_hits += outcome.state_hit
+        else:
+            self.errors += 1
+
     def as_dict(self) -> dict[str, Any]:
         decided = self.records - self.skipped
         rate = decided / self.seconds if self.seconds else 0.0
@@ -224,6 +233,24 @@ def _open_output(
     return file, done, True
 
 
+def _skip_answered(
+    records: Iterator[Record], done: list[tuple[int, str, bool, str | None]], identity: str, out: str, summary: Summary
+) -> None:
+    """Take the requests OUT already answers off `records`, checking that they are its answers, by this model."""
+    for number, (line, digest, failed, by) in enumerate(done, 1):
+        if by is not None and by != identity:
+            raise AnswersFileError(
+                f"{out}: answer {number} was decided by another model (header sha256 {by[:12]}..., this one "
+                f"{identity[:12]}...): resume with that model, or write the answers to another file"
+            )
+        record = next(records, None)
+        if record is None or (record.line, request_sha256(record.raw)) != (line, digest):
+            raise AnswersFileError(f"{out}: answer {number} (line {line}) is not the answer to this input's request {number}")
+        summary.errors += failed
+        summary.answered += not failed
+    summary.records = summary.skipped = len(done)
+
+
 def decide_file(
     model: Decider,
     source: str,
@@ -253,18 +280,7 @@ def decide_file(
             stack.callback(_close, output)
         stack.callback(_fsync, output)  # at the end, and on the way out of an interrupted run
         records = read_records(file)
-        for number, (line, digest, failed, by) in enumerate(done, 1):
-            if by is not None and by != model.identity:
-                raise AnswersFileError(
-                    f"{out}: answer {number} was decided by another model (header sha256 {by[:12]}..., this one "
-                    f"{model.identity[:12]}...): resume with that model, or write the answers to another file"
-                )
-            record = next(records, None)
-            if record is None or (record.line, request_sha256(record.raw)) != (line, digest):
-                raise AnswersFileError(f"{out}: answer {number} (line {line}) is not the answer to this input's request {number}")
-            summary.errors += failed
-            summary.answered += not failed
-        summary.records = summary.skipped = len(done)
+        _skip_answered(records, done, model.identity, out, summary)
         pending: list[Record] = []
 
         def raw_requests() -> Iterator[bytes]:
@@ -282,13 +298,7 @@ def decide_file(
                 output.flush()
             except OSError as e:  # a full disk, an I/O error: the lines before are whole, --resume mends a torn last one
                 raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
-            summary.records += 1
-            if outcome.error is None:
-                summary.answered += 1
-                summary.tokens += outcome.tokens
-                summary.cache_hits += outcome.state_hit
-            else:
-                summary.errors += 1
+            summary.count(outcome)
             if (summary.records - summary.skipped) % FSYNC_EVERY == 0:
                 _fsync(output)
             summary.seconds = time.perf_counter() - summary.started
