@@ -39,48 +39,56 @@ def progress_bars() -> Iterator[Callable[[str, int, int, str], None]]:
         yield update
 
 
+SourceOption = Annotated[
+    str, typer.Argument(help="Release folder, Hugging Face repo id (owner/name), or a clef-finetune checkpoint with --base.")
+]
+BaseOption = Annotated[
+    str | None,
+    typer.Option(
+        "--base",
+        help="For a clef-finetune checkpoint (adapter/ + joint_head.safetensors): the release it was trained from, "
+        "whose weights its LoRA is merged into as they are converted.",
+        show_default=False,
+    ),
+]
+HeadTypeOption = Annotated[
+    str,
+    typer.Option(
+        "--head-type",
+        help="Head weight type: auto (as llama.cpp's converter: the file type for f32/f16/bf16/q8_0, else f32), "
+        "f32, f16, bf16 or q8_0.",
+    ),
+]
+ImatrixOption = Annotated[
+    Path | None, typer.Option("--imatrix", help="Importance matrix (llama-imatrix GGUF) for llama.cpp's quantizer.")
+]
+MmprojOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--mmproj",
+        help="Where to write the vision tower (llama.cpp's mmproj GGUF). Default: mmproj-<OUT's stem>.gguf beside OUT.",
+        show_default=False,
+    ),
+]
+MmprojTypeOption = Annotated[
+    str,
+    typer.Option(
+        "--mmproj-type",
+        help="Vision tower weight type: auto (the file type for f32/f16/bf16/q8_0, else f16), f32, f16, bf16 or q8_0.",
+    ),
+]
+
+
 def convert(
-    source: Annotated[
-        str, typer.Argument(help="Release folder, Hugging Face repo id (owner/name), or a clef-finetune checkpoint with --base.")
-    ],
+    source: SourceOption,
     out: Out,
-    base: Annotated[
-        str | None,
-        typer.Option(
-            "--base",
-            help="For a clef-finetune checkpoint (adapter/ + joint_head.safetensors): the release it was trained from, "
-            "whose weights its LoRA is merged into as they are converted.",
-            show_default=False,
-        ),
-    ] = None,
+    base: BaseOption = None,
     file_type: Annotated[str, typer.Option("--type", "-t", help=f"Backbone type: {', '.join(FILE_TYPES)}.")] = DEFAULT_FILE_TYPE,
-    head_type: Annotated[
-        str,
-        typer.Option(
-            "--head-type",
-            help="Head weight type: auto (as llama.cpp's converter: the file type for f32/f16/bf16/q8_0, else f32), "
-            "f32, f16, bf16 or q8_0.",
-        ),
-    ] = "auto",
-    imatrix: Annotated[
-        Path | None, typer.Option("--imatrix", help="Importance matrix (llama-imatrix GGUF) for llama.cpp's quantizer.")
-    ] = None,
-    mmproj: Annotated[
-        Path | None,
-        typer.Option(
-            "--mmproj",
-            help="Where to write the vision tower (llama.cpp's mmproj GGUF). Default: mmproj-<OUT's stem>.gguf beside OUT.",
-            show_default=False,
-        ),
-    ] = None,
+    head_type: HeadTypeOption = "auto",
+    imatrix: ImatrixOption = None,
+    mmproj: MmprojOption = None,
     no_mmproj: Annotated[bool, typer.Option("--no-mmproj", help="Do not convert the vision tower.")] = False,
-    mmproj_type: Annotated[
-        str,
-        typer.Option(
-            "--mmproj-type",
-            help="Vision tower weight type: auto (the file type for f32/f16/bf16/q8_0, else f16), f32, f16, bf16 or q8_0.",
-        ),
-    ] = "auto",
+    mmproj_type: MmprojTypeOption = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT (and the mmproj) if they exist.")] = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata), and its vision

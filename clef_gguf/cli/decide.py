@@ -89,45 +89,51 @@ def _decide_jsonl(
     raise typer.Exit(code)
 
 
+PathsOption = Annotated[
+    list[str],
+    typer.Argument(
+        help="[MODEL.gguf] REQUEST.json or REQUESTS.jsonl (- reads stdin). Without MODEL: the demo model.",
+        show_default=False,
+    ),
+]
+ImageOption = Annotated[
+    list[Path] | None,
+    typer.Option("--image", help="An image file (PNG, JPEG, WebP) for the request's images; repeat for more (up to 4)."),
+]
+JsonlOption = Annotated[
+    bool, typer.Option("--jsonl", help="The requests are JSON Lines whatever the name (e.g. stdin: --jsonl -).")
+]
+SortByStateOption = Annotated[
+    bool,
+    typer.Option("--sort-by-state", help="JSON Lines: decide each window of requests grouped by state (answers stay in order)."),
+]
+JsonSummaryOption = Annotated[
+    bool, typer.Option("--json", help="JSON Lines: a JSON summary at the end (on stdout; on stderr when the answers are).")
+]
+ImagesAnywhereOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-image-paths-anywhere",
+        help="JSON Lines: image paths may leave the JSON Lines file's folder (by default they must stay inside it).",
+    ),
+]
+
+
 def decide(
-    paths: Annotated[
-        list[str],
-        typer.Argument(
-            help="[MODEL.gguf] REQUEST.json or REQUESTS.jsonl (- reads stdin). Without MODEL: the demo model.",
-            show_default=False,
-        ),
-    ],
+    paths: PathsOption,
     n_gpu_layers: GpuLayers = 0,
     max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
     state_cache: Annotated[int | None, state_cache_option("0 for one request (nothing to reuse), 1GiB for JSON Lines")] = None,
     mmproj: Mmproj = None,
-    image: Annotated[
-        list[Path] | None,
-        typer.Option("--image", help="An image file (PNG, JPEG, WebP) for the request's images; repeat for more (up to 4)."),
-    ] = None,
-    jsonl: Annotated[
-        bool, typer.Option("--jsonl", help="The requests are JSON Lines whatever the name (e.g. stdin: --jsonl -).")
-    ] = False,
+    image: ImageOption = None,
+    jsonl: JsonlOption = False,
     out: Annotated[str, typer.Option("--out", "-o", help="JSON Lines: the answers file (- : stdout).")] = "-",
     resume: Annotated[bool, typer.Option("--resume", help="JSON Lines: continue OUT, skipping the requests it answers.")] = False,
     force: Annotated[bool, typer.Option("--force", help="JSON Lines: overwrite OUT if it exists.")] = False,
-    sort_by_state: Annotated[
-        bool,
-        typer.Option(
-            "--sort-by-state", help="JSON Lines: decide each window of requests grouped by state (answers stay in order)."
-        ),
-    ] = False,
-    json_summary: Annotated[
-        bool, typer.Option("--json", help="JSON Lines: a JSON summary at the end (on stdout; on stderr when the answers are).")
-    ] = False,
-    images_anywhere: Annotated[
-        bool,
-        typer.Option(
-            "--allow-image-paths-anywhere",
-            help="JSON Lines: image paths may leave the JSON Lines file's folder (by default they must stay inside it).",
-        ),
-    ] = False,
+    sort_by_state: SortByStateOption = False,
+    json_summary: JsonSummaryOption = False,
+    images_anywhere: ImagesAnywhereOption = False,
     parallel: Parallel = DEFAULT_PARALLEL,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
@@ -135,9 +141,10 @@ def decide(
 
     JSON Lines (a file named *.jsonl or *.ndjson, or --jsonl): one request per line, decided in batches through the
     state cache; one answer line per request line, in order, into OUT: the response with "id" (the request's, else
-    its line number), "line" and "request_sha256" (of the line) in front, or "error": {"status", "detail"} (the
-    server's error) for a bad request. An image may be a file path, relative to the JSONL file. Exit 0: every line
-    answered; 8: some lines are errors (3 is a release error's code); --resume after any stop leaves no gap."""
+    its line number), "line", "request_sha256" (of the line) and "model_sha256" (of the model's header) in front,
+    or "error": {"status", "detail"} (the server's error) for a bad request. An image may be a file path inside the
+    JSONL file's folder. Exit 0: every line answered; 8: some lines are errors (3 is a release error's code); 9: OUT
+    cannot be written; --resume after any stop leaves no gap."""
     if not 1 <= len(paths) <= 2:
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
@@ -158,17 +165,9 @@ def decide(
             mmproj=mmproj,
             **settings,
         )
+    jsonl_only = {"-o": out != "-", "--resume": resume, "--force": force, "--sort-by-state": sort_by_state}
     given = [
-        name
-        for name, on in (
-            ("-o", out != "-"),
-            ("--resume", resume),
-            ("--force", force),
-            ("--sort-by-state", sort_by_state),
-            ("--json", json_summary),
-            ("--allow-image-paths-anywhere", images_anywhere),
-        )
-        if on
+        name for name, on in {**jsonl_only, "--json": json_summary, "--allow-image-paths-anywhere": images_anywhere}.items() if on
     ]
     if given:
         fail(f"{given[0]} is for JSON Lines requests (a *.jsonl file, or --jsonl)")

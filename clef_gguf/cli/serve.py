@@ -29,6 +29,50 @@ def _api_key(value: str | None) -> str | None:
         raise typer.BadParameter(str(e)) from None
 
 
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar="CLEF_GGUF_API_KEY",
+        callback=_api_key,
+        help="Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)",
+    ),
+]
+MaxQueueOption = Annotated[
+    int, typer.Option(min=1, help="Requests read at once, and admitted to decide (running + waiting); more get 503.")
+]
+NThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica).",
+        show_default=False,
+    ),
+]
+HeaderTimeoutOption = Annotated[
+    float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
+]
+MinBodyRateOption = Annotated[
+    float,
+    typer.Option(min=0, help="Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none)."),
+]
+OnRayOption = Annotated[
+    bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
+]
+ReplicasOption = Annotated[int | None, typer.Option(min=1, help="With --ray: model replicas (default 1).", show_default=False)]
+AutoscaleOption = Annotated[
+    str | None,
+    typer.Option(metavar="MIN:MAX", help="With --ray: autoscale between MIN and MAX replicas.", show_default=False),
+]
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar="RAY_ADDRESS",
+        help="With --ray: the Ray cluster to deploy on (default: a local one, started here, on loopback).",
+        show_default=False,
+    ),
+]
+
+
 def serve(
     model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False)],
     host: Annotated[str, typer.Option(help="Interface to bind; the default keeps the server on this machine.")] = "127.0.0.1",
@@ -37,60 +81,23 @@ def serve(
     max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
     ubatch: Ubatch = None,
     parallel: Parallel = DEFAULT_PARALLEL,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="CLEF_GGUF_API_KEY",
-            callback=_api_key,
-            help="Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)",
-        ),
-    ] = None,
-    max_queue: Annotated[
-        int, typer.Option(min=1, help="Requests read at once, and admitted to decide (running + waiting); more get 503.")
-    ] = 64,
+    api_key: ApiKeyOption = None,
+    max_queue: MaxQueueOption = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for admitted requests to finish.")] = 60.0,
-    n_threads: Annotated[
-        int | None,
-        typer.Option(
-            "--threads",
-            help="llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica).",
-            show_default=False,
-        ),
-    ] = None,
-    header_timeout: Annotated[
-        float, typer.Option(min=0.1, help="Seconds a connection has to send a request's headers; then 408.")
-    ] = 10.0,
+    n_threads: NThreadsOption = None,
+    header_timeout: HeaderTimeoutOption = 10.0,
     body_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request has to send its whole body; then 408.")] = 30.0,
-    min_body_rate: Annotated[
-        float,
-        typer.Option(
-            min=0, help="Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none)."
-        ),
-    ] = 240.0,
+    min_body_rate: MinBodyRateOption = 240.0,
     body_grace: Annotated[float, typer.Option(min=0, help="Seconds before --min-body-rate applies to a body.")] = 5.0,
     keep_alive: Annotated[float, typer.Option(min=0.1, help="Seconds an idle connection is kept after an answer.")] = 5.0,
     log_format: LogFormatOption = "text",
     state_cache: Annotated[int, state_cache_option(f"{DEFAULT_STATE_CACHE >> 30}GiB")] = DEFAULT_STATE_CACHE,
     mmproj: Mmproj = None,
-    on_ray: Annotated[
-        bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
-    ] = False,
-    replicas: Annotated[
-        int | None, typer.Option(min=1, help="With --ray: model replicas (default 1).", show_default=False)
-    ] = None,
-    autoscale: Annotated[
-        str | None,
-        typer.Option(metavar="MIN:MAX", help="With --ray: autoscale between MIN and MAX replicas.", show_default=False),
-    ] = None,
+    on_ray: OnRayOption = False,
+    replicas: ReplicasOption = None,
+    autoscale: AutoscaleOption = None,
     gpus_per_replica: Annotated[float, typer.Option(min=0, help="With --ray: GPUs Ray reserves per replica.")] = 0.0,
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            envvar="RAY_ADDRESS",
-            help="With --ray: the Ray cluster to deploy on (default: a local one, started here, on loopback).",
-            show_default=False,
-        ),
-    ] = None,
+    ray_address: RayAddressOption = None,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
