@@ -126,3 +126,16 @@ def test_tests_import_nothing_from_tools() -> None:
             names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
             offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
     assert not offenders, offenders
+
+
+def test_modules_and_functions_stay_short() -> None:
+    """No package module over 400 lines, no function over 60: a module per concern, a function per step."""
+    long_modules, long_functions = [], []
+    for path in sorted((ROOT / "clef_gguf").rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            long_modules.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1}")
+    assert not long_modules and not long_functions, long_modules + long_functions
