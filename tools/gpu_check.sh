@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Parity and benchmarks of clef-gguf on an NVIDIA GPU, on a machine with no network.
 #
-#   bash tools/gpu_check.sh prepare   # here, with network: writes .gpu/ (about 8 MB, git-ignored)
+#   bash tools/gpu_check.sh prepare   # here, with network: writes .gpu/ (git-ignored)
 #   bash tools/gpu_check.sh run       # there, in a copy of this checkout that includes .gpu/
+#
+# With the CUDA wheel that tools/cuda_build.sh builds here (~/.cache/clef-gguf/cuda/wheels-90-real), prepare puts it
+# in .gpu/cuda (xz-compressed: 29 MB), and run installs it: nothing of llama.cpp is compiled on the GPU machine, and its
+# minutes go to measuring. Without it, run builds from the stripped sdist (about 8 minutes of the budget on 16 cores).
 #
 # prepare: llama-cpp-python 0.3.36's sdist (76 MB) stripped to what a CUDA build of its
 #   libraries needs (no models, docs, tests, examples, other backends, no tools but mtmd: the
@@ -43,9 +47,17 @@ WHEELS=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.
     backports.zstd==1.8.0 gguf==0.19.0 diskcache==5.6.3 clef-finetune==0.1.0)
 
 prepare() {
-    local work
+    local work wheel
     work=$(mktemp -d)
     mkdir -p "$BUNDLE/wheels"
+    wheel=$(ls "${CLEF_CUDA_CACHE:-$HOME/.cache/clef-gguf/cuda}"/wheels-90-real/llama_cpp_python-$LLAMA_VERSION-*.whl 2>/dev/null | head -1 || true)
+    if [[ -n $wheel ]]; then
+        # The wheel holds each library three times (libx.so, .so.0, .so.0.x.y: a wheel has no links), which xz's
+        # 64 MiB window folds into one: 107 MB in, 29 MB out, and the bundle travels in 64 MiB at most.
+        mkdir -p "$BUNDLE/cuda"
+        xz -9 -T2 -c "$wheel" >"$BUNDLE/cuda/$(basename "$wheel").xz"
+        du -h "$wheel" "$BUNDLE"/cuda/*.xz
+    fi
     python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$work"
     tar -xzf "$work/$SDIST.tar.gz" -C "$work"
     local src=$work/$SDIST strip=$work/stripped/$SDIST
@@ -84,11 +96,20 @@ run() {
     python3 -m pip --version
     python3 -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
 
-    echo "== llama-cpp-python $LLAMA_VERSION with CUDA for $arch ($(nproc) jobs)"
-    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_CUDA_FA=${GPU_CHECK_CUDA_FA:-OFF}" \
-        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation "$BUNDLE/$SDIST.tar.gz"
-    echo "   built in $((SECONDS - start)) s"
+    if ls "$BUNDLE"/cuda/llama_cpp_python-*.whl.xz >/dev/null 2>&1; then
+        echo "== llama-cpp-python $LLAMA_VERSION with CUDA, prebuilt (tools/cuda_build.sh; this card: $arch)"
+        local packed
+        packed=$(ls "$BUNDLE"/cuda/llama_cpp_python-*.whl.xz | head -1)
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+            "$packed" "/tmp/$(basename "${packed%.xz}")"
+        python3 -m pip install -q --no-index --no-deps --force-reinstall "/tmp/$(basename "${packed%.xz}")"
+    else
+        echo "== llama-cpp-python $LLAMA_VERSION with CUDA for $arch ($(nproc) jobs)"
+        CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_CUDA_FA=${GPU_CHECK_CUDA_FA:-OFF}" \
+            CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+            python3 -m pip install -q --no-index --no-deps --no-build-isolation "$BUNDLE/$SDIST.tar.gz"
+    fi
+    echo "   installed after $((SECONDS - start)) s"
 
     echo "== clef-gguf (its native head against that ggml)"
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
@@ -121,6 +142,10 @@ EOF
     # module whose packages this machine lacks (the released clients) fails to collect; the rest runs.
     step "the device set" python3 -m pytest -m device --on-device -q -p no:cacheprovider --continue-on-collection-errors
     step "the head against bare llama.cpp" python3 tools/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out"
+    # Clef-flash's shapes (random weights, written in a minute): plan for 8 GiB, what the card holds once loaded, and
+    # the seeds' request (three questions) on the GPU; against llama-server where a CUDA one is in .gpu/bin.
+    step "Clef-flash-shaped Q4_K_M on the GPU" python3 tools/shaped_model.py /tmp/shaped --plan --vram 8GiB --time \
+        --n-gpu-layers -1 --bin "$BUNDLE/bin"
     echo "== done in $((SECONDS - start)) s"
 }
 

@@ -161,11 +161,24 @@ def fit_tokens(model: Any, request: dict) -> dict:
     return request
 
 
-def time_requests(path: Path, binary: Path | None, rounds: int) -> list[str]:
+def device_memory() -> str:
+    """What nvidia-smi says the card holds, where there is one."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+        )
+    except OSError:
+        return "no nvidia-smi"
+    return done.stdout.strip()
+
+
+def time_requests(path: Path, binary: Path | None, rounds: int, n_gpu_layers: int = 0) -> list[str]:
     import clef_gguf
 
     lines = []
-    with clef_gguf.load(path, max_prompt_tokens=4096, state_cache=0) as model:
+    with clef_gguf.load(path, max_prompt_tokens=4096, state_cache=0, n_gpu_layers=n_gpu_layers) as model:
+        if n_gpu_layers:
+            print(f"loaded with n_gpu_layers={n_gpu_layers}: the card holds {device_memory()}")
         request = fit_tokens(model, seeds_request())
         n = len(model.encode(request).tokens)
         model.decide(request)  # warm
@@ -176,7 +189,7 @@ def time_requests(path: Path, binary: Path | None, rounds: int) -> list[str]:
             ours.append(time.perf_counter() - started)
     lines.append(f"| clef-gguf | {n} | {statistics.median(ours) * 1e3:.0f} ms | {min(ours) * 1e3:.0f} to {max(ours) * 1e3:.0f} |")
     if binary is not None:
-        theirs = time_llama_server(binary, path, request, rounds)
+        theirs = time_llama_server(binary, path, request, rounds, n_gpu_layers)
         if theirs:
             lines.append(
                 f"| llama-server | {n} | {statistics.median(theirs) * 1e3:.0f} ms | "
@@ -185,11 +198,12 @@ def time_requests(path: Path, binary: Path | None, rounds: int) -> list[str]:
     return lines
 
 
-def time_llama_server(binary: Path, path: Path, request: dict, rounds: int) -> list[float]:
+def time_llama_server(binary: Path, path: Path, request: dict, rounds: int, n_gpu_layers: int = 0) -> list[float]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from interop_llama_server import PORT, as_llama_server_accepts, placement_flags
 
     command = [str(binary / "llama-server"), "-m", str(path), "--port", str(PORT), "-c", "4096", "-b", "4096", "-ub", "4096"]
+    command += ["-ngl", str(n_gpu_layers)]
     with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
         server = subprocess.Popen([*command, *placement_flags()], stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -241,6 +255,8 @@ def main() -> None:
     parser.add_argument("--plan", action="store_true")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="--time on the device (and nvidia-smi's reading)")
+    parser.add_argument("--vram", help="--plan: also `clef-gguf plan --vram` at Clef's 65,536 tokens")
     parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -259,10 +275,13 @@ def main() -> None:
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s")
     if args.plan:
         print("\n".join(plan_lines(q4)))
+        if args.vram:
+            command = [sys.executable, "-m", "clef_gguf.cli", "plan", str(q4), "--vram", args.vram, "--ctx", "65536"]
+            print(subprocess.run(command, capture_output=True, text=True).stdout)
     if args.time:
         binary = args.bin if (args.bin / "llama-server").is_file() else None
         print("| server | prompt tokens | median | range |\n|---|---:|---:|---:|")
-        print("\n".join(time_requests(q4, binary, args.rounds)))
+        print("\n".join(time_requests(q4, binary, args.rounds, args.n_gpu_layers)))
 
 
 if __name__ == "__main__":
