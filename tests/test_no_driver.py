@@ -51,12 +51,14 @@ def test_the_cli_is_one_line_and_exit_1(env, args):
 
 
 def _installed_cuda_build_without_driver() -> str | None:
-    """Why the installed llama-cpp-python is not a CUDA build on a machine without NVIDIA's driver (None: it is)."""
+    """Why the installed llama-cpp-python is not a CUDA build on a machine without NVIDIA's driver (None: it is).
+    Read from its files: importing clef_gguf.llama would load it."""
     import ctypes.util
+    import importlib.util
 
-    from clef_gguf.llama.backends import built_backends
-
-    if "CUDA" not in built_backends():
+    spec = importlib.util.find_spec("llama_cpp")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "lib" if spec and spec.submodule_search_locations else None
+    if folder is None or not any(folder.glob("libggml-cuda.so*")):
         return "the installed llama-cpp-python is not a CUDA build (tools/cuda_check_here.sh installs one)"
     if ctypes.util.find_library("cuda"):
         return "this machine has NVIDIA's driver (libcuda): the CUDA build loads here"

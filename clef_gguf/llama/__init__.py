@@ -12,7 +12,7 @@ from .backends import explain_load_failure
 
 try:
     import llama_cpp
-except OSError as e:
+except (OSError, RuntimeError) as e:  # llama-cpp-python raises the loader's OSError as a RuntimeError of its own
     raise BackendUnavailableError(explain_load_failure(e)) from None
 
 __all__ = ["llama_cpp"]

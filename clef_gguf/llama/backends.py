@@ -4,6 +4,7 @@ what the error says when they cannot load, and what -ngl can use."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 # libggml-<name>.so beside libllama.so: the backends llama-cpp-python was built with.
@@ -29,9 +30,11 @@ def built_backends() -> list[str]:
     return [label for name, label in DEVICE_BACKENDS.items() if any(folder.glob(f"libggml-{name}.so*"))]
 
 
-def explain_load_failure(error: OSError) -> str:
+def explain_load_failure(error: Exception) -> str:
     """One line saying why llama-cpp-python's libraries do not load here, and what to do."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # llama-cpp-python's own wrapping: "Failed to load shared library '<path>': <the loader's message>"
+    reason = re.sub(r"^Failed to load shared library '[^']*': ", "", reason)
     backends = built_backends()
     if "CUDA" in backends and "libcuda.so" in reason:
         return (
