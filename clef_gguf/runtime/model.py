@@ -44,7 +44,6 @@ class _Plan:
 
 T = TypeVar("T")
 
-
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
 
@@ -172,12 +171,15 @@ class ClefModel:
         )
         return encoder, limits
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise ModelClosedError(f"{self.path.name}: the model is closed; load the file again to decide")
+
     @contextmanager
     def _in_use(self) -> Iterator[None]:
         """An API call on the open model: refused once close() has begun; close() waits for it to end."""
         with self._busy:
-            if self._closed:
-                raise ModelClosedError(f"{self.path.name}: the model is closed; load the file again to decide")
+            self._refuse_if_closed()
             self._active += 1
         try:
             yield
@@ -216,8 +218,7 @@ class ClefModel:
     ) -> Iterator[dict[str, Any]]:
         """Decide many requests, in batches and through the state cache: for each, in order, its response body or
         {"error": {"status", "detail"}}, the server's error for it (runtime/dataset.py)."""
-        with self._in_use():  # a closed model is refused here, not at the first answer
-            pass
+        self._refuse_if_closed()  # here, not at the first answer (each of its calls checks again)
         return decide_many(self, requests, sort_by_state=sort_by_state, base=base)
 
     def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool:
