@@ -104,12 +104,13 @@ fi
 if [[ $SERVER == 1 ]]; then
     LLAMA_SRC=$(bash tools/llama_cpp_source.sh)
     BUILD=$CACHE/build-llama-server-$TAG
-    if [[ ! -f $BUILD/CMakeCache.txt ]]; then
-        # shellcheck disable=SC2086
-        nice -n "$NICE" cmake -S "$LLAMA_SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release $CUDA_ARGS \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
-            -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
-    fi
+    # Configured every time (a no-op when nothing changed). The executables link against libggml-cuda, whose own
+    # dependencies (cuBLAS, the driver) the linker must find: -rpath-link to the toolkit and the libcuda stub.
+    # shellcheck disable=SC2086
+    nice -n "$NICE" cmake -S "$LLAMA_SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release $CUDA_ARGS \
+        -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$ROOT/lib:$ROOT/lib/stubs" \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
     nice -n "$NICE" ninja -C "$BUILD" llama-server llama-quantize >&2
     echo "llama-server: $BUILD/bin/llama-server" >&2
 fi
