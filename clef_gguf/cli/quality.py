@@ -48,8 +48,19 @@ def _finish(errors: list[str]) -> None:
     raise typer.Exit(SOME_ERRORS if errors else 0)
 
 
-def _work(action: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """The library call with a progress bar per stage on a terminal; its errors and signals as the CLI's."""
+def _work(
+    action: Callable[..., dict[str, Any]],
+    args: tuple[Any, ...],
+    target_precision: str,
+    n_gpu_layers: int,
+    max_prompt_tokens: int,
+    mmproj: Path | None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """action(*args, **kwargs) with the options the three commands share (the precisions, the model's load), and a
+    progress bar per stage on a terminal; its errors and signals as the CLI's."""
+    kwargs |= {"target_precisions": _precisions(target_precision), "n_gpu_layers": n_gpu_layers}
+    kwargs |= {"max_prompt_tokens": max_prompt_tokens, "mmproj": mmproj}
 
     def work() -> dict[str, Any]:
         with signals_clean_up():
@@ -77,8 +88,9 @@ def eval_(
     """clef-finetune's metrics (accuracy, macro_f1, nll, brier, ece, auto-decide coverage) of MODEL on labelled data,
     per question and overall. -o DIR: metrics.json, predictions.jsonl, report.md, a reliability diagram per question
     type. A bad line is reported (exit 8 at the end) and the others are counted."""
-    load = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "mmproj": mmproj}
-    result = _work(evaluating.evaluate, model_path, data, target_precisions=_precisions(target_precision), out_dir=out, **load)
+    result = _work(
+        evaluating.evaluate, (model_path, data), target_precision, n_gpu_layers, max_prompt_tokens, mmproj, out_dir=out
+    )
     if json_output:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -102,9 +114,9 @@ def compare(
     """What changing the file does to the decisions: top answers changed, decided flips (A's top-two margin over
     0.04), |dp| and KL(A||B), per question type and overall; with labels, both models' metrics side by side. The
     models are loaded one after the other, so that the two never take memory together."""
-    load = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "mmproj": mmproj}
-    precisions = _precisions(target_precision)
-    result = _work(comparing.compare, model_a, model_b, data, target_precisions=precisions, out_dir=out, **load)
+    result = _work(
+        comparing.compare, (model_a, model_b, data), target_precision, n_gpu_layers, max_prompt_tokens, mmproj, out_dir=out
+    )
     typer.echo(json.dumps(result, indent=2) if json_output else comparing.report_markdown(result))
     _finish(sorted(set(result["errors"]["a"]) | set(result["errors"]["b"])))
 
@@ -127,10 +139,16 @@ def calibrate(
     and write MODEL with them as OUT: its tensor data byte for byte, llama-server and clef-gguf apply them alike.
     Prints the temperatures, and NLL, ECE and auto-decide coverage before and after (--holdout: on records kept
     out of the fit)."""
-    load = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "mmproj": mmproj}
-    precisions = _precisions(target_precision)
-    options = {"holdout_fraction": holdout, "force": force, "target_precisions": precisions}
-    result = _work(calibrating.calibrate, model_path, data, out, **options, **load)
+    result = _work(
+        calibrating.calibrate,
+        (model_path, data, out),
+        target_precision,
+        n_gpu_layers,
+        max_prompt_tokens,
+        mmproj,
+        holdout_fraction=holdout,
+        force=force,
+    )
     typer.echo(json.dumps(result, indent=2) if json_output else calibrating.report_markdown(result))
     say(f"wrote {out}")
     _finish(result["errors"])

@@ -127,13 +127,14 @@ def calibrate_rows(
     """Fit the temperatures on the rows not held out; the metrics before (the file's temperatures) and after (the
     file's, with the fitted types' keys replaced), on both parts."""
     fit_rows, held = holdout(rows, fraction)
-    fitted = {name: fit_temperature(v) for name, v in groups(fit_rows).items()}
+    fitted_on = groups(fit_rows)
+    fitted = {name: fit_temperature(v) for name, v in fitted_on.items()}
     types = {name.split(".")[0] for name in fitted}
     after_keys = {n: t for n, t in current.items() if n.split(".")[0] not in types} | fitted
     parts = {"fit": fit_rows, "holdout": held}
     before = {k: block(tempered(v, current), target_precisions) for k, v in parts.items() if v}
     after = {k: block(tempered(v, after_keys), target_precisions) for k, v in parts.items() if v}
-    return Fit(after_keys, before, after, {name: len(v) for name, v in groups(fit_rows).items()})
+    return Fit(after_keys, before, after, {name: len(v) for name, v in fitted_on.items()})
 
 
 def calibrate(
@@ -158,8 +159,7 @@ def calibrate(
     if not fit.counts:
         raise RequestError(f"{data}: no question type has {MIN_QUESTIONS} labelled questions to fit a temperature on")
     keys = {C.KEY_TEMPERATURE_PREFIX + name: value for name, value in fit.temperatures.items()}
-    writing = None if progress is None else (lambda stage, done, total, item: progress(stage, done, total, item))
-    rekey(model, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=writing)
+    rekey(model, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=progress)
     return {
         "model": str(model),
         "out": str(out),

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import RequestError
 from .metrics import DEFAULT_TARGET_PRECISIONS, summarize
-from .report import metrics_table, output_dir, write_bytes, write_json
+from .report import errors_section, metrics_table, output_dir, write_bytes, write_json
 from .scoring import Progress, Run, score_path
 
 FLIP_MARGIN = 0.04
@@ -125,9 +125,7 @@ def report_markdown(result: dict[str, Any]) -> str:
     if "metrics" in result:
         lines += ["", "## On the labels", "", *metrics_table({"A": result["metrics"]["a"], "B": result["metrics"]["b"]})]
     for side in ("a", "b"):
-        errors = result["errors"][side]
-        if errors:
-            lines += ["", f"## Lines {side.upper()} did not decide ({len(errors)})", "", *(f"- {e}" for e in errors[:50])]
+        lines += errors_section(f"Lines {side.upper()} did not decide", result["errors"][side])
     return "\n".join(lines) + "\n"
 
 

@@ -13,10 +13,8 @@ from typing import Any
 
 from ..errors import RequestError
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, reliability, summarize
-from .report import metrics_table, output_dir, reliability_png, write_bytes, write_json, write_jsonl
+from .report import errors_section, metrics_table, output_dir, reliability_png, write_bytes, write_json, write_jsonl
 from .scoring import Progress, Run, score_path
-
-MAX_ERRORS_SHOWN = 50
 
 
 def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) -> dict[str, Any]:
@@ -68,9 +66,7 @@ def report_markdown(result: dict[str, Any]) -> str:
         "Lower is better for nll, brier and ece. Auto-decide coverage: the share of questions whose top probability "
         "clears the threshold while the precision on them stays at the target; small sets make it noisy.",
     ]
-    if result["errors"]:
-        lines += ["", "## Lines not counted", "", *(f"- {e}" for e in result["errors"][:MAX_ERRORS_SHOWN])]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *errors_section("Lines not counted", result["errors"])]) + "\n"
 
 
 def write_reports(out: Path, result: dict[str, Any], rows: list[Row]) -> list[Path]:

@@ -40,16 +40,6 @@ class BadLine:
         return [f"line {self.line} ({shown}): {e}" for e in self.errors]
 
 
-def option_ids(question: dict[str, Any]) -> list[str]:
-    """Option ids in the order the model lists them: noul true, false; choice sorted by id (as Cloudflare's encoder
-    sorts them); score its levels' indices."""
-    if question["type"] == "noul":
-        return ["true", "false"]
-    if question["type"] == "choice":
-        return sorted(str(k) for k in question["criteria"])
-    return [str(i) for i in range(len(question["criteria"]))]
-
-
 def normalize_label(question: dict[str, Any], label: Any) -> str:
     """A raw label as an option id; ValueError saying why it is not one."""
     qtype = question["type"]

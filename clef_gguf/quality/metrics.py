@@ -63,30 +63,28 @@ def macro_f1(preds: Sequence[int], targets: Sequence[int], n_classes: int) -> fl
     return sum(f1s) / len(f1s) if f1s else float("nan")
 
 
-def ece(confidences: Sequence[float], correct: Sequence[bool], n_bins: int = ECE_BINS) -> float:
+def reliability(confidences: Sequence[float], correct: Sequence[bool], n_bins: int = ECE_BINS) -> list[dict[str, float]]:
+    """The equal-width confidence bins: for each non-empty one, its range, count, mean confidence and accuracy (what
+    ece sums, and what the reliability diagram draws)."""
     bins: list[list[tuple[float, bool]]] = [[] for _ in range(n_bins)]
     for conf, ok in zip(confidences, correct, strict=True):
         bins[min(int(conf * n_bins), n_bins - 1)].append((conf, ok))
+    return [
+        {
+            "low": i / n_bins,
+            "high": (i + 1) / n_bins,
+            "n": len(b),
+            "confidence": sum(c for c, _ in b) / len(b),
+            "accuracy": sum(ok for _, ok in b) / len(b),
+        }
+        for i, b in enumerate(bins)
+        if b
+    ]
+
+
+def ece(confidences: Sequence[float], correct: Sequence[bool], n_bins: int = ECE_BINS) -> float:
     n = len(confidences)
-    return sum(len(b) / n * abs(sum(c for c, _ in b) / len(b) - sum(ok for _, ok in b) / len(b)) for b in bins if b)
-
-
-def reliability(confidences: Sequence[float], correct: Sequence[bool], n_bins: int = ECE_BINS) -> list[dict[str, float]]:
-    """ece's bins: for each non-empty one, its range, count, mean confidence and accuracy (the reliability diagram)."""
-    out = []
-    for i in range(n_bins):
-        inside = [(c, ok) for c, ok in zip(confidences, correct, strict=True) if min(int(c * n_bins), n_bins - 1) == i]
-        if inside:
-            out.append(
-                {
-                    "low": i / n_bins,
-                    "high": (i + 1) / n_bins,
-                    "n": len(inside),
-                    "confidence": sum(c for c, _ in inside) / len(inside),
-                    "accuracy": sum(ok for _, ok in inside) / len(inside),
-                }
-            )
-    return out
+    return sum(b["n"] / n * abs(b["confidence"] - b["accuracy"]) for b in reliability(confidences, correct, n_bins))
 
 
 def coverage_at_precision(confidences: Sequence[float], correct: Sequence[bool], target_precision: float) -> dict[str, Any]:

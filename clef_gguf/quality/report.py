@@ -54,6 +54,11 @@ def write_jsonl(path: Path, values: Sequence[dict[str, Any]]) -> None:
     write_bytes(path, "".join(json.dumps(v, ensure_ascii=False) + "\n" for v in values).encode())
 
 
+def errors_section(title: str, errors: Sequence[str], shown: int = 50) -> list[str]:
+    """A report's markdown section listing the lines that were not counted (none: no section)."""
+    return ["", f"## {title} ({len(errors)})", "", *(f"- {e}" for e in errors[:shown])] if errors else []
+
+
 def metrics_table(columns: dict[str, dict[str, Any]]) -> list[str]:
     """A markdown table of metrics blocks ({"overall", "per_question"}) side by side, one column per name;
     with two columns, their difference (the second minus the first) too."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import RequestError
 from ..runtime.dataset import decide_outcomes
+from ..runtime.dataset_file import count_records
 from ..runtime.model import ClefModel
 from .labelled import BadLine, Labelled, read_labelled
 from .metrics import Row
@@ -62,10 +63,11 @@ class Run:
         """One Row per labelled question of every decided record, in file order."""
         rows = []
         for d in self.decided:
+            if d.error is not None:
+                continue
             for qid, label in d.record.labels.items():
-                if d.error is None:
-                    q = d.questions[qid]
-                    rows.append(Row(d.record.id, qid, q.type, q.options, q.probs, q.options.index(label), q.logits))
+                q = d.questions[qid]
+                rows.append(Row(d.record.id, qid, q.type, q.options, q.probs, q.options.index(label), q.logits))
         return rows
 
     def timing(self) -> dict[str, Any]:
@@ -75,14 +77,6 @@ class Run:
             "seconds": round(self.seconds, 3),
             "records_per_s": round(n / self.seconds, 2) if self.seconds else 0.0,
         }
-
-
-def count_lines(path: Path) -> int | None:
-    """The records of a regular file, for the progress bar; None for a pipe or a FIFO (it can be read once only)."""
-    if not path.is_file():
-        return None
-    with open(path, "rb") as file:
-        return sum(1 for line in file if line.strip())
 
 
 def score_path(
@@ -110,7 +104,7 @@ def score_file(
     """Decide every labelled record of `data` (image paths relative to its folder); bad lines are kept, not fatal."""
     path = Path(data)
     try:
-        total = count_lines(path)
+        total = count_records(path)
         file = open(path, "rb")  # noqa: SIM115 (closed below, once the requests are read)
     except OSError as e:
         raise RequestError(f"cannot read {path}: {e.strerror or e}") from None

@@ -114,11 +114,11 @@ def answer_line(record: Record, outcome: Outcome, model: str = "") -> bytes:
     """The answer line; `model` is the header digest of the model that decided it (ClefModel.identity)."""
     request = outcome.request
     own = request.get("id") if isinstance(request, dict) else None
-    head: dict[str, Any] = {"id": record.line if own is None else own, "line": record.line}
-    if not _writable_id(own):  # 1e400 parses as inf, which JSON cannot hold: the line number stands in, and says so
-        head = {"id": record.line, "id_error": "the request's id is not a finite JSON value: its line number stands in"}
-        head["line"] = record.line
-    head |= {"request_sha256": request_sha256(record.raw), **({"model_sha256": model} if model else {})}
+    writable = _writable_id(own)  # 1e400 parses as inf, which JSON cannot hold: the line number stands in, and says so
+    head: dict[str, Any] = {"id": own if own is not None and writable else record.line}
+    if not writable:
+        head["id_error"] = "the request's id is not a finite JSON value: its line number stands in"
+    head |= {"line": record.line, "request_sha256": request_sha256(record.raw), **({"model_sha256": model} if model else {})}
     body = {**head, **outcome.answer()}
     try:
         text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -167,7 +167,7 @@ def answered_lines(out: Path) -> list[tuple[int, str, bool, str | None]]:
     return answers
 
 
-def _count(path: Path) -> int | None:
+def count_records(path: Path) -> int | None:
     """The requests in a regular file, for the progress bar; None for a pipe, a FIFO or a device, which can be read
     once only (counting it would consume the requests)."""
     try:
@@ -274,7 +274,7 @@ def decide_file(
             file = sys.stdin.buffer if source == "-" else stack.enter_context(open(source, "rb"))
         except OSError as e:
             raise RequestError(f"cannot read the requests: {e.strerror or e}") from None
-        total = None if source == "-" else _count(Path(source))  # (None: not a regular file)
+        total = None if source == "-" else count_records(Path(source))  # (None: not a regular file)
         output, done, owned = _open_output(out, source, resume=resume, force=force)
         if owned:
             stack.callback(_close, output)
