@@ -127,8 +127,7 @@ def score_file(
     for outcome in decide_outcomes(model, requests(), base=path.resolve().parent):
         record = pending.popleft()
         if outcome.scores is None:
-            detail = (outcome.error or {}).get("detail", "not decided")
-            run.decided.append(Decided(record, {}, str(detail)))
+            run.decided.append(Decided(record, {}, outcome.reason or "not decided"))
         else:
             types = {qid: q["type"] for qid, q in record.request["questions"].items()}
             questions = {qid: Answered(types[qid], *answered) for qid, answered in outcome.scores.by_question().items()}

@@ -60,6 +60,13 @@ class Outcome:
     tokens: int = 0
     state_hit: bool = False  # its state's backbone state came from the state cache
     scores: Scores | None = None  # the response's probabilities, unrounded
+    reason: str | None = None  # the error in one line
+
+    @classmethod
+    def failed(cls, error: Exception, request: Any) -> Outcome:
+        """A request that could not be decided: the server's error object for it, and that error in one line."""
+        problem = problem_of(error, request)
+        return cls(None, error_object(problem), request, reason=problem.text())
 
     def answer(self) -> dict[str, Any]:
         """What decide_many yields: the response body, or {"error": the error object}."""
@@ -135,7 +142,7 @@ class _Window:
                     raise PromptTooLongError(len(prompt.tokens), model.max_prompt_tokens)
                 self.prompts[i] = prompt
             except RequestError as e:
-                self.outcomes[i] = Outcome(None, error_object(problem_of(e, self.parsed[i])), self.parsed[i])
+                self.outcomes[i] = Outcome.failed(e, self.parsed[i])
 
     def order(self, by_state: bool) -> list[int]:
         todo = sorted(self.prompts)
@@ -171,7 +178,7 @@ class _Window:
             scored = [e] * len(batch)
         for i, prompt, scores in zip(batch, prompts, scored, strict=True):
             if isinstance(scores, Exception):
-                self.outcomes[i] = Outcome(None, error_object(problem_of(scores, self.parsed[i])), self.parsed[i])
+                self.outcomes[i] = Outcome.failed(scores, self.parsed[i])
                 continue
             answer = response(prompt, self.model.name, scores.probabilities, scores.cached_tokens)
             hit = _cached_state(prompt) and scores.cached_tokens >= prompt.state_prefix

@@ -26,6 +26,9 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"detail": {"error_type": self.error_type, "message": self.message}}
 
+    def text(self) -> str:
+        return self.message
+
 
 @dataclass(eq=False)
 class Invalid(Exception):
@@ -37,6 +40,10 @@ class Invalid(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"detail": [{"loc": self.loc, "msg": self.msg, "type": self.type}]}
+
+    def text(self) -> str:
+        """One line: where, what (["body", "questions", "q", "criteria", 1] -> body.questions.q.criteria.1: ...)."""
+        return ".".join(str(part) for part in self.loc) + f": {self.msg}"
 
 
 def overloaded(message: str, *, close: bool = False) -> ApiError:

@@ -69,11 +69,8 @@ def is_workers_ai_path(path: str) -> bool:
 
 
 def workers_ai_failure(problem: ApiError | Invalid) -> dict[str, Any]:
-    if isinstance(problem, Invalid):
-        where = ".".join(str(part) for part in problem.loc)  # ["body", "questions", "q", "criteria", 1] -> body.questions...
-        errors = [{"code": 422, "message": f"{where}: {problem.msg}"}]
-    else:
-        errors = [{"code": _WORKERS_AI_CODES.get(problem.error_type, problem.status), "message": problem.message}]
+    code = 422 if isinstance(problem, Invalid) else _WORKERS_AI_CODES.get(problem.error_type, problem.status)
+    errors = [{"code": code, "message": problem.text()}]
     return {"result": None, "success": False, "errors": errors, "messages": []}
 
 
