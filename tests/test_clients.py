@@ -24,7 +24,7 @@ import typesafe_sdk as ts
 from live_server import rss_bytes, served
 
 from clef_gguf.data import DEMO_MODEL
-from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
+from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions
 from clef_gguf.testing.request_suite import long_state_request, long_state_text, wide_choice_request
 
 pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
@@ -206,7 +206,9 @@ def _largest_difference(answer: dict[str, Any], oracle: dict[str, dict[str, floa
 def test_the_defaults_are_clef_context_in_ubatches(fixture_server):
     url, _ = fixture_server
     health = httpx.get(f"{url}/health").json()
-    assert health["max_prompt_tokens"] == DEFAULT_MAX_PROMPT_TOKENS == 65536 and DEFAULT_UBATCH < DEFAULT_MAX_PROMPT_TOKENS
+    assert (
+        health["max_prompt_tokens"] == LoadOptions.max_prompt_tokens == 65536 and LoadOptions.max_prompt_tokens > DEFAULT_UBATCH
+    )
 
 
 def test_a_255_option_choice_gets_the_oracle_answer_at_the_defaults(fixture_server, oracle_probabilities):
@@ -234,7 +236,7 @@ def test_a_prompt_over_the_context_gets_413_before_any_compute(fixture_server):
     response = httpx.post(f"{url}/v1/systemone", json=long_state_request(paragraphs=420), timeout=TIMEOUT)
     assert response.status_code == 413, response.text
     detail = response.json()["detail"]
-    assert detail["error_type"] == "prompt_too_long" and f"limit of {DEFAULT_MAX_PROMPT_TOKENS} tokens" in detail["message"]
+    assert detail["error_type"] == "prompt_too_long" and f"limit of {LoadOptions.max_prompt_tokens} tokens" in detail["message"]
 
 
 def _probabilities(answer: dict[str, Any]) -> list[float]:

@@ -16,7 +16,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top. The package root (the public API) and __main__ sit in the CLI's layer;
 # `testing` (fixture releases, the oracle) above it, since only tests and tools use it.
-LAYERS = ("errors", "data", "format", "check", "llama", "conversion", "runtime", "quality", "server", "cli", "testing")
+LAYERS = (
+    "errors",
+    "settings",
+    "data",
+    "format",
+    "check",
+    "llama",
+    "conversion",
+    "runtime",
+    "quality",
+    "server",
+    "cli",
+    "testing",
+)
 
 
 def _module(root: Path, path: Path) -> str:

@@ -64,7 +64,7 @@ def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model)
     cached = {**long_state_request(), "state": state}
     prompt = model.encode(cached)
     assert split_at_prefix(prompt.state_prefix, len(prompt.tokens)) and prompt.state_prefix > prompt.preamble
-    live = start(create_app(gated, owns_model=False, max_pending=1))
+    live = start(create_app(gated, owns_model=False, max_queue=1))
     answered: list[httpx.Response] = []
     health_polls = 0
     try:

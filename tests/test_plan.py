@@ -13,8 +13,8 @@ from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.backbone import MAX_UBATCH
-from clef_gguf.llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH
 from clef_gguf.llama.plan import MIB, memory_plan, parse_size
+from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions
 
 pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
 
@@ -167,7 +167,7 @@ def test_the_plan_command_prints_a_table_or_json(ws):
     assert run.returncode == 0, run.stderr
     plan = json.loads(run.stdout)
     assert plan["max_prompt_tokens"] == memory_plan(path, vram=parse_size("48MiB")).max_prompt_tokens
-    assert (plan["n_ctx"], plan["ubatch"]) == (DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_UBATCH)  # what load uses
+    assert (plan["n_ctx"], plan["ubatch"]) == (LoadOptions.max_prompt_tokens, DEFAULT_UBATCH)  # what load uses
     assert {line["source"] for line in plan["lines"]} == {"file", "llama.cpp", "computed"}
     table = subprocess.run(
         [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "48MiB"], capture_output=True, text=True

@@ -586,13 +586,16 @@ class BlockingModel:
         assert self.release.wait(60)
         return self.model.decide_batch(prompts)
 
+    def submit(self, fn: Any) -> Any:
+        return self.model.submit(fn)
+
     def close(self) -> None:
         pass
 
 
 def test_a_full_queue_gets_503_and_a_bad_request_never_waits(model, expected):
     blocking = BlockingModel(model)
-    live = start(create_app(blocking, max_pending=2))
+    live = start(create_app(blocking, max_queue=2))
     request = ACCEPTED["jev-latest"]
     try:
         with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c, ThreadPoolExecutor(2) as pool:

@@ -14,10 +14,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from ..data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE
 from ..runtime.dataset_file import Summary, decide_file
 from ..runtime.model import load
 from ..runtime.reader import read_request
+from ..settings import LoadOptions
 from .errors import err, fail, run, say, signals_clean_up
 from .options import GpuLayers, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
 
@@ -121,8 +121,8 @@ ImagesAnywhereOption = Annotated[
 
 def decide(
     paths: PathsOption,
-    n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
+    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     ubatch: Ubatch = None,
     state_cache: Annotated[int | None, state_cache_option("0 for one request (nothing to reuse), 1GiB for JSON Lines")] = None,
     mmproj: Mmproj = None,
@@ -134,7 +134,7 @@ def decide(
     sort_by_state: SortByStateOption = False,
     json_summary: JsonSummaryOption = False,
     images_anywhere: ImagesAnywhereOption = False,
-    parallel: Parallel = DEFAULT_PARALLEL,
+    parallel: Parallel = LoadOptions.parallel,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
     and --image files, with --mmproj.
@@ -154,7 +154,7 @@ def decide(
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")
         options = {"resume": resume, "force": force, "sort_by_state": sort_by_state, "images_anywhere": images_anywhere}
-        cache = DEFAULT_STATE_CACHE if state_cache is None else state_cache
+        cache = LoadOptions.state_cache if state_cache is None else state_cache
         _decide_jsonl(
             model_path,
             request_path,
@@ -176,7 +176,7 @@ def decide(
     typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
 
 
-def demo(n_gpu_layers: GpuLayers = 0) -> None:
+def demo(n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers) -> None:
     """Run the bundled tiny demo model on a bundled request. Its weights are random: so are its answers."""
     err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
     settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": DEMO_CONTEXT, "state_cache": 0}

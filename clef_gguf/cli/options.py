@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 
-from ..llama.defaults import DEFAULT_UBATCH, MAX_PARALLEL
 from ..llama.plan import parse_size
+from ..settings import MAX_PARALLEL, LoadOptions, LogFormat, ServeSettings, help_of
 from .errors import fail
 
 GpuLayers = Annotated[
@@ -17,7 +17,7 @@ GpuLayers = Annotated[
         "--n-gpu-layers",
         "-ngl",
         envvar="CLEF_GGUF_N_GPU_LAYERS",  # as llama-server's LLAMA_ARG_N_GPU_LAYERS: for a fixed command line
-        help="Backbone layers to offload to the GPU (-1: all; 0: the CPU alone).",
+        help=help_of(LoadOptions, "n_gpu_layers"),
     ),
 ]
 MaxPrompt = Annotated[
@@ -26,15 +26,14 @@ MaxPrompt = Annotated[
         "--max-prompt-tokens",
         "--ctx",
         min=1,
-        help="Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache.",
+        help=help_of(LoadOptions, "max_prompt_tokens"),
     ),
 ]
 Mmproj = Annotated[
     Path | None,
     typer.Option(
         "--mmproj",
-        help="The vision tower (llama.cpp's mmproj GGUF, which convert writes beside the model): requests may carry up to "
-        "4 images. Without it, requests with images are refused.",
+        help=help_of(LoadOptions, "mmproj"),
         show_default=False,
     ),
 ]
@@ -43,8 +42,7 @@ Ubatch = Annotated[
     typer.Option(
         "--ubatch",
         min=1,
-        help="Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
-        f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
+        help=help_of(LoadOptions, "ubatch"),
         show_default=False,
     ),
 ]
@@ -55,8 +53,7 @@ Parallel = Annotated[
         "-np",
         min=1,
         max=MAX_PARALLEL,
-        help="Requests prefilled together when they wait at once (llama.cpp sequences; llama-server's -np), their tokens "
-        "fitting one ubatch. Each takes a recurrent state of its own in the context.",
+        help=help_of(LoadOptions, "parallel"),
     ),
 ]
 
@@ -70,13 +67,14 @@ def _size(value: str | int) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
-def state_cache_option(default: str) -> Any:
+def state_cache_option(default: str | None = None) -> Any:
+    """--state-cache, whose default LoadOptions' help gives unless the command has its own."""
+    text = help_of(LoadOptions, "state_cache")
     return typer.Option(
         "--state-cache",
         metavar="SIZE",
         parser=_size,
-        help="Host memory for the backbone states of recent requests' states (e.g. 512MiB; 0 turns it off): a request "
-        f"repeating a state prefills only its schema. Default: {default}.",
+        help=text if default is None else text.rsplit(" Default:", 1)[0] + f" Default: {default}.",
         show_default=False,
     )
 
@@ -87,9 +85,9 @@ def check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
 
 
 LogFormatOption = Annotated[
-    Literal["text", "json"],  # server/observe.py's LOG_FORMATS
+    LogFormat,
     typer.Option(
         "--log-format",
-        help="The access log's lines on stderr, one per request: text (key=value) or json (one object per line).",
+        help=help_of(ServeSettings, "log_format"),
     ),
 ]

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL
 from ..llama.plan import Plan, memory_plan, parse_size
+from ..settings import LoadOptions
 from .errors import line, run
 from .options import GpuLayers, Mmproj, Parallel, Ubatch, check_ubatch
 
@@ -26,9 +26,9 @@ def plan(
     ] = None,
     max_prompt_tokens: Annotated[
         int, typer.Option("--ctx", help="Prompt limit to plan for (load's max_prompt_tokens).")
-    ] = DEFAULT_MAX_PROMPT_TOKENS,
+    ] = LoadOptions.max_prompt_tokens,
     ubatch: Ubatch = None,
-    parallel: Parallel = DEFAULT_PARALLEL,
+    parallel: Parallel = LoadOptions.parallel,
     n_gpu_layers: GpuLayers = -1,
     mmproj: Mmproj = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,

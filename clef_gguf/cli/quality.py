@@ -10,12 +10,12 @@ from typing import Annotated, Any
 
 import typer
 
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS
 from ..quality import calibrate as calibrating
 from ..quality import compare as comparing
 from ..quality import evaluate as evaluating
 from ..quality.metrics import DEFAULT_TARGET_PRECISIONS
 from ..quality.report import metrics_table
+from ..settings import LoadOptions
 from .convert import progress_bars
 from .decide import SOME_ERRORS
 from .errors import err, fail, run, say, signals_clean_up
@@ -81,8 +81,8 @@ def eval_(
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
     json_output: JsonOption = False,
     out: OutDir = None,
-    n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
+    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     mmproj: Mmproj = None,
 ) -> None:
     """clef-finetune's metrics (accuracy, macro_f1, nll, brier, ece, auto-decide coverage) of MODEL on labelled data,
@@ -107,8 +107,8 @@ def compare(
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
     json_output: JsonOption = False,
     out: OutDir = None,
-    n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
+    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     mmproj: Mmproj = None,
 ) -> None:
     """What changing the file does to the decisions: top answers changed, decided flips (A's top-two margin over
@@ -131,8 +131,8 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
     json_output: JsonOption = False,
-    n_gpu_layers: GpuLayers = 0,
-    max_prompt_tokens: MaxPrompt = DEFAULT_MAX_PROMPT_TOKENS,
+    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
+    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     mmproj: Mmproj = None,
 ) -> None:
     """Fit llama.cpp's softmax temperatures (clef.decision.temperature.<type>[.<bucket>]) on labelled data by NLL,

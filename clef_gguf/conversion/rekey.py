@@ -65,4 +65,3 @@ def rekey(
     finally:
         f.close()
     return out
-

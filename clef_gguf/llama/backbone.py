@@ -32,9 +32,9 @@ import numpy as np
 
 from ..errors import ComputeError, ModelFileError, PromptTooLongError, SettingsError
 from ..format.header import GGUFFile
+from ..settings import MAX_PARALLEL
 from . import cpu_buffers
 from . import log as llama_log
-from .defaults import MAX_PARALLEL
 from .qwen35_view import open_qwen35_view, view_tensor_names
 from .rows import RowTable
 from .threads import default_threads

@@ -25,9 +25,9 @@ from ..format import contract as C
 from ..format import hparams
 from ..format import vision as V
 from ..format.header import GGUFFile
+from ..settings import DEFAULT_UBATCH, LoadOptions
 from . import log as llama_log
 from .backbone import MAX_UBATCH, context_params, load_model
-from .defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_UBATCH
 from .qwen35_view import lean_vocab
 
 MIB = 1 << 20
@@ -78,7 +78,7 @@ class _NoAllocModel:
         # its weights placed as the runtime places them: the figures describe what runs.
         self.model = load_model(f, lean=True, n_gpu_layers=n_gpu_layers, no_alloc=True)
 
-    def measure(self, n_ctx: int, n_ubatch: int | None = None, parallel: int = DEFAULT_PARALLEL) -> dict[str, float]:
+    def measure(self, n_ctx: int, n_ubatch: int | None = None, parallel: int = LoadOptions.parallel) -> dict[str, float]:
         """MiB of KV cache, recurrent state and compute buffers (per backend) for one context, as the runtime
         creates it (backbone.context_params: one llama_decode per prompt, up to `parallel` sequences), in one
         physical batch or ubatches of n_ubatch."""
@@ -176,12 +176,12 @@ def _lines(
 
 def memory_plan(
     path: str | Path,
-    n_ctx: int = DEFAULT_MAX_PROMPT_TOKENS,
+    n_ctx: int = LoadOptions.max_prompt_tokens,
     n_gpu_layers: int = -1,
     vram: int | None = None,
     ubatch: int | None = None,
     mmproj: str | Path | None = None,
-    parallel: int = DEFAULT_PARALLEL,
+    parallel: int = LoadOptions.parallel,
 ) -> Plan:
     """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt limit that fits `vram`.
 

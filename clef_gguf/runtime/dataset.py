@@ -12,6 +12,7 @@ runtime/problems.py), and the others go on.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 from ..errors import PromptTooLongError, RequestError
 from .answers import Scores, response
+from .batching import each, take
 from .problems import error_object, problem_of
 from .prompt import EncodedPrompt
 from .reader import parse_json, read_image
@@ -154,28 +156,24 @@ class _Window:
         return sorted(todo, key=lambda i: first[_state_key(self.prompts[i])])
 
     def batches(self, order: list[int]) -> Iterator[list[int]]:
-        """Consecutive requests the model can decide together; never two about one state the cache does not hold
-        yet, which would both prefill it, where apart the second one restores it."""
-        batch: list[int] = []
-        for i in order:
-            prompt = self.prompts[i]
-            key = _state_key(prompt) if _cached_state(prompt) else None
-            same = (
-                key is not None and key not in self.model.state_cache and any(key == _state_key(self.prompts[j]) for j in batch)
-            )
-            if batch and (same or not self.model.batchable([*(self.prompts[j] for j in batch), prompt])):
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
+        """The requests in `order`, in batches the model decides together (runtime/batching.py)."""
+        waiting = deque(order)
+        while waiting:
+            yield take(waiting, self._fits)
+
+    def _fits(self, batch: list[int], i: int) -> bool:
+        """Whether request i joins the batch: never two about one state the cache does not hold yet, which would
+        both prefill it, where apart the second one restores it."""
+        prompt = self.prompts[i]
+        if _cached_state(prompt):
+            key = _state_key(prompt)
+            if key not in self.model.state_cache and any(key == _state_key(self.prompts[j]) for j in batch):
+                return False
+        return self.model.batchable([*(self.prompts[j] for j in batch), prompt])
 
     def decide(self, batch: list[int]) -> None:
         prompts = [self.prompts.pop(i) for i in batch]
-        try:
-            scored = self.model.score_batch(prompts)
-        except Exception as e:  # the batch's error (a llama.cpp failure) is each of its requests'; the run goes on
-            scored = [e] * len(batch)
+        scored = each(self.model.score_batch, prompts)
         for i, prompt, scores in zip(batch, prompts, scored, strict=True):
             if isinstance(scores, Exception):
                 self.outcomes[i] = Outcome.failed(scores, self.parsed[i])

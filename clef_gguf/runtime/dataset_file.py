@@ -41,6 +41,7 @@ from .dataset import Outcome, decide_outcomes, request_sha256
 class Decider(dataset.Decider, Protocol):
     identity: str  # the model file's header digest (GGUFFile.digest): what model_sha256 records
 
+
 FSYNC_EVERY = 64
 LINE_FIELDS = ("id", "line", "request_sha256", "model_sha256")  # (and id_error, when the id could not be written)
 

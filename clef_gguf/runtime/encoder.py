@@ -14,7 +14,7 @@ from typing import Any
 from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..llama.backbone import Vocabulary
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, default_ubatch
+from ..settings import LoadOptions, default_ubatch
 from .images import image_limits
 from .prompt import EncodedPrompt, encode, parse_request
 
@@ -26,7 +26,7 @@ class PromptEncoder:
         self,
         path: str | Path,
         *,
-        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+        max_prompt_tokens: int = LoadOptions.max_prompt_tokens,
         ubatch: int | None = None,
         mmproj: str | Path | None = None,
     ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +19,9 @@ from ..check.validate import open_validated
 from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
 from ..format.temperatures import temperature_of
 from ..llama.backbone import Backbone, Part, prompt_positions
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, default_ubatch
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
+from ..settings import LoadOptions, default_ubatch
 from .answers import Scores, question_probabilities, response
 from .dataset import decide_many
 from .images import ImageLimits, image_limits
@@ -80,13 +80,13 @@ class ClefModel:
         self,
         path: str | Path,
         *,
-        n_gpu_layers: int = 0,
-        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+        n_gpu_layers: int = LoadOptions.n_gpu_layers,
+        max_prompt_tokens: int = LoadOptions.max_prompt_tokens,
         n_threads: int | None = None,
         ubatch: int | None = None,
-        state_cache: int = DEFAULT_STATE_CACHE,
+        state_cache: int = LoadOptions.state_cache,
         mmproj: str | Path | None = None,
-        parallel: int = DEFAULT_PARALLEL,
+        parallel: int = LoadOptions.parallel,
     ) -> None:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
         self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
@@ -117,6 +117,10 @@ class ClefModel:
         if threading.get_ident() == getattr(self, "_compute_thread", None):
             return fn(*args)
         return self._compute.submit(fn, *args).result()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """fn(*args) queued on the compute thread, not waited for: the server's worker drains its queue there."""
+        return self._compute.submit(fn, *args)
 
     def _load(
         self, n_gpu_layers: int, max_prompt_tokens: int, n_threads: int | None, parallel: int, mmproj: str | Path | None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import SettingsError
-from ..llama.defaults import DEFAULT_STATE_CACHE
+from ..settings import LoadOptions
 
 # Shorter prefixes are computed, not cached: their prefill is small next to the schema's own (a
 # 3-question schema is about 200 tokens), while every entry carries the whole recurrent state
@@ -82,7 +82,7 @@ def entry_bytes(key: bytes, sequence_bytes: int, hidden_bytes: int) -> int:
 class StateCache:
     """LRU of prefix key -> Entry within `budget` bytes (0: off). Not thread-safe: only the model's compute thread uses it."""
 
-    def __init__(self, budget: int = DEFAULT_STATE_CACHE) -> None:
+    def __init__(self, budget: int = LoadOptions.state_cache) -> None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise SettingsError(f"the state cache takes a size in bytes, 0 to turn it off, not {budget!r}")
         self.budget = budget

@@ -9,9 +9,9 @@ before the port is bound, so a file that loading rejects never gets a listening 
 
 from __future__ import annotations
 
-from .app import DEFAULT_MAX_PENDING, create_app
+from ..settings import HttpLimits, ServeSettings
+from .app import create_app
 from .body import BYTES_PER_TOKEN, body_limit
-from .protocol import HttpLimits
 from .run import serve, uvicorn_config
 
-__all__ = ["BYTES_PER_TOKEN", "DEFAULT_MAX_PENDING", "HttpLimits", "body_limit", "create_app", "serve", "uvicorn_config"]
+__all__ = ["BYTES_PER_TOKEN", "HttpLimits", "ServeSettings", "body_limit", "create_app", "serve", "uvicorn_config"]

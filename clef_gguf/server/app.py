@@ -18,15 +18,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import RequestError
 from ..runtime.state_cache import StateCache
+from ..settings import HttpLimits, LogFormat, ServeSettings
 from . import workers_ai
-from .body import DEFAULT_BODY_GRACE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MIN_BODY_RATE, BodyPace, body_limit
+from .body import body_limit
 from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
-from .observe import LogFormat, Observed, note_decision
+from .observe import Observed, note_decision
 from .problems import ApiError, Invalid, from_request_error, internal, overloaded, render_problem, response_headers
 from .worker import Decider, DecideWorker, Encoder, Model
 
-DEFAULT_MAX_PENDING = 64
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
 _ROUTES = "this server answers POST /v1/systemone and POST [/client/v4]/accounts/ACCOUNT_ID/ai/run/@cf/cloudflare/clef"
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
@@ -197,11 +197,9 @@ def create_app(
     model: Encoder,
     *,
     api_key: str | None = None,
-    max_pending: int = DEFAULT_MAX_PENDING,
+    max_queue: int = ServeSettings.max_queue,
     max_body_bytes: int | None = None,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-    min_body_rate: float = DEFAULT_MIN_BODY_RATE,
-    body_grace_s: float = DEFAULT_BODY_GRACE_S,
+    limits: HttpLimits | None = None,
     owns_model: bool = True,
     decider: Decider | None = None,
     log_format: LogFormat = "text",
@@ -209,10 +207,10 @@ def create_app(
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
-    max_pending bounds the requests being read and the requests admitted to decide, each; max_body_bytes
+    max_queue bounds the requests being read and the requests admitted to decide, each; max_body_bytes
     (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
-    raw and decoded; a body must arrive within body_timeout_s, and after body_grace_s at min_body_rate bytes/s.
-    Decisions are model.decide's on one worker thread (DecideWorker) unless a decider is
+    raw and decoded; a body must arrive as fast as `limits` say (body_timeout, body_grace, min_body_rate).
+    Decisions are model.decide_batch's on the model's compute thread (DecideWorker) unless a decider is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
@@ -220,11 +218,11 @@ def create_app(
     if decider is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a decider")
-        decider = DecideWorker(model, max_pending)
+        decider = DecideWorker(model, max_queue)
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
-    intake = Intake(model, max_pending, limit, BodyPace(body_timeout_s, min_body_rate, body_grace_s), text_limit)
+    intake = Intake(model, max_queue, limit, limits or HttpLimits(), text_limit)
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
     metrics = create_metrics(model, decider, intake, cache if isinstance(cache, StateCache) else None)
     service = Service(model, decider, intake, metrics)

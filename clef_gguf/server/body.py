@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
 from ..errors import RequestJsonError
 from ..runtime.reader import parse_json
+from ..settings import HttpLimits
 from .problems import ApiError, Invalid, from_request_error
 
 # The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
@@ -25,14 +25,6 @@ from .problems import ApiError, Invalid, from_request_error
 # \uXXXX escapes json.dumps writes by default: 16 is above both. Only runs of one character (a token covers
 # up to 128 spaces) go past it: such a body is refused as too large.
 BYTES_PER_TOKEN = 16
-DEFAULT_BODY_TIMEOUT_S = 30.0  # to send a whole body: a slow link still sends the largest text body in time
-# Kestrel's MinRequestBodyDataRate: after a grace period, a body must keep arriving at an average of at least this
-# many bytes a second since its first, or it gets 408. A client trickling its body (a byte a second, say) then holds
-# its intake slot for the grace period, not the whole body timeout: 64 such connections locked every other client out
-# for 30 s before. 240 B/s is 2 kbit/s: any real link, a phone's included, sends faster.
-DEFAULT_MIN_BODY_RATE = 240.0
-DEFAULT_BODY_GRACE_S = 5.0
-
 
 # With a vision tower, room for the images on top (Workers AI's: 8 MiB of image files, base64 in JSON, and a
 # request body of at most 13 MiB in all).
@@ -79,35 +71,27 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, "request_too_large", f"the request body is larger than this server's limit of {limit} bytes")
 
 
-@dataclass(frozen=True)
-class BodyPace:
-    """How fast a body must arrive: whole within timeout_s, and after grace_s at min_rate bytes/s on average (0: no
-    rate)."""
-
-    timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    min_rate: float = DEFAULT_MIN_BODY_RATE
-    grace_s: float = DEFAULT_BODY_GRACE_S
-
-    def deadline(self, start: float, received: int) -> float:
-        """When the body is late, having received `received` bytes since `start`: at the timeout, or when its average
-        rate falls under min_rate (after the grace period)."""
-        late = start + self.timeout_s
-        if self.min_rate > 0:
-            late = min(late, start + max(self.grace_s, received / self.min_rate))
-        return late
-
-    def late(self, start: float, received: int, now: float) -> ApiError:
-        if now - start >= self.timeout_s:
-            message = f"the request body did not arrive within {self.timeout_s:g} s"
-        else:
-            rate = received / max(now - start, 1e-9)
-            message = f"the request body arrives at {rate:.0f} bytes/s, under this server's minimum of {self.min_rate:g}"
-        return ApiError(408, "request_timeout", message, {"Connection": "close"})
+def _deadline(limits: HttpLimits, start: float, received: int) -> float:
+    """When the body is late, having received `received` bytes since `start`: at the body timeout, or when its average
+    rate falls under min_body_rate (after the grace period; 0: no rate)."""
+    late = start + limits.body_timeout
+    if limits.min_body_rate > 0:
+        late = min(late, start + max(limits.body_grace, received / limits.min_body_rate))
+    return late
 
 
-async def read(request: Request, limit: int, pace: BodyPace) -> bytes:
-    """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first), and at `pace`: a
-    client trickling its body (slowloris) gets 408 and a closed connection."""
+def _late(limits: HttpLimits, start: float, received: int, now: float) -> ApiError:
+    if now - start >= limits.body_timeout:
+        message = f"the request body did not arrive within {limits.body_timeout:g} s"
+    else:
+        rate = received / max(now - start, 1e-9)
+        message = f"the request body arrives at {rate:.0f} bytes/s, under this server's minimum of {limits.min_body_rate:g}"
+    return ApiError(408, "request_timeout", message, {"Connection": "close"})
+
+
+async def read(request: Request, limit: int, limits: HttpLimits) -> bytes:
+    """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first), and as slow as `limits`
+    allow: a client trickling its body (slowloris) gets 408 and a closed connection."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
@@ -116,13 +100,13 @@ async def read(request: Request, limit: int, pace: BodyPace) -> bytes:
     stream = request.stream().__aiter__()
     try:
         while True:
-            wait = pace.deadline(start, size) - loop.time()
+            wait = _deadline(limits, start, size) - loop.time()
             try:
                 chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
             except StopAsyncIteration:
                 return b"".join(chunks)
             except asyncio.TimeoutError:
-                raise pace.late(start, size, loop.time()) from None
+                raise _late(limits, start, size, loop.time()) from None
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)

@@ -25,6 +25,7 @@ from starlette.requests import Request
 
 from ..errors import PromptTooLongError, RequestError
 from ..runtime import images
+from ..settings import HttpLimits
 from . import body, media
 from .problems import ApiError, from_request_error, overloaded
 from .worker import Encoder
@@ -68,14 +69,14 @@ def _text_bytes(decoded: bytes, value: Any) -> int:
 
 
 class Intake:
-    def __init__(self, model: Encoder, max_reading: int, limit: int, pace: body.BodyPace, text_limit: int | None = None) -> None:
+    def __init__(self, model: Encoder, max_reading: int, limit: int, limits: HttpLimits, text_limit: int | None = None) -> None:
         self.model = model
         self.max_reading = max_reading
         self.limit = limit  # bytes, raw and decoded
         # bytes of a body less its images' (body.body_limit without images): a body that takes images may be
         # larger by their allowance, never its text, which is refused before it is tokenized
         self.text_limit = limit if text_limit is None else min(limit, text_limit)
-        self.pace = pace  # how fast a body must arrive
+        self.limits = limits  # how fast a body must arrive
         self.reading = 0  # requests holding an intake slot; touched on the event loop only
         self._small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clef-intake")
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
@@ -118,7 +119,7 @@ class Intake:
             raise overloaded(message)
         self.reading += 1
         try:
-            raw = await body.read(request, self.limit, self.pace)
+            raw = await body.read(request, self.limit, self.limits)
             # Decoding stays on the event loop: bounded by the limit, it takes milliseconds, and the decoded
             # size is what picks the lane (a small compressed body can decode to a large one).
             decoded = body.decode(raw, request.headers.get("content-encoding"), self.limit)

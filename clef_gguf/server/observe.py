@@ -17,17 +17,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal, TextIO
+from typing import TextIO
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..settings import LogFormat
 from .metrics import Metrics
 from .problems import REQUEST_ID_HEADER, X_REQUEST_ID, accepted_request_id, current_request_id
 from .worker import Decision, Prompt
 
-LogFormat = Literal["text", "json"]
-LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 ACCESS_LOGGER = "clef_gguf.access"
 UNMATCHED = "unmatched"  # the route label of a path no route has: one label, whatever paths clients try
 _RECORD = "clef_record"  # its key in the request's scope["state"]

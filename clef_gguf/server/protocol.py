@@ -9,12 +9,12 @@ dropped for as long as the client sends it. Its h11 protocol has a head limit
 This subclass adds, per connection:
 
   * a head limit: past `max_head_bytes` the answer is 431 (past `max_url_bytes` of request line, 414);
-  * a head deadline: the head must be complete `header_timeout_s` after the connection opens or its
+  * a head deadline: the head must be complete `header_timeout` after the connection opens or its
     first byte arrives, however slowly it trickles; then 408 (or a plain close if nothing came); an
     idle connection after an answer is uvicorn's keep-alive timeout's;
   * a body deadline after an early answer: the rest of the body is still read and dropped (closing
     at once would reset the connection before the client reads its answer) but only until
-    `body_timeout_s` after the head; the app itself answers a body slower than that with 408 (body.py).
+    `body_timeout` after the head; the app itself answers a body slower than that with 408 (body.py).
 
 Every answer it writes is the app's JSON error (problems.render_problem), never plain text.
 """
@@ -22,25 +22,12 @@ Every answer it writes is the app's JSON error (problems.render_problem), never 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .body import DEFAULT_BODY_GRACE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MIN_BODY_RATE
+from ..settings import HttpLimits
 from .problems import ApiError, render_problem
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    max_head_bytes: int = 16 * 1024  # request line and headers (Node's default; h11's too)
-    max_url_bytes: int = 8 * 1024  # the request target (nginx's default line buffer)
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    min_body_rate: float = DEFAULT_MIN_BODY_RATE  # bytes/s a body must average after body_grace_s (the app's check)
-    body_grace_s: float = DEFAULT_BODY_GRACE_S
-    keep_alive_s: float = 5.0  # uvicorn's default: an idle connection after an answer
-
 
 _HEAD_START_BYTES = 256  # enough of a request line to tell its route
 
@@ -91,7 +78,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(self._head_too_large())
         self._reading_head = False
         self._cancel_timers()
-        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+        self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_timed_out)
         super().on_headers_complete()
 
     def _head_too_large(self) -> ApiError:
@@ -100,7 +87,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _await_head(self) -> None:
         if self._head_timer is None and not self.transport.is_closing():
-            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -109,7 +96,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_bytes == 0:  # an idle connection: nothing to answer
             self.transport.close()
             return
-        message = f"the request headers did not arrive within {self.limits.header_timeout_s:g} s"
+        message = f"the request headers did not arrive within {self.limits.header_timeout:g} s"
         self._answer_and_close(ApiError(408, "request_timeout", message))
 
     # --- the body and the answer -------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def _remove_session(session: Path) -> None:
         time.sleep(0.1)
 
 
-def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, address: str | None) -> None:
+def run(settings: RaySettings, *, host: str, port: int, keep_alive: float, address: str | None) -> None:
     """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
     serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
     admitted finish (up to drain_timeout); then, on a local cluster, Serve's proxy stops (the port refuses
@@ -112,9 +112,8 @@ def run(settings: RaySettings, *, host: str, port: int, keep_alive_s: float, add
     deployed = False
     try:
         # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
-        keep_alive = max(1, round(keep_alive_s))  # Ray's proxy takes whole seconds
         # No access log in Ray's proxy: the ingress writes the one line per request (observe.py), with its id.
-        http = {"host": host, "port": port, "keep_alive_timeout_s": keep_alive}
+        http = {"host": host, "port": port, "keep_alive_timeout_s": max(1, round(keep_alive))}  # whole seconds, Ray's
         serve.start(http_options=http, logging_config={"enable_access_log": False})
         try:
             serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import fields
 from typing import Any
 
 from fastapi import FastAPI
@@ -35,27 +36,22 @@ from ray.serve.handle import DeploymentHandle
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..llama.defaults import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PARALLEL, DEFAULT_STATE_CACHE, MAX_PARALLEL
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
-from .app import DEFAULT_MAX_PENDING, check_api_key, create_app, send_shutting_down
-from .body import DEFAULT_BODY_TIMEOUT_S
-from .observe import LogFormat, configure_access_log
+from ..settings import API_KEY_ENV, MAX_PARALLEL, HttpLimits, LoadOptions, LogFormat, ServeSettings
+from .app import check_api_key, create_app, send_shutting_down
+from .observe import configure_access_log
 from .problems import overloaded
-from .run import DEFAULT_DRAIN_TIMEOUT_S
 from .worker import DecideWorker, Decision, Prompt, queue_full, render
 
 APP_NAME = "clef-gguf"
-API_KEY_ENV = "CLEF_GGUF_API_KEY"
 # Autoscaling aims at one decision running and one waiting per replica (Ray counts both): more requests in
 # flight than that add a replica, up to MAX.
 AUTOSCALE_TARGET_ONGOING = 2
 # The ingress admits (as the plain server does) max_queue bodies being read and max_queue decisions; Ray's
 # own slots must not bind first, or requests past them would wait in Ray's proxy instead of getting our 503.
 INGRESS_HEADROOM = 16  # requests being refused, /health and /v1/models, on top of the two bounds
-# RaySettings' fields that are load()'s options, of the same names.
-LOAD_OPTIONS = ("n_gpu_layers", "max_prompt_tokens", "n_threads", "ubatch", "parallel", "state_cache", "mmproj")
 # Where Ray reports a replica (or its node) gone or unreachable, or no replica able to take a request.
 REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, DeploymentUnavailableError, ReplicaUnavailableError)
 
@@ -74,21 +70,21 @@ class RaySettings(BaseModel):
     autoscale: tuple[int, int] | None = None  # (MIN, MAX) replicas, from "MIN:MAX"; replaces replicas
     n_threads: int = Field(1, ge=1)  # llama.cpp threads per replica, and the CPUs Ray reserves for it
     gpus: float = Field(0.0, ge=0)  # GPUs Ray reserves per replica: 1 gives each a GPU of its own
-    n_gpu_layers: int = 0
-    max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
+    n_gpu_layers: int = LoadOptions.n_gpu_layers
+    max_prompt_tokens: int = Field(LoadOptions.max_prompt_tokens, ge=1)
     ubatch: int | None = Field(None, ge=1)
-    parallel: int = Field(DEFAULT_PARALLEL, ge=1, le=MAX_PARALLEL)  # requests a replica prefills together
-    state_cache: int = Field(DEFAULT_STATE_CACHE, ge=0)  # bytes per replica: each replica keeps its own states
+    parallel: int = Field(LoadOptions.parallel, ge=1, le=MAX_PARALLEL)  # requests a replica prefills together
+    state_cache: int = Field(LoadOptions.state_cache, ge=0)  # bytes per replica: each replica keeps its own states
     mmproj: str | None = None  # the vision tower's path, the same on every node (as the model's)
     api_key: str | None = None
-    max_queue: int = Field(DEFAULT_MAX_PENDING, ge=1)
-    body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
-    drain_timeout: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
-    log_format: LogFormat = "text"  # the ingress's access log lines
+    max_queue: int = Field(ServeSettings.max_queue, ge=1)
+    body_timeout: float = Field(HttpLimits.body_timeout, gt=0)
+    drain_timeout: float = Field(ServeSettings.drain_timeout, ge=0)
+    log_format: LogFormat = ServeSettings.log_format  # the ingress's access log lines
 
-    def load_options(self) -> dict[str, Any]:
-        """What each replica's load() takes: the fields named as its parameters."""
-        return self.model_dump(include=set(LOAD_OPTIONS))
+    def load_options(self) -> LoadOptions:
+        """What each replica's load() takes: the fields of the same names."""
+        return LoadOptions(**self.model_dump(include={f.name for f in fields(LoadOptions)}))
 
     @field_validator("autoscale", mode="before")
     @classmethod
@@ -112,15 +108,15 @@ class ReplicaDecider:
     """The ingress's decider (worker.Decider): each prompt to a model replica, as many at once as admitted.
 
     The plain server's DecideWorker runs decide on one thread; here a decision is a remote call, and with
-    max_pending of them in flight every replica has work, the rest waiting in the replicas' own queues."""
+    max_queue of them in flight every replica has work, the rest waiting in the replicas' own queues."""
 
-    def __init__(self, replicas: DeploymentHandle, max_pending: int) -> None:
+    def __init__(self, replicas: DeploymentHandle, max_queue: int) -> None:
         self._replicas = replicas
-        self.max_pending = max_pending
+        self.max_queue = max_queue
         self.pending = 0  # admitted and not yet answered; touched on the event loop only
 
     async def decide(self, request: Prompt) -> Decision:
-        if self.pending >= self.max_pending:
+        if self.pending >= self.max_queue:
             raise queue_full(self.pending)
         self.pending += 1
         submitted = time.perf_counter()
@@ -158,7 +154,7 @@ class ClefReplica:
         self.probe_answer: bytes | None = None
         self.probe_answer = render(self.model.decide(self.model.encode(PROBE)))
         # The model is not closed in a destructor: Ray may end the process while a decision still runs on
-        # the worker's thread (past graceful_shutdown_timeout_s), and the process's exit frees it anyway.
+        # the model's compute thread (past graceful_shutdown_timeout_s), and the process's exit frees it anyway.
 
     async def decide(self, prompt: EncodedPrompt) -> Decision:
         """The decision of a prompt the ingress encoded: its response JSON, time queued here and deciding."""
@@ -219,8 +215,8 @@ class ClefIngress:
     ) -> None:
         self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj)
         configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
-        self.decider = ReplicaDecider(replicas, app["max_pending"])
-        self.app_options = app  # create_app's api_key, max_pending, body_timeout_s and log_format (`app` is Ray's)
+        self.decider = ReplicaDecider(replicas, app["max_queue"])
+        self.app_options = app  # create_app's api_key, max_queue, limits and log_format (`app` is Ray's)
         self.doors = Doors()
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
@@ -253,8 +249,8 @@ def build_app(settings: RaySettings) -> serve.Application:
     quiet = {"enable_access_log": False}
     # Each deployment is bound with only the settings it uses: a change of scale alone then changes no replica's
     # arguments, and Ray adds or removes replicas instead of replacing them all.
-    # max_ongoing_requests, the decisions Ray hands a replica at once: they wait there in a DecideWorker (one thread, first come
-    # first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
+    # max_ongoing_requests, the decisions Ray hands a replica at once: they wait there in a DecideWorker (the model's compute
+    # thread, first come first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
     # choices). Not 1, though a model decides one at a time: requests the router cannot place wait in it, each
     # probing the replicas' queue lengths again and again, and that probing took more CPU than the decisions
     # (demo model, 1 replica, 16 clients: 5.2 requests/s with 1, 24 with max_queue; py-spy: the ingress busy in
@@ -266,13 +262,14 @@ def build_app(settings: RaySettings) -> serve.Application:
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
         **scaling,
-    ).bind(s.model, queue=s.max_queue, **s.load_options())
+    ).bind(s.model, queue=s.max_queue, **s.load_options().kwargs())
     ingress = ClefIngress.options(
         max_ongoing_requests=2 * s.max_queue + INGRESS_HEADROOM,
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
     )
-    app = {"api_key": s.api_key, "max_pending": s.max_queue, "body_timeout_s": s.body_timeout, "log_format": s.log_format}
+    limits = HttpLimits(body_timeout=s.body_timeout)
+    app = {"api_key": s.api_key, "max_queue": s.max_queue, "limits": limits, "log_format": s.log_format}
     return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, mmproj=s.mmproj, **app)
 
 

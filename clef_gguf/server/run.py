@@ -9,12 +9,12 @@ from typing import Any
 
 import uvicorn
 
-from .app import DEFAULT_MAX_PENDING, create_app
-from .observe import LogFormat, configure_access_log
-from .protocol import HttpLimits, protocol_class
+from ..settings import HttpLimits, ServeSettings
+from .app import create_app
+from .observe import configure_access_log
+from .protocol import protocol_class
 from .worker import Model
 
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
 ACCESS_LOG_DRAIN_S = 5.0  # at exit, for the access log's last lines (a stderr nobody reads never takes them)
 
 
@@ -24,35 +24,24 @@ def _drained(_signum: int, _frame: object) -> None:
 
 def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
     """uvicorn's configuration for this server: its protocol with `limits`; `options` go to uvicorn.Config."""
-    return uvicorn.Config(app, http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_s, **options)  # type: ignore[arg-type]
+    return uvicorn.Config(app, http=protocol_class(limits), timeout_keep_alive=limits.keep_alive, **options)  # type: ignore[arg-type]
 
 
-def serve(
-    model: Model,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_pending: int = DEFAULT_MAX_PENDING,
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-    limits: HttpLimits | None = None,
-    log_format: LogFormat = "text",
-) -> None:
+def serve(model: Model, settings: ServeSettings | None = None) -> None:
     """Serve until SIGTERM/SIGINT. uvicorn then stops accepting connections, lets in-flight and
-    queued requests finish (up to drain_timeout_s), and the app closes the model; then this returns.
-    One access log line per request on stderr, in log_format (observe.py)."""
-    limits = limits or HttpLimits()
+    queued requests finish (up to settings.drain_timeout), and the app closes the model; then this returns.
+    One access log line per request on stderr, in settings.log_format (observe.py)."""
     access_lines = configure_access_log()
-    pace = {"body_timeout_s": limits.body_timeout_s, "min_body_rate": limits.min_body_rate, "body_grace_s": limits.body_grace_s}
-    app = create_app(model, api_key=api_key, max_pending=max_pending, log_format=log_format, **pace)
+    s = settings or ServeSettings()
+    app = create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=s.limits, log_format=s.log_format)
     config = uvicorn_config(
         app,
-        limits,
-        host=host,
-        port=port,
+        s.limits,
+        host=s.host,
+        port=s.port,
         log_level="info",
         access_log=False,  # the app writes its own line per request (observe.py), with the request's id: one is enough
-        timeout_graceful_shutdown=drain_timeout_s,
+        timeout_graceful_shutdown=s.drain_timeout,
         server_header=False,
     )
     server = uvicorn.Server(config)

@@ -1,13 +1,13 @@
-"""Decide on one dedicated thread, in batches of the requests waiting, behind a bounded admission count.
+"""Decide on the model's compute thread, in batches of the requests waiting, behind a bounded admission count.
 
-ClefModel.decide_batch is CPU-bound and serialized on the model's compute thread (one llama.cpp context):
-running it on a worker thread keeps the event loop answering (health, errors, new connections).
-The thread takes the requests waiting when it is free, first come first served: the oldest, and
-the next ones in order while the model can decide them together (ClefModel.batchable), which it
-does in one backbone prefill. There is no batching window: an idle server decides a request at
-once, and a busy one batches what arrived during the previous batch. Admission is bounded, so a
-burst gets a prompt 503 with Retry-After (which typesafe-sdk honours) instead of an unbounded
-queue and unbounded memory.
+ClefModel.decide_batch is CPU-bound and runs on the model's compute thread (one llama.cpp context): handing it
+there keeps the event loop answering (health, errors, new connections). A request is queued, and a drain is
+submitted straight to the compute thread if none is running; the drain decides what waits, first come first
+served, in the batches runtime/batching.py takes (the oldest, and the next ones in order while the model can
+decide them together, in one backbone prefill), until nothing waits. There is no batching window: an idle server
+decides a request at once, and a busy one batches what arrived during the previous batch. Admission is bounded,
+so a burst gets a prompt 503 with Retry-After (which typesafe-sdk honours) instead of an unbounded queue and
+unbounded memory.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..runtime.batching import each, take
 from .problems import ApiError, overloaded
 
 
@@ -67,6 +69,8 @@ class Model(Encoder, Protocol):
 
     def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
 
+    def submit(self, fn: Callable[[], None]) -> Future[None]: ...  # fn on the model's compute thread, not waited for
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -102,7 +106,7 @@ class Decider(Protocol):
     @property
     def pending(self) -> int: ...  # admitted and not yet answered
 
-    async def decide(self, request: Prompt) -> Decision: ...  # raises ApiError 503 when max_pending are admitted
+    async def decide(self, request: Prompt) -> Decision: ...  # raises ApiError 503 when max_queue are admitted
 
     async def close(self) -> None: ...
 
@@ -118,7 +122,7 @@ class _Job:
         self.future = self.loop.create_future()
 
     def settle(self, decision: Decision | None, error: BaseException | None = None) -> None:
-        """From the worker thread: hand the outcome to the waiting coroutine (gone if it was cancelled)."""
+        """From the compute thread: hand the outcome to the waiting coroutine (gone if it was cancelled)."""
 
         def done() -> None:
             if self.future.done():
@@ -132,36 +136,36 @@ class _Job:
 
 
 class DecideWorker:
-    def __init__(self, model: Model, max_pending: int) -> None:
+    def __init__(self, model: Model, max_queue: int) -> None:
         self.model = model
-        self.max_pending = max_pending
+        self.max_queue = max_queue
         self.pending = 0  # admitted and not yet answered; touched on the event loop only
         self._queue: deque[_Job] = deque()
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()  # guards _queue, _drain and _closed
+        self._drain: Future[None] | None = None  # the drain submitted to the compute thread, while there is one
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="clef-decide", daemon=True)
-        self._thread.start()
 
-    def _loop(self) -> None:
+    def _fits(self, batch: list[_Job], job: _Job) -> bool:
+        return self.model.batchable([*(j.prompt for j in batch), job.prompt])
+
+    def _drain_queue(self) -> None:
+        """On the model's compute thread: decide what waits, batch by batch, until nothing does."""
         while True:
-            with self._ready:
-                while not self._queue and not self._closed:
-                    self._ready.wait()
-                if self._closed:
+            with self._lock:  # (emptiness and the drain's end in one step: a request queued after it submits a new one)
+                if not self._queue or self._closed:
+                    self._drain = None
                     return
-                batch = [self._queue.popleft()]
-                while self._queue and self.model.batchable([*(j.prompt for j in batch), self._queue[0].prompt]):
-                    batch.append(self._queue.popleft())
+                batch = take(self._queue, self._fits)
             try:
                 self._run(batch)
-            except Exception as e:  # the batch's error (a llama.cpp failure) is each of its requests'; the thread goes on
+            except Exception as e:  # a failure handing answers back is its batch's; the drain goes on
                 for job in batch:
                     job.settle(None, e)
 
     def _run(self, batch: list[_Job]) -> None:
         started = time.perf_counter()
-        answers = self.model.decide_batch([job.prompt for job in batch])  # (its own error: _loop gives it to all)
-        bodies = [_rendered(a) for a in answers]  # (an error here is its request's, never the thread's end)
+        answers = each(self.model.decide_batch, [job.prompt for job in batch])
+        bodies = [_rendered(a) for a in answers]  # (an error here is its request's alone)
         finished = time.perf_counter()
         for job, answer, body in zip(batch, answers, bodies, strict=True):
             if isinstance(body, Exception):
@@ -172,17 +176,20 @@ class DecideWorker:
             job.settle(Decision(body, started - job.submitted, finished - started, finished, cached, len(batch)))
 
     async def decide(self, request: Prompt) -> Decision:
-        if self.pending >= self.max_pending:
+        if self.pending >= self.max_queue:
             raise queue_full(self.pending)
         self.pending += 1
         job = _Job(request, time.perf_counter(), asyncio.get_running_loop())
         try:
-            with self._ready:
+            with self._lock:
+                if self._closed:
+                    raise overloaded("the server is stopping")
                 self._queue.append(job)
-                self._ready.notify()
+                if self._drain is None:
+                    self._drain = self.model.submit(self._drain_queue)
             return await job.future
         except asyncio.CancelledError:  # client gone, drain timeout: the job is dropped if it has not started
-            with self._ready:
+            with self._lock:
                 if job in self._queue:
                     self._queue.remove(job)
             raise
@@ -191,11 +198,12 @@ class DecideWorker:
 
     async def close(self) -> None:
         """Wait for the running batch (the model must not be closed under it); drop the queued requests."""
-        with self._ready:
+        with self._lock:
             self._closed = True
             dropped = list(self._queue)
             self._queue.clear()
-            self._ready.notify()
+            drain = self._drain
         for job in dropped:
             job.future.cancel()
-        await asyncio.to_thread(self._thread.join)
+        if drain is not None:
+            await asyncio.wrap_future(drain)

@@ -1,0 +1,119 @@
+"""Every setting of `load()` and `clef-gguf serve`, once: its name, its default and the help the CLI shows.
+
+A setting has one name from the CLI flag to the place it is used (--max-queue is max_queue in ServeSettings,
+create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py),
+and this module imports nothing, so that `--help` shows them without loading llama.cpp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
+LogFormat = Literal["text", "json"]
+
+
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def help_of(table: type, name: str) -> str:
+    """The help text of setting `name` in `table` (one of this module's dataclasses)."""
+    return next(f.metadata["help"] for f in fields(table) if f.name == name)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What `clef_gguf.load(path, ...)` takes besides the path."""
+
+    n_gpu_layers: int = _setting(0, "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone).")
+    # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
+    # (docs/devices.md: what fits an 8 GiB card).
+    max_prompt_tokens: int = _setting(
+        65536, "Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache."
+    )
+    ubatch: int | None = _setting(
+        None,
+        "Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
+        "not the prompt. Default: 1024 (or the context if smaller); --ubatch = --ctx is one batch.",
+    )
+    parallel: int = _setting(
+        4,
+        "Requests prefilled together when they wait at once (llama.cpp sequences; llama-server's -np), their tokens "
+        "fitting one ubatch. Each takes a recurrent state of its own in the context.",
+    )
+    n_threads: int | None = _setting(
+        None, "llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica)."
+    )
+    state_cache: int = _setting(
+        1 << 30,
+        "Host memory for the backbone states of recent requests' states (e.g. 512MiB; 0 turns it off): a request "
+        "repeating a state prefills only its schema. Default: 1GiB.",
+    )
+    mmproj: str | Path | None = _setting(
+        None,
+        "The vision tower (llama.cpp's mmproj GGUF, which convert writes beside the model): requests may carry up to "
+        "4 images. Without it, requests with images are refused.",
+    )
+
+    def kwargs(self) -> dict[str, Any]:
+        """load()'s keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DEFAULT_UBATCH = 1024
+
+
+def default_ubatch(max_prompt_tokens: int) -> int:
+    """The ubatch when none is given: DEFAULT_UBATCH, or the whole prompt when the limit is smaller."""
+    return min(DEFAULT_UBATCH, max_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What a connection may send, and how slowly (server/protocol.py and server/body.py enforce them)."""
+
+    max_head_bytes: int = 16 * 1024  # request line and headers (Node's default; h11's too)
+    max_url_bytes: int = 8 * 1024  # the request target (nginx's default line buffer)
+    header_timeout: float = _setting(10.0, "Seconds a connection has to send a request's headers; then 408.")
+    # Long enough for a slow link to send the largest text body.
+    body_timeout: float = _setting(30.0, "Seconds a request has to send its whole body; then 408.")
+    # Kestrel's MinRequestBodyDataRate: a client trickling its body holds its intake slot for the grace period,
+    # not the whole body timeout. 240 B/s is 2 kbit/s: any real link sends faster.
+    min_body_rate: float = _setting(
+        240.0, "Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none)."
+    )
+    body_grace: float = _setting(5.0, "Seconds before --min-body-rate applies to a body.")
+    keep_alive: float = _setting(5.0, "Seconds an idle connection is kept after an answer.")  # uvicorn's default
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Where and how `clef-gguf serve` takes requests, whichever decides them (one process, or Ray replicas)."""
+
+    host: str = _setting("127.0.0.1", "Interface to bind; the default keeps the server on this machine.")
+    port: int = _setting(8000, "TCP port.")
+    api_key: str | None = _setting(None, "Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)")
+    max_queue: int = _setting(64, "Requests read at once, and admitted to decide (running + waiting); more get 503.")
+    drain_timeout: float = _setting(60.0, "Seconds SIGTERM waits for admitted requests to finish.")
+    limits: HttpLimits = field(default_factory=HttpLimits)  # (on Ray, its proxy's own, but for the body and keep-alive)
+    log_format: LogFormat = _setting(
+        "text", "The access log's lines on stderr, one per request: text (key=value) or json (one object per line)."
+    )
+
+
+API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `serve` and a Ray config alike
+
+
+@dataclass(frozen=True)
+class RayScale:
+    """How many replicas, on which cluster: `serve --ray`'s own options."""
+
+    replicas: int | None = _setting(None, "With --ray: model replicas (default 1).")
+    autoscale: str | None = _setting(None, "With --ray: autoscale between MIN and MAX replicas.")  # "MIN:MAX"
+    gpus: float = _setting(0.0, "With --ray: GPUs Ray reserves per replica.")
+    address: str | None = _setting(
+        None, "With --ray: the Ray cluster to deploy on (default: a local one, started here, on loopback)."
+    )
