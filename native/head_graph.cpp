@@ -21,7 +21,7 @@ constexpr int64_t MEAN_CHUNK_ENTRIES = 1 << 22;
 // The memory is padded with zeros to a multiple of this many tokens, the padding masked out of every
 // softmax over it: the products over the tokens then take ggml's tiled sgemm on the CPU (llamafile's
 // tinyBLAS wants the inner dimension a multiple of 16, the rows a multiple of 4) instead of one dot
-// product a cell. The ticket request's head: 6.1 -> 5.2 ms, a 2,438-token one 21.0 -> 16.5 ms.
+// product a cell (docs/benchmarks.md, "Measurements behind the code").
 constexpr int64_t MEMORY_PAD = 16;
 
 int64_t padded_tokens(int64_t n_tokens) { return (n_tokens + MEMORY_PAD - 1) / MEMORY_PAD * MEMORY_PAD; }
@@ -127,7 +127,7 @@ class Builder {
     }
 
     // A view made contiguous: ggml_cont, but on the CPU copy_strided for F32 views whose rows are strided
-    // (ggml_cont's per-element copies of those: the ticket request's head 5.5 -> 5.0 ms, 2,438 tokens 13.9 -> 11.4).
+    // (ggml_cont copies those element by element: docs/benchmarks.md, "Measurements behind the code").
     ggml_tensor * contiguous(ggml_tensor * view) {
         if (!on_cpu_ || view->type != GGML_TYPE_F32 || view->nb[0] == sizeof(float)) return ggml_cont(ctx_, view);
         return ggml_map_custom1(ctx_, view, copy_strided, GGML_N_TASKS_MAX, nullptr);

@@ -10,6 +10,7 @@ llama-cpp-python, --on-device skips them and says why.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -26,6 +27,7 @@ import clef_gguf  # noqa: E402
 # cannot join the cluster of clef_gguf.testing.ray_cluster ("Failed to connect to Ray cluster at 192.0.2.2:...").
 import clef_gguf.testing.ray_cluster  # noqa: E402, F401
 from clef_gguf.conversion.convert import default_mmproj_path  # noqa: E402
+from clef_gguf.errors import ReleaseError  # noqa: E402
 from clef_gguf.testing.oracle import Oracle  # noqa: E402
 from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402
 
@@ -190,6 +192,23 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
     workspace = Workspace(tmp_path_factory.mktemp("clef"))
     yield workspace
     workspace.close()
+
+
+@pytest.fixture
+def refused_release(ws: Workspace, tmp_path: Path) -> Callable[[Callable[[Path], object]], str]:
+    """convert's refusal of a copy of the untied f32 release damaged by `damage(folder)`: its message, checked to be
+    one line and to leave nothing in tmp_path but the copy."""
+
+    def refuse(damage: Callable[[Path], object]) -> str:
+        release = Path(shutil.copytree(ws.release("untied_f32"), tmp_path / "release"))
+        damage(release)
+        with pytest.raises(ReleaseError) as raised:
+            clef_gguf.convert(release, tmp_path / "out.gguf", "f32")
+        assert "\n" not in str(raised.value)
+        assert [p.name for p in tmp_path.iterdir()] == ["release"]
+        return str(raised.value)
+
+    return refuse
 
 
 @pytest.fixture(scope="session")

@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from clef_gguf.testing import processes
+from clef_gguf.testing.processes import free_port
 
 # How long a server may take to answer /health. The device set (tests/conftest.py) raises it: on lavapipe a
 # process's first decision (serve's load probe) compiles ggml-vulkan's pipelines, 346 s measured.
 HEALTH_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_process(
@@ -41,23 +34,11 @@ def serve_process(
 
 
 def wait_healthy(process: subprocess.Popen[str], url: str, timeout_s: float | None = None) -> None:
-    deadline = time.monotonic() + (HEALTH_TIMEOUT_S if timeout_s is None else timeout_s)
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # not up yet, or (Ray's proxy, before the application is deployed) not ours yet
-    raise AssertionError("the server did not answer /health")
+    processes.wait_healthy(url, process, HEALTH_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return round(processes.memory_mib(pid) * 1024) * 1024
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from clef_gguf.check.validate import validate
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.runtime.reader import MAX_REQUEST_NESTING
 from clef_gguf.testing.gguf_bytes import kv_str, rebuild
+from clef_gguf.testing.processes import free_port
 
 NOUL = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
 LIMIT = MAX_REQUEST_NESTING
@@ -99,12 +100,6 @@ def test_nesting_within_the_limit_is_answered(tmp_path):
 
 
 # --- general.name is printed escaped ----------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_file_name_with_terminal_escapes_is_never_printed_raw(tmp_path):
     name = "evil\x1b[2J\x1b]0;owned\x07\nsecond line\r"
     path = rebuild(DEMO_MODEL, tmp_path / "evil.gguf", replace={"general.name": kv_str("general.name", name)})
@@ -115,7 +110,7 @@ def test_a_file_name_with_terminal_escapes_is_never_printed_raw(tmp_path):
     assert decided.returncode == 0 and "\x1b" not in decided.stdout and "\x1b" not in decided.stderr, decided.stderr
     assert json.loads(decided.stdout)  # the name inside the JSON is escaped by JSON
     server = subprocess.Popen(
-        [sys.executable, "-m", "clef_gguf.cli", "serve", str(path), "--port", str(_free_port())],
+        [sys.executable, "-m", "clef_gguf.cli", "serve", str(path), "--port", str(free_port())],
         stderr=subprocess.PIPE,
         text=True,
     )

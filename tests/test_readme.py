@@ -3,9 +3,10 @@
 Every `clef-gguf ...` line in a shell code block of README.md (and of docs/*.md) is parsed by the
 installed `clef-gguf` console entry with `--help` appended: click parses every option before it acts on
 `--help`, so an unknown command, a misspelled option or an option without its value fails, and nothing
-runs. Then the README's cheap commands (convert, validate, plan, decide, demo) and its Python blocks run
-as written, in a folder where the Hub release `cloudflare/Clef-flash` is replaced by a tiny random release
-of the same layout, `request.json` is the README's JSON block and an image file is a small PNG.
+runs. Then every README command but serve (test_server runs it) and its Python blocks run as written, in a
+folder where the Hub release `cloudflare/Clef-flash` is replaced by a tiny random release of the same layout,
+`request.json` is the README's JSON block, an image file is a small PNG, the files a command reads that no
+README command writes are made from that release, and `examples/` is the repository's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,8 @@ import pytest
 from PIL import Image
 
 import clef_gguf
+from clef_gguf.format.header import GGUFFile
+from clef_gguf.llama.qwen35_view import write_backbone_gguf
 from clef_gguf.testing import finetune
 from clef_gguf.testing.release_builder import RELEASES, build_release
 
@@ -32,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 HUB_RELEASE = "cloudflare/Clef-flash"  # the README's release, replaced by a tiny local one to run
-RUN = ("convert", "validate", "plan", "decide", "demo")  # the subcommands cheap enough to run here
+RUN = ("convert", "graft", "validate", "plan", "decide", "demo", "eval", "compare", "calibrate")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 # Linked before its author adds it: its absence alone is excused, not a wrong anchor in it.
 PENDING = {ROOT / "docs" / "devices.md"}
@@ -141,7 +145,7 @@ def test_the_check_fails_on_a_misspelled_option_or_command(parsed):
 def test_every_command_line_parses(path, parsed):
     lines = command_lines(path.read_text())
     if path == README:
-        assert {args[0] for args in lines} >= {*RUN, "graft", "serve"}, "the README shows every command"
+        assert {args[0] for args in lines} >= {*RUN, "serve"}, "the README shows every command"
     assert not [parsed[tuple(args)] for args in lines if parsed[tuple(args)]]
 
 
@@ -190,6 +194,16 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint = finetune.train(release, ROOT / "examples" / "labelled.jsonl", tmp_path_factory.mktemp("run"))
     (root / "runs" / "my-clef").mkdir(parents=True)
     checkpoint.rename(root / "runs" / "my-clef" / "checkpoint-1000")
+    shutil.copytree(ROOT / "examples", root / "examples")
+    # What the README's graft and compare read: a community-style backbone-only file, and an f16 conversion.
+    clef_gguf.convert(release, root / "clef-flash-f16.gguf", "f16")
+    full = clef_gguf.convert(release, tmp_path_factory.mktemp("community") / "full.gguf", "q4_k_m")
+    (root / "graft").mkdir()  # graft writes the name convert writes: its own folder
+    f = GGUFFile.open(full)
+    try:
+        write_backbone_gguf(f, root / "graft" / "community-Q4_K_M.gguf")
+    finally:
+        f.close()
     return root, release
 
 
@@ -213,8 +227,10 @@ def test_the_readme_commands_run_as_written(folder):
     converts = [a for a in argvs if a[3] == "convert"]
     problems = [p for p in (_run(a, root) for a in converts) if p]
     assert not problems, problems
+    where = {"graft": root / "graft"}
+    rest = [a for a in argvs if a not in converts]
     with ThreadPoolExecutor(2) as pool:
-        problems = [p for p in pool.map(lambda a: _run(a, root), [a for a in argvs if a not in converts]) if p]
+        problems = [p for p in pool.map(lambda a: _run(a, where.get(a[3], root)), rest) if p]
     assert not problems, problems
     assert {args[0] for args in lines} == set(RUN)
 

@@ -719,7 +719,7 @@ def test_a_missing_native_head_names_the_path_it_looked_in(monkeypatch, tmp_path
 
 
 def test_memory_stays_flat_under_repeated_requests(ws):
-    """A short soak (tools/load_test.py --soak runs 10,000): RSS after 450 more requests stays within 8 MiB."""
+    """A short soak (tools/bench/load_test.py --soak runs 10,000): RSS after 450 more requests stays within 8 MiB."""
     port = free_port()
     process = serve_process(ws.gguf("untied_f32", "f32"), port)
     url = f"http://127.0.0.1:{port}"

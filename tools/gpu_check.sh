@@ -19,9 +19,9 @@
 #   llama-cpp-python with GGML_CUDA for this card's architecture only, installs clef-gguf
 #   (editable: its native head is compiled against that CUDA ggml), checks the head runs
 #   on the GPU, then runs, with n_gpu_layers=-1, the quick checks first: tools/compare_devices.py
-#   (the request suite on the GPU against the CPU), tools/bench_batch.py (tickets alone against
+#   (the request suite on the GPU against the CPU), tools/bench/bench_batch.py (tickets alone against
 #   batched: what batching gives on a GPU, issue 22), then the device set (the tests marked
-#   `device`, as tools/device_check.sh runs them on Vulkan) and tools/bench_head.py, each cut off
+#   `device`, as tools/device_check.sh runs them on Vulkan) and tools/bench/bench_head.py, each cut off
 #   where the budget ends (GPU_CHECK_BUDGET seconds from the start, default 570: the device tool
 #   runs a command for 10 minutes at most), so that one call brings back what it got to.
 #   Everything it reports lands in $OUT (or .gpu/out): gpu_check.log, head_gpu.md/.json/.png.
@@ -160,11 +160,11 @@ EOF
         echo "   after $((SECONDS - start)) s"
     }
     step "GPU vs CPU decisions on the fixtures" python3 tools/compare_devices.py
-    step "four tickets alone and batched" python3 tools/bench_batch.py --types f32 q4_k_m --rounds 9 --n-gpu-layers -1
+    step "four tickets alone and batched" python3 tools/bench/bench_batch.py --types f32 q4_k_m --rounds 9 --n-gpu-layers -1
     # The device set (tests/conftest.py): every model, head and vision tower the tests load on the GPU. A test
     # module whose packages this machine lacks (the released clients) fails to collect; the rest runs.
     step "the device set" python3 -m pytest -m device --on-device -q -p no:cacheprovider --continue-on-collection-errors
-    step "the head against bare llama.cpp" python3 tools/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out"
+    step "the head against bare llama.cpp" python3 tools/bench/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out"
     # Clef-flash's shapes (random weights, written in a minute): plan for 8 GiB, what the card holds once loaded, and
     # the seeds' request (three questions) on the GPU; against llama-server where a CUDA one is in .gpu/bin.
     step "Clef-flash-shaped Q4_K_M on the GPU" python3 tools/shaped_model.py /tmp/shaped --plan --vram 8GiB --time \

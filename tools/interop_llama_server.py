@@ -23,46 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import unicodedata
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from clef_gguf.testing.llama_server import as_llama_server_accepts, placement_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PORT = 18791
 
 
-def nfc(value: Any) -> Any:
-    if isinstance(value, str):
-        return unicodedata.normalize("NFC", value)
-    if isinstance(value, list):
-        return [nfc(v) for v in value]
-    if isinstance(value, dict):
-        return {nfc(k): nfc(v) for k, v in value.items()}
-    return value
-
-
-def as_llama_server_accepts(request: dict[str, Any]) -> dict[str, Any]:
-    request = nfc(request)
-    for qid, q in request["questions"].items():
-        if q.get("instructions") in (None, ""):
-            q["instructions"] = qid  # the reference's rule, which llama-server answers with HTTP 400 instead
-    return request
-
-
 def probabilities(answer: dict[str, Any]) -> dict[str, float]:
     return answer.get("probabilities") or {"true": answer["noul"], "false": 1 - answer["noul"]}
-
-
-def placement_flags() -> list[str]:
-    """llama-server's flags for the weights' placement clef-gguf makes on this CPU (llama/cpu_buffers.py): ggml's
-    repacked layouts, both servers' default, unless the CPU has AMX, where clef-gguf keeps them off and
-    llama-server aborts loading a K-quant file without --no-repack (FACTS). The same kernels then run in both."""
-    from clef_gguf.llama.cpu_buffers import AMX, extra_buffer_types
-
-    return ["--no-repack"] if AMX in extra_buffer_types() else []
 
 
 def serve(binary: Path, model: Path, n_ctx: int, log: Path) -> subprocess.Popen:

@@ -199,25 +199,20 @@ def time_requests(path: Path, binary: Path | None, rounds: int, n_gpu_layers: in
 
 
 def time_llama_server(binary: Path, path: Path, request: dict, rounds: int, n_gpu_layers: int = 0) -> list[float]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from interop_llama_server import PORT, as_llama_server_accepts, placement_flags
+    from clef_gguf.testing.llama_server import as_llama_server_accepts, placement_flags
+    from clef_gguf.testing.processes import free_port, wait_healthy
 
-    command = [str(binary / "llama-server"), "-m", str(path), "--port", str(PORT), "-c", "4096", "-b", "4096", "-ub", "4096"]
+    port = free_port()
+    command = [str(binary / "llama-server"), "-m", str(path), "--port", str(port), "-c", "4096", "-b", "4096", "-ub", "4096"]
     command += ["-ngl", str(n_gpu_layers)]
     with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
         server = subprocess.Popen([*command, *placement_flags()], stdout=log, stderr=subprocess.STDOUT)
         try:
             body = json.dumps(as_llama_server_accepts(request)).encode()
-            for _ in range(600):
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(1)
+            wait_healthy(f"http://127.0.0.1:{port}", server, 600)
             times = []
             for i in range(rounds + 1):
-                req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/systemone", body, {"content-type": "application/json"})
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/systemone", body, {"content-type": "application/json"})
                 started = time.perf_counter()
                 with urllib.request.urlopen(req, timeout=600) as r:
                     r.read()

@@ -181,8 +181,8 @@ class Vocabulary:
         self.vocab = L.llama_model_get_vocab(self.model)
         # A prompt is tokenized piece by piece (runtime/prompt.py), and most pieces recur from request to
         # request: the template's own text ("OPTION 1: ", its header and footer) and a schema's instructions
-        # and options. llama.cpp's tokenizer takes ~25 us a piece, 1 ms for the demo request's 40; the
-        # memo answers a repeated piece in ~1 us. Bounded: MEMO_ENTRIES pieces of at most MEMO_CHARS, their
+        # and options: the memo answers a repeated piece without llama.cpp's tokenizer (docs/benchmarks.md,
+        # "Measurements behind the code"). Bounded: MEMO_ENTRIES pieces of at most MEMO_CHARS, their
         # ids as int32 arrays (2 MiB at most); lru_cache is thread-safe, and tokenizing is a pure function of the text.
         self._memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(lambda text: array("i", self._tokenize(text)))
 

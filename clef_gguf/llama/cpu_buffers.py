@@ -11,7 +11,7 @@ ggml_backend_amx_mul_mat on the first decode of a Q8_0 or K-quant model
     be kept without AMX (repack=True: every weight it runs is put there by a tensor
     buffer override; ggml itself answers which, through native/cpu_bufts.cpp, as
     llama.cpp's loader asks it), but on the AMX Xeon measured it made Q4_K_M prefill
-    11-26% slower (tools/bench_cpu_repack.py, README), so it is not the default there.
+    11-26% slower (tools/bench/bench_cpu_repack.py, README), so it is not the default there.
   * AMX present and layers offloaded to a GPU: extra types off and no overrides (an
     override would pin a layer to the CPU).
 

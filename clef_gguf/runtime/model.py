@@ -111,8 +111,8 @@ class ClefModel:
         thread that computes a graph owns a team of libgomp threads for the life of the thread. With two such
         teams alive (the load's probe on the caller's thread, then decisions on a server's worker thread)
         libgomp manages more threads than there are CPUs and stops spinning at barriers: every ggml barrier
-        (one per graph node) sleeps and is woken. Measured: the ticket's decode at 2 threads took 129 ms with
-        one team, 267 ms with a second team alive (tools/profile_request.py --second-team).
+        (one per graph node) sleeps and is woken: the head takes 2.3 to 2.6 times as long (docs/benchmarks.md,
+        "One compute thread").
         """
         if threading.get_ident() == getattr(self, "_compute_thread", None):
             return fn(*args)

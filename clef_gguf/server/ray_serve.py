@@ -245,7 +245,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         scaling = {
             "autoscaling_config": {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": AUTOSCALE_TARGET_ONGOING}
         }
-    # No access log line per request: at the demo model's 25 ms decisions, Ray's logging is a visible share of a core.
+    # No access log line per request: at small models' decisions, Ray's logging is a visible share of a core.
     quiet = {"enable_access_log": False}
     # Each deployment is bound with only the settings it uses: a change of scale alone then changes no replica's
     # arguments, and Ray adds or removes replicas instead of replacing them all.
@@ -253,9 +253,9 @@ def build_app(settings: RaySettings) -> serve.Application:
     # thread, first come first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
     # choices). Not 1, though a model decides one at a time: requests the router cannot place wait in it, each
     # probing the replicas' queue lengths again and again, and that probing took more CPU than the decisions
-    # (demo model, 1 replica, 16 clients: 5.2 requests/s with 1, 24 with max_queue; py-spy: the ingress busy in
-    # RunningReplica.get_queue_len). At the ingress's own bound (max_queue), no request waits in the router. A
-    # replica that dies takes its queue with it: each of those requests gets a 503 with Retry-After.
+    # (docs/benchmarks.md, "Measurements behind the code"). At the ingress's own bound (max_queue), no request
+    # waits in the router. A replica that dies takes its queue with it: each of those requests gets a 503 with
+    # Retry-After.
     replicas = ClefReplica.options(
         max_ongoing_requests=s.max_queue,
         ray_actor_options={"num_cpus": s.n_threads, "num_gpus": s.gpus},

@@ -45,9 +45,9 @@ def serve(model: Model, settings: ServeSettings | None = None) -> None:
         server_header=False,
     )
     server = uvicorn.Server(config)
-    # The model, the app and the libraries are some 80,000 objects the cyclic GC tracks, alive as long as the
-    # process: a full collection walked them all, a 30 to 55 ms pause inside whichever request triggered it.
-    # Frozen, collections walk only what requests allocate (2,200 objects tracked after 60 requests).
+    # The model, the app and the libraries are objects the cyclic GC tracks, alive as long as the process: a full
+    # collection walked them all, a pause inside whichever request triggered it. Frozen, collections walk only what
+    # requests allocate (docs/benchmarks.md, "Measurements behind the code").
     gc.collect()
     gc.freeze()
     try:

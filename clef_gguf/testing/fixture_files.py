@@ -1,10 +1,9 @@
 """The benchmark fixture's GGUF files, built in a child process, for tools that time llama.cpp after.
 
 Building a release runs torch, and torch's OpenMP threads stay alive in the process afterwards,
-contending with llama.cpp's for the CPUs: measured 2026-12-02 on the benchmark fixture, the ticket's
-head took about 20 ms at 2 threads in the process that had built the file, against 1.8 ms in a fresh
-one (1.75 ms there with torch imported but unused). A timing tool therefore builds here and never
-imports torch itself. This module imports neither torch nor transformers.
+contending with llama.cpp's for the CPUs: a head timed in the process that had built the file took
+ten times as long as in a fresh one (docs/benchmarks.md, "Measurements behind the code"). A timing tool
+therefore builds here and never imports torch itself. This module imports neither torch nor transformers.
 """
 
 from __future__ import annotations

@@ -109,6 +109,24 @@ def build_release(out_dir: Path, spec: ReleaseSpec = TINY) -> Path:
 # --- image processor ---------------------------------------------------------
 
 
+def clef_and_backbone(out_dir: Path, spec: ReleaseSpec, file_type: str) -> tuple[Path, Path, Path]:
+    """A release of `spec` in `out_dir`, converted (clef.gguf), and its backbone alone as a plain qwen35 GGUF
+    (backbone-qwen35.gguf): the release and the pair a benchmark runs clef-gguf and bare llama.cpp on."""
+    from ..conversion.convert import convert
+    from ..format.header import GGUFFile
+    from ..llama.qwen35_view import write_backbone_gguf
+
+    release = build_release(Path(out_dir) / "release", spec)
+    clef = convert(release, Path(out_dir) / "clef.gguf", file_type)
+    plain = Path(out_dir) / "backbone-qwen35.gguf"
+    f = GGUFFile.open(clef)
+    try:
+        write_backbone_gguf(f, plain)
+    finally:
+        f.close()
+    return release, clef, plain
+
+
 def preprocessor_config() -> dict[str, object]:
     """preprocessor_config.json in the real Qwen3.5 release's layout (Qwen2VLImageProcessor's fields).
 

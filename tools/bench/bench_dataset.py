@@ -9,7 +9,7 @@ half about a state of their own, shuffled (seeded). Each side runs --rounds time
 median records/s of each and the median of the rounds' ratios. decide runs twice: in input order and with
 --sort-by-state.
 
-    python tools/bench_dataset.py [MODEL.gguf] [--count 1000] [--rounds 3] [--out docs/benchmarks/dataset.json]
+    python tools/bench/bench_dataset.py [MODEL.gguf] [--count 1000] [--rounds 3] [--out docs/benchmarks/dataset.json]
                                   [--bin ~/.cache/clef-gguf/llama-build/bin]
 
 Without MODEL: the bundled demo model (tiny, random weights: the ratios are the point, not the rates).
@@ -21,13 +21,11 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from http.client import HTTPConnection
 from pathlib import Path
@@ -37,9 +35,8 @@ from clef_evals.models import build_payload
 
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.llama.threads import default_threads
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interop_llama_server import as_llama_server_accepts  # noqa: E402
+from clef_gguf.testing.llama_server import as_llama_server_accepts
+from clef_gguf.testing.processes import free_port, wait_healthy
 
 CRITERIA = {"billing": "Payments and refunds.", "technical": "Bugs and outages.", "sales": "Pricing and plans."}
 ACCOUNT = "0123456789abcdef0123456789abcdef"
@@ -69,12 +66,6 @@ def dataset(count: int, seed: int = 26) -> list[dict]:
     return records
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_decide(model: Path, source: Path, out: Path, sort: bool) -> float:
     args = [sys.executable, "-m", "clef_gguf.cli", "decide", "--ctx", "4096", str(model), str(source), "-o", str(out), "--force"]
     run = subprocess.run([*args, "--json", *(["--sort-by-state"] if sort else [])], capture_output=True, text=True, check=False)
@@ -97,26 +88,14 @@ def run_http(port: int, records: list[dict], route: str = ROUTE, prepare: Callab
     return len(records) / (time.perf_counter() - started)
 
 
-def wait_healthy(port: int, server: subprocess.Popen) -> None:
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return
-        except OSError:
-            if server.poll() is not None:
-                raise SystemExit(f"a server exited with {server.returncode}") from None
-            time.sleep(0.5)
-    raise SystemExit("a server did not become healthy")
-
-
 def run_serve(model: Path, records: list[dict], client: Callable[[int, list[dict]], float]) -> float:
     """The records over HTTP to a `clef-gguf serve` of their own: its state cache starts empty, as decide's does
     (a server kept across rounds would answer every later round from its cache)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(model), "--port", str(port), "--ctx", "4096"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(port, server)
+        wait_healthy(f"http://127.0.0.1:{port}", server)
         return client(port, records)
     finally:
         server.terminate()
@@ -148,13 +127,13 @@ def main() -> None:
     source.write_text("".join(json.dumps({**body_of(r), "id": r["id"]}) + "\n" for r in records))
     theirs, llama = None, None
     if (args.bin / "llama-server").is_file():  # the same context and threads; --no-repack: it aborts on AMX otherwise
-        theirs = _free_port()
+        theirs = free_port()
         command = [str(args.bin / "llama-server"), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(theirs)]
         command += ["-c", "4096", "-b", "4096", "-ub", "4096", "-t", str(default_threads()), "--no-repack"]
         llama = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         if llama is not None:
-            wait_healthy(theirs, llama)
+            wait_healthy(f"http://127.0.0.1:{theirs}", llama)
         rounds = []
         for r in range(args.rounds):
             row = {"http": run_serve(args.model, records, run_http), "clef_evals": run_serve(args.model, records, run_clef_evals)}

@@ -8,7 +8,7 @@
 
 Needs the test dependencies (bash tools/test.sh installs them).
 
-    python tools/bench_quant.py [--big-gib 2]
+    python tools/bench/bench_quant.py [--big-gib 2]
 """
 
 from __future__ import annotations
@@ -21,25 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TYPES = ["f32", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_nl"]
 CHILD = r"""
 import json, sys, time
 
-
-def peak_rss_mib():
-    # VmHWM: the high-water mark of this process image. ru_maxrss would include the RSS of the
-    # parent at fork time (it survives exec), and the parent holds a torch-built release.
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+from clef_gguf.testing.processes import memory_mib  # VmHWM: this process image's peak (ru_maxrss has the parent's)
 
 
 import clef_gguf
 t = time.perf_counter()
 clef_gguf.convert(sys.argv[1], sys.argv[2], sys.argv[3])
-print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mib": peak_rss_mib()}))
+print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mib": memory_mib(field="VmHWM")}))
 """
 
 

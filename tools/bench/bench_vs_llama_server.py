@@ -35,7 +35,7 @@ servers take turns, one round each, --concurrency-rounds rounds of --concurrency
 the row gives requests per second (the median round's), and p50 and p99 of the round trips.
 
     bash tools/build_llama_server.sh         # once
-    python tools/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--short-rounds 21]
+    python tools/bench/bench_vs_llama_server.py [--types f32 q8_0 q4_k_m] [--rounds 7] [--short-rounds 21]
                                           [--long-rounds 3] [--threads N] [--requests ticket ... clients]
                                           [--clients 1 4 8] [--out FILE]
 
@@ -51,41 +51,21 @@ import copy
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from http.client import HTTPConnection, RemoteDisconnected
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SERVER_MAX_BATCH = 28672  # the largest -c = -b = -ub llama-server starts with for qwen35 (32768 aborts)
 
-from interop_llama_server import as_llama_server_accepts, placement_flags  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 180) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"a server exited ({process.returncode}) before it was healthy: {url}")
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"{url} did not come up")
+from clef_gguf.testing.llama_server import as_llama_server_accepts, placement_flags  # noqa: E402
+from clef_gguf.testing.processes import free_port, percentile, wait_healthy  # noqa: E402
 
 
 class Client:
@@ -157,12 +137,6 @@ def paired_ratio(times: dict[str, list[float]]) -> float:
     """The median of each round's ratio, clef-gguf's time over llama-server's: the two requests of a round are sent
     back to back, so they share the machine's state, which on a shared machine drifts more than they differ."""
     return statistics.median(a / b for a, b in zip(times["ours"], times["theirs"], strict=True))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def concurrent_round(url: str, request: dict[str, Any], clients: int, total: int, first_state: int) -> tuple[float, list[float]]:
@@ -323,7 +297,7 @@ def main() -> None:
     lines = [
         "# clef-gguf serve vs llama-server (same file, same threads)",
         "",
-        f"`python tools/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
+        f"`python tools/bench/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
         f"--rounds {args.rounds} --short-rounds {args.short_rounds} --long-rounds {args.long_rounds} "
         f"--threads {args.threads} --gap {args.gap}"
         + (f" --clients {' '.join(map(str, args.clients))}" if concurrency else "")

@@ -9,7 +9,7 @@ The stages run on the model's compute thread (ClefModel.compute), as a server's 
 --second-team also runs one decode on another thread that stays alive: a second OpenMP team in the
 process, as a decision thread beside the thread that loaded the model made before ClefModel.compute.
 
-    python tools/profile_request.py [--type f32] [--rounds 41] [--threads 1 2] [--second-team]
+    python tools/bench/profile_request.py [--type f32] [--rounds 41] [--threads 1 2] [--second-team]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("encode", "embeddings", "llama_decode", "head", "response")
 
 

@@ -6,21 +6,15 @@ cached: every request stores an entry and, once the budget is full, evicts the o
 Prints the process's resident memory (VmRSS) after the warm-up and every tenth of the run,
 and the cache's own count of bytes; flat after the warm-up is the pass.
 
-    python tools/state_cache_rss.py [--requests 10000] [--warmup 1000] [--state-cache 64MiB] [--threads 1]
+    python tools/bench/state_cache_rss.py [--requests 10000] [--warmup 1000] [--state-cache 64MiB] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+from clef_gguf.testing.processes import memory_mib
 
 
 def main() -> None:
@@ -51,17 +45,18 @@ def main() -> None:
             assert response["usage"]["input_tokens_details"]["cached_tokens"] == 0  # distinct: never a hit
             done = i + 1
             if done == args.warmup:
-                warm = rss_mib()
+                warm = memory_mib()
                 held = f"cache {len(cache)} entries, {cache.nbytes / 2**20:.1f} MiB"
                 print(f"after {done} requests (warm-up): RSS {warm:.1f} MiB; {held}", flush=True)
             elif done > args.warmup and (done % (args.requests // 10) == 0 or done == args.requests):
                 print(
-                    f"after {done} requests: RSS {rss_mib():.1f} MiB; cache {len(cache)} entries, {cache.nbytes / 2**20:.1f} MiB "
+                    f"after {done} requests: RSS {memory_mib():.1f} MiB; cache {len(cache)} entries, "
+                    f"{cache.nbytes / 2**20:.1f} MiB "
                     f"(budget {budget / 2**20:.0f} MiB), {(time.perf_counter() - started) / done * 1e3:.1f} ms per request",
                     flush=True,
                 )
             assert cache.nbytes <= budget
-        end = rss_mib()
+        end = memory_mib()
     if warm is not None:
         print(f"growth after the warm-up: {end - warm:+.1f} MiB over {args.requests - args.warmup} requests")
 

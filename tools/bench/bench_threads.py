@@ -7,7 +7,7 @@ affinity mask make those differ. One process per thread count, loaded on the ben
 fixture (hidden 256, 8 layers), a ~2k-token request decided in rounds, the counts
 interleaved; medians, with the cache off (every decision prefills the whole prompt).
 
-    python tools/bench_threads.py [--rounds 7] [--paragraphs 11]
+    python tools/bench/bench_threads.py [--rounds 7] [--paragraphs 11]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ bench_vs_llama_server.py (each about a state of its own), the same threads and w
 prints each server's median round trip and its top samples by library and symbol. Needs Linux perf
 (cpu-clock sampling is enough) and llama-server (tools/build_llama_server.sh).
 
-    python tools/perf_servers.py [--type q4_k_m] [--request ~2k] [--count 16] [--top 12]
+    python tools/bench/perf_servers.py [--type q4_k_m] [--request ~2k] [--count 16] [--top 12]
 """
 
 from __future__ import annotations

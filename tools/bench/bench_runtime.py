@@ -8,7 +8,7 @@
 
 Needs the test dependencies (bash tools/test.sh installs them).
 
-    python tools/bench_runtime.py [--hidden 256 --layers 8 --repeats 5]
+    python tools/bench/bench_runtime.py [--hidden 256 --layers 8 --repeats 5]
 """
 
 from __future__ import annotations
@@ -22,18 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, sys, time
 
-
-def peak_rss_mib():
-    # VmHWM: the high-water mark of this process image. ru_maxrss would include the RSS of the
-    # parent at fork time (it survives exec), and the parent holds a torch-built release.
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+from clef_gguf.testing.processes import memory_mib  # VmHWM: this process image's peak (ru_maxrss has the parent's)
 
 
 mode, path, n_ctx = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -42,22 +36,10 @@ if mode == "clef":
     import clef_gguf
     model = clef_gguf.load(path, max_prompt_tokens=n_ctx, ubatch=n_ctx)  # one batch, as llama.cpp's side
 else:
-    import llama_cpp as L
-    from clef_gguf.llama import cpu_buffers
-    from clef_gguf.llama import log as llama_log
-    llama_log.init_backend()
-    mp = L.llama_model_default_params()
-    cpu_buffers.for_gguf(path).apply(mp)  # as the runtime places weights: never AMX (it segfaults)
-    model = L.llama_model_load_from_file(path.encode(), mp)
-    cp = L.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
-    cp.n_seq_max = 1
-    cp.embeddings = True
-    cp.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-    ctx = L.llama_init_from_model(model, cp)
-    assert ctx
+    from clef_gguf.testing.bare_llama import bare_context
+    model, ctx = bare_context(path, n_ctx)
 seconds = time.perf_counter() - t
-print(json.dumps({"seconds": seconds, "peak_rss_mib": peak_rss_mib()}))
+print(json.dumps({"seconds": seconds, "peak_rss_mib": memory_mib(field="VmHWM")}))
 """
 
 
@@ -90,20 +72,13 @@ def main() -> None:
     args = parser.parse_args()
 
     import clef_gguf
-    from clef_gguf.format.header import GGUFFile
-    from clef_gguf.llama.qwen35_view import write_backbone_gguf
     from clef_gguf.testing.oracle import Oracle
-    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import ReleaseSpec, clef_and_backbone
     from clef_gguf.testing.request_suite import mixed_request
 
     spec = ReleaseSpec(hidden=args.hidden, intermediate=2 * args.hidden, layers=args.layers, head_width=args.hidden // 2)
     with tempfile.TemporaryDirectory() as tmp:
-        release = build_release(Path(tmp) / "release", spec)
-        clef = clef_gguf.convert(release, Path(tmp) / "clef.gguf", args.type)
-        plain = Path(tmp) / "backbone-qwen35.gguf"
-        f = GGUFFile.open(clef)
-        write_backbone_gguf(f, plain)
-        f.close()
+        release, clef, plain = clef_and_backbone(Path(tmp), spec, args.type)
         print(
             f"release: hidden {args.hidden}, {args.layers} layers, {args.type}; clef.gguf {clef.stat().st_size / 2**20:.1f} MiB"
         )

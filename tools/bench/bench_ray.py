@@ -1,7 +1,7 @@
 """Ray Serve (`clef-gguf serve --ray`'s application) with 1 and 2 model replicas, against the plain server.
 
-    python tools/bench_ray.py                          # the demo model and a larger fixture (hidden 256, 8 layers)
-    python tools/bench_ray.py --rounds 3 --requests 300 --cases demo larger --json ray.json
+    python tools/bench/bench_ray.py                          # the demo model and a larger fixture (hidden 256, 8 layers)
+    python tools/bench/bench_ray.py --rounds 3 --requests 300 --cases demo larger --json ray.json
 
 A local Ray cluster on loopback (Ray's single-node mode), started here, serves build_app's application (the
 one `clef-gguf serve --ray` and `serve run` deploy) on 127.0.0.1, each replica with one llama.cpp thread
@@ -36,12 +36,13 @@ from typing import Any
 from clef_gguf.testing import ray_cluster  # first: the cluster it starts listens on loopback only
 
 # isort: split
-from load_test import HOST, free_port, rss_mib, run_level, start_server
+from load_test import run_level, start_server
 from ray import serve
 
 import clef_gguf
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app
+from clef_gguf.testing.processes import HOST, free_port, memory_mib
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 from clef_gguf.testing.request_suite import long_state_request
 
@@ -79,7 +80,7 @@ def plain_reference(model: Path, body: bytes, requests: int) -> dict[str, float]
     try:
         run_level(port, body, CLIENTS, 20, 30.0)  # warm
         figures = measure(port, body, requests)
-        figures["rss_mib"] = rss_mib(process.pid)
+        figures["rss_mib"] = memory_mib(process.pid)
         return figures
     finally:
         process.send_signal(signal.SIGTERM)
@@ -104,7 +105,7 @@ def descendants_rss_mib(exclude: set[int]) -> float:
         found = {pid for pid, parent in parents.items() if parent in family} - family
         family |= found
         grew = bool(found)
-    return sum(rss_mib(pid) for pid in family - exclude - {os.getpid()} if Path(f"/proc/{pid}").exists())
+    return sum(memory_mib(pid) for pid in family - exclude - {os.getpid()} if Path(f"/proc/{pid}").exists())
 
 
 def bench_model(name: str, model: Path, port: int, body: bytes, rounds: int, requests: int) -> dict[str, Any]:
@@ -121,7 +122,7 @@ def bench_model(name: str, model: Path, port: int, body: bytes, rounds: int, req
             by_replicas[replicas].append(figures)
             pids = ray_cluster.replica_pids()
             for deployment, replica in pids.items():
-                memory.setdefault(deployment, []).extend(rss_mib(pid) for pid in replica)
+                memory.setdefault(deployment, []).extend(memory_mib(pid) for pid in replica)
             cluster_rss.append(descendants_rss_mib({pid for replica in pids.values() for pid in replica}))
             print(name, replicas, figures, file=sys.stderr, flush=True)
     one, two = median_of(by_replicas[1]), median_of(by_replicas[2])

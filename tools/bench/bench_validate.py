@@ -1,6 +1,6 @@
 """Time header-only `clef-gguf validate` on a large Clef file with a Clef-flash-sized header.
 
-    python tools/bench_validate.py OUT_DIR [--hidden 1024] [--type f32] [--runs 5]
+    python tools/bench/bench_validate.py OUT_DIR [--hidden 1024] [--type f32] [--runs 5]
 
 Builds a random release in the Clef-flash layout (32 layers, 6 + 3 head) with a 248,320-token
 vocabulary, converts it, then swaps 247,000 merges into the header (the fixture tokenizer has
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from clef_gguf import convert  # noqa: E402
 from clef_gguf.check.validate import validate  # noqa: E402

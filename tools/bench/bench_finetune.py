@@ -8,7 +8,7 @@ f16, q8_0 and Q4_K_M, then, in one run:
 - `clef-gguf compare` of f16, q8_0 and Q4_K_M against f32 on the same records: what a user would see;
 - `clef-gguf calibrate` of the Q4_K_M file on the same records, 30% held out: NLL and ECE before and after.
 
-    python tools/bench_finetune.py [--count 200] [--out docs/benchmarks/finetune.json]
+    python tools/bench/bench_finetune.py [--count 200] [--out docs/benchmarks/finetune.json]
 
 The records are examples/labelled.jsonl's tickets, each with a customer and an order number in front (seeded), so
 that states repeat only as often as a real queue's would: never.
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "labelled.jsonl"
 CLI = [sys.executable, "-m", "clef_gguf.cli"]
 TYPES = ("f32", "f16", "q8_0", "q4_k_m")

@@ -1,8 +1,8 @@
 """Load test of `clef-gguf serve`, on loopback only, bounded in requests and in time.
 
-    python tools/load_test.py                                  # the demo model and its request
-    python tools/load_test.py --model m.gguf --request r.json --clients 1 4 16 --requests 200 --seconds 60
-    python tools/load_test.py --soak 10000                     # plus a 10,000-request memory soak
+    python tools/bench/load_test.py                                  # the demo model and its request
+    python tools/bench/load_test.py --model m.gguf --request r.json --clients 1 4 16 --requests 200 --seconds 60
+    python tools/bench/load_test.py --soak 10000                     # plus a 10,000-request memory soak
 
 It starts the server as a subprocess (`python -m clef_gguf.cli serve` on 127.0.0.1, a free port),
 then for each client count sends the same request from that many threads, each on its own
@@ -21,7 +21,6 @@ import argparse
 import http.client
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,8 +32,8 @@ from typing import Any
 
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.runtime.model import load
+from clef_gguf.testing.processes import HOST, free_port, memory_mib, percentile
 
-HOST = "127.0.0.1"  # loopback only, by design
 MALFORMED = {"model": "m", "state": "s", "questions": {"q": {"type": "score", "criteria": {"0": "a map is not a list"}}}}
 
 
@@ -73,11 +72,6 @@ class Report:
     soak: dict[str, Any] = field(default_factory=dict)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 class Connection:
     """One keep-alive HTTP/1.1 connection; http.client sends a small body with its headers in one write."""
 
@@ -99,12 +93,6 @@ class Connection:
 def _server_timing(header: str) -> dict[str, float]:
     metrics = (metric.strip().partition(";dur=") for metric in header.split(",") if ";dur=" in metric)
     return {name: float(duration) for name, _, duration in metrics}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: Path, ctx: int, max_queue: int, threads: int | None) -> tuple[subprocess.Popen[bytes], int]:
@@ -153,8 +141,8 @@ def one_client_against_direct(
         1,
         len(server),
         wall,
-        percentile(latencies, 0.5) * 1e3,
-        percentile(latencies, 0.99) * 1e3,
+        percentile(latencies, 50) * 1e3,
+        percentile(latencies, 99) * 1e3,
         len(server) / sum(latencies),
         sum(s.status != 200 for s in server),
     )
@@ -194,18 +182,11 @@ def run_level(port: int, body: bytes, clients: int, count: int, seconds: float) 
         clients,
         len(samples),
         wall,
-        percentile(latencies, 0.5) * 1e3,
-        percentile(latencies, 0.99) * 1e3,
+        percentile(latencies, 50) * 1e3,
+        percentile(latencies, 99) * 1e3,
         len(samples) / wall,
         sum(s.status != 200 for s in samples),
     )
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def soak(pid: int, port: int, body: bytes, count: int, seconds: float) -> dict[str, Any]:
@@ -214,7 +195,7 @@ def soak(pid: int, port: int, body: bytes, count: int, seconds: float) -> dict[s
     statuses: dict[int, int] = {}
     for i in range(200):  # warm-up: allocator pools, llama.cpp buffers, first-call caches
         connection.post(bad if i % 10 == 9 else body)
-    rss = [(0, rss_mib(pid))]
+    rss = [(0, memory_mib(pid))]
     started = time.perf_counter()
     done = 0
     while done < count and time.perf_counter() - started < seconds:
@@ -222,10 +203,10 @@ def soak(pid: int, port: int, body: bytes, count: int, seconds: float) -> dict[s
         statuses[status] = statuses.get(status, 0) + 1
         done += 1
         if done % 500 == 0:
-            rss.append((done, rss_mib(pid)))
+            rss.append((done, memory_mib(pid)))
     connection.close()
     if rss[-1][0] != done:
-        rss.append((done, rss_mib(pid)))
+        rss.append((done, memory_mib(pid)))
     values = [m for _, m in rss]
     return {
         "requests": done,

@@ -4,13 +4,13 @@ and in one batch of four.
 A batch is what `clef-gguf serve` decides when requests wait (ClefModel.batchable: at most `parallel` prompts
 whose tokens fit one ubatch). Two tickets fit the default ubatch of 1,024; four need 2,048, so a second model is
 loaded from the same file with that ubatch. In one process, on the benchmark fixture (the one
-tools/bench_vs_llama_server.py uses), the state cache on as in serve, four new states each round (no hits); the
+tools/bench/bench_vs_llama_server.py uses), the state cache on as in serve, four new states each round (no hits); the
 ways interleaved round by round; medians of the time for all four, and their ratio to one at a time.
 
 On a GPU (--n-gpu-layers -1), where one ticket leaves most of the device idle, batching is meant to be most of
 the throughput (issue 22); on this project's 2-CPU machine the cost grows with the tokens and it gains little.
 
-    python tools/bench_batch.py [--types f32 q4_k_m] [--rounds 15] [--threads N] [--n-gpu-layers -1]
+    python tools/bench/bench_batch.py [--types f32 q4_k_m] [--rounds 15] [--threads N] [--n-gpu-layers -1]
 """
 
 from __future__ import annotations

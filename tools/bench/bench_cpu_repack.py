@@ -7,7 +7,7 @@ is a fresh process loading the exported backbone (a plain qwen35 GGUF) by path, 
 llama.cpp does, placed by `cpu_buffers.for_gguf(repack=...)`; the two placements are
 interleaved round by round and medians are reported.
 
-    python tools/bench_cpu_repack.py [--hidden 1024 --layers 8] [--tokens 512 2048] [--rounds 5]
+    python tools/bench/bench_cpu_repack.py [--hidden 1024 --layers 8] [--tokens 512 2048] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -24,20 +24,10 @@ CHILD = r"""
 import json, sys, time
 import llama_cpp as L
 from clef_gguf.llama import cpu_buffers
-from clef_gguf.llama import log as llama_log
+from clef_gguf.testing.bare_llama import bare_context
 path, repack, n_tokens, threads, repeats = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-llama_log.init_backend()
-params = L.llama_model_default_params()
-placed = cpu_buffers.for_gguf(path, repack=repack)
-placed.apply(params)
-model = L.llama_model_load_from_file(path.encode(), params)
-cp = L.llama_context_default_params()
-cp.n_ctx = cp.n_batch = cp.n_ubatch = n_tokens
-cp.n_seq_max = 1
-cp.embeddings = True
-cp.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-cp.n_threads = cp.n_threads_batch = threads
-ctx = L.llama_init_from_model(model, cp)
+model, ctx = bare_context(path, n_tokens, threads=threads, repack=repack)
+placed = cpu_buffers.for_gguf(path, repack=repack)  # (what the report says of the placement)
 n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
 tokens = (L.llama_token * n_tokens)(*[(7 * i + 3) % n_vocab for i in range(n_tokens)])
 times = []

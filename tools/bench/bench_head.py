@@ -16,7 +16,7 @@ Timings are the best of --repeats runs, ours and bare llama.cpp interleaved (a s
 machine's load then hits both alike). Needs the test dependencies (bash tools/test.sh)
 and matplotlib (pip install -e ".[bench]"); (c) is skipped where torch is missing.
 
-    python tools/bench_head.py [--n-gpu-layers -1] [--sizes 512 2048 8192 16384] [--out docs/benchmarks]
+    python tools/bench/bench_head.py [--n-gpu-layers -1] [--sizes 512 2048 8192 16384] [--out docs/benchmarks]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SHORT_TARGET, LONG_TARGET = 1.10, 1.05  # (a) at 512 tokens, and from 2k
 
@@ -61,23 +61,10 @@ class BareLlama:
     def __init__(self, path: Path, n_ctx: int, n_gpu_layers: int, threads: int) -> None:
         import llama_cpp as L
 
-        from clef_gguf.llama import cpu_buffers
-        from clef_gguf.llama import log as llama_log
+        from clef_gguf.testing.bare_llama import bare_context
 
-        llama_log.init_backend()
         self.L = L
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        cpu_buffers.for_gguf(path, n_gpu_layers=n_gpu_layers).apply(params)  # as the runtime: never AMX (it segfaults)
-        self.model = L.llama_model_load_from_file(str(path).encode(), params)
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = n_ctx
-        cparams.n_seq_max = 1
-        cparams.embeddings = True
-        cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
-        cparams.n_threads = cparams.n_threads_batch = threads
-        self.ctx = L.llama_init_from_model(self.model, cparams)
-        assert self.ctx, "llama.cpp could not create the context"
+        self.model, self.ctx = bare_context(path, n_ctx, n_gpu_layers=n_gpu_layers, threads=threads)
         self.batch = L.llama_batch_init(n_ctx, 0, 1)
 
     def prefill(self, tokens: list[int]) -> None:
@@ -271,7 +258,7 @@ def markdown(r: Results) -> str:
         f"- machine: {r.machine}",
         f"- fixture: {r.fixture}",
         f"- context: n_ctx = n_batch = n_ubatch = {r.n_ctx} for both sides, {r.threads} threads, embeddings on, pooling none",
-        "- best of several runs, ours and bare llama.cpp interleaved, all in one run of `python tools/bench_head.py`",
+        "- best of several runs, ours and bare llama.cpp interleaved, all in one run of `python tools/bench/bench_head.py`",
         "",
         "## (a) Decision latency over llama.cpp's bare prefill of the same tokens",
         "",
@@ -369,9 +356,7 @@ def main() -> None:
         return
 
     import clef_gguf
-    from clef_gguf.format.header import GGUFFile
-    from clef_gguf.llama.qwen35_view import write_backbone_gguf
-    from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+    from clef_gguf.testing.release_builder import ReleaseSpec, clef_and_backbone
 
     # Room for the largest prompt: (a)'s, or (b)'s state plus 64 questions' schema (~7k tokens with the fixture's tokenizer).
     n_ctx = max(max(args.sizes), args.questions_state + 8192) + 1024
@@ -393,12 +378,7 @@ def main() -> None:
         f"4 heads, FFN {2 * width}"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        release = build_release(Path(tmp) / "release", spec)
-        clef = clef_gguf.convert(release, Path(tmp) / "clef.gguf", args.type)
-        plain = Path(tmp) / "backbone-qwen35.gguf"
-        f = GGUFFile.open(clef)
-        write_backbone_gguf(f, plain)
-        f.close()
+        release, clef, plain = clef_and_backbone(Path(tmp), spec, args.type)
         # ubatch = n_ctx: one physical batch, the same context as the bare llama.cpp it is compared with.
         model = clef_gguf.load(
             clef, n_gpu_layers=args.n_gpu_layers, max_prompt_tokens=n_ctx, n_threads=args.threads, ubatch=n_ctx

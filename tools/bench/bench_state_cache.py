@@ -2,7 +2,7 @@
 
 Issue 12's target: a repeated 8k-token state with a new 3-question schema answers in at most
 0.15 x the cold latency, with the same answers. On the benchmark fixture (hidden 256, 8
-layers, head 128 wide: the one tools/bench_vs_llama_server.py uses), in one process, two
+layers, head 128 wide: the one tools/bench/bench_vs_llama_server.py uses), in one process, two
 models loaded from the same file: one with the state cache (default budget), one without.
 Each round asks a fresh 3-question schema (new ids and instructions) and times, in an order
 that alternates by round:
@@ -13,7 +13,7 @@ that alternates by round:
           keeping the state: what a first request costs with the cache on).
 Medians of each, and their ratios.
 
-    python tools/bench_state_cache.py [--types f32 q8_0] [--rounds 11] [--threads 1] [--paragraphs 42]
+    python tools/bench/bench_state_cache.py [--types f32 q8_0] [--rounds 11] [--threads 1] [--paragraphs 42]
 """
 
 from __future__ import annotations
