@@ -173,7 +173,7 @@ def concurrent_round(url: str, request: dict[str, Any], clients: int, total: int
     return elapsed, latencies
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin", type=Path, default=Path.home() / ".cache/clef-gguf/llama-build/bin")
     parser.add_argument("--types", nargs="+", default=["f32", "q8_0", "q4_k_m"])
@@ -198,122 +198,136 @@ def main() -> None:
         raise SystemExit(f"no llama-server in {args.bin}: run `bash tools/build_llama_server.sh` first")
     if importlib.util.find_spec("matplotlib") is None:  # refused now, not after minutes of measuring
         raise SystemExit("the plot needs matplotlib: pip install -e '.[bench]'")
+    return args
 
-    from clef_gguf.llama.threads import default_threads
-    from clef_gguf.testing.fixture_files import benchmark_files
 
-    args.threads = args.threads or default_threads()
-    requests = requests_by_size()
-    concurrency: list[tuple[str, int, str, float, float, float]] = []  # type, clients, server, req/s, p50, p99
-    rows = []
-    raw: list[dict[str, Any]] = []  # every round's seconds, for the .json
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for file_type, path in benchmark_files(root, args.types).items():  # built in a child: no torch threads here
-            ours_url = f"http://127.0.0.1:{free_port()}"
-            ours = clef_serve(path, ours_url, args.threads, root / f"ours-{file_type}.log")
-            # llama-server's Clef graph has no memory: a prompt is one physical batch, and above 28,672 tokens
-            # it aborts at start-up (GGML_ASSERT(ctx->mem_buffer != NULL), ggml.c:1644; measured at 32,768).
-            theirs_url = f"http://127.0.0.1:{free_port()}"
-            theirs = llama_server(args.bin, path, theirs_url, args.threads, 1, root / f"theirs-{file_type}.log")
-            servers_up = [(ours_url, ours), (theirs_url, theirs)]
-            if "clients" in args.requests:  # its slots: -np 4 decodes up to 4 requests together
-                np4_url = f"http://127.0.0.1:{free_port()}"
-                np4 = llama_server(args.bin, path, np4_url, args.threads, 4, root / f"theirs-np4-{file_type}.log")
-                servers_up.append((np4_url, np4))
-            try:
-                for url, process in servers_up:
-                    wait_healthy(url, process)
-                clients = {"ours": Client(ours_url), "theirs": Client(theirs_url)}
-                for name, request in ((n, r) for n, r in requests.items() if n in args.requests):
-                    times: dict[str, list[float]] = {"ours": [], "theirs": []}
-                    _, answer = clients["ours"].post(new_state(request, -1))  # warm-up, and the token count
-                    tokens = answer["usage"]["input_tokens"]
-                    servers = ["ours", "theirs"]
-                    if tokens > LLAMA_SERVER_MAX_BATCH:  # a prompt llama-server cannot take: clef-gguf alone
-                        servers = servers[:1]
-                        refusal = clients["theirs"].status(new_state(request, -1))
-                    else:
-                        clients["theirs"].post(new_state(request, -1))
-                    short = name in ("ticket", "~2k")
-                    for r in range(args.short_rounds if short else args.long_rounds if name == "~32k" else args.rounds):
-                        for who in servers[:: 1 if r % 2 == 0 else -1]:
-                            time.sleep(args.gap)
-                            times[who].append(clients[who].post(new_state(request, r))[0])
-                    a = statistics.median(times["ours"])
-                    b = statistics.median(times["theirs"]) if times["theirs"] else None
-                    ratio = paired_ratio(times) if b else None
-                    rows.append((file_type, name, tokens, a, b, ratio))
-                    raw.append({"type": file_type, "request": name, "tokens": tokens, **times})
-                    theirs_text = f"{b * 1e3:.0f} ms ({ratio:.2f})" if b else f"llama-server: {refusal}"
-                    print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {theirs_text}", flush=True)
-                if "clients" in args.requests:
-                    urls = {"clef-gguf": ours_url, "llama-server -np 1": theirs_url, "llama-server -np 4": np4_url}
-                    for n_clients in args.clients:
-                        for url in urls.values():  # warm-up: every server at this concurrency once
-                            concurrent_round(url, requests["ticket"], n_clients, n_clients, 10**6)
-                        per_server: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in urls}
-                        for r in range(args.concurrency_rounds):
-                            order = list(urls) if r % 2 == 0 else list(urls)[::-1]
-                            for name in order:
-                                first = 10**7 * (r + 1) + 10**5 * n_clients
-                                time.sleep(args.gap)
-                                per_server[name].append(
-                                    concurrent_round(urls[name], requests["ticket"], n_clients, args.concurrency_requests, first)
-                                )
-                        for name, results in per_server.items():
-                            rate = statistics.median(len(lat) / elapsed for elapsed, lat in results)
-                            latencies = [x for _, lat in results for x in lat]
-                            p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
-                            concurrency.append((file_type, n_clients, name, rate, p50, p99))
-                            raw.append({"type": file_type, "clients": n_clients, "server": name, "rounds": results})
-                            print(
-                                f"{file_type} {n_clients} clients, {name}: {rate:.2f} req/s, p50 {p50 * 1e3:.0f} ms, "
-                                f"p99 {p99 * 1e3:.0f} ms",
-                                flush=True,
-                            )
-                if "repeated" not in args.requests:
-                    continue
-                # The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request.
-                clients["ours"].post(requests["~8k"])
-                times = {"ours": [], "theirs": []}
-                for r in range(args.rounds):
-                    request = repeated_state(requests["~8k"], r)
-                    for who in ["ours", "theirs"][:: 1 if r % 2 == 0 else -1]:
-                        time.sleep(args.gap)
-                        seconds, answer = clients[who].post(request)
-                        times[who].append(seconds)
-                        if who == "ours" and not answer["usage"]["input_tokens_details"]["cached_tokens"]:
-                            raise SystemExit("clef-gguf did not reuse the repeated state: is its state cache on?")
-                a, b, ratio = statistics.median(times["ours"]), statistics.median(times["theirs"]), paired_ratio(times)
-                name = "~8k, state repeated"
-                rows.append((file_type, name, answer["usage"]["input_tokens"], a, b, ratio))
-                raw.append({"type": file_type, "request": name, "tokens": answer["usage"]["input_tokens"], **times})
-                print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({ratio:.2f})", flush=True)
-            finally:
-                for _, process in servers_up:
-                    process.terminate()
-                    process.wait(timeout=60)
-    lines = [
-        "# clef-gguf serve vs llama-server (same file, same threads)",
-        "",
-        f"`python tools/bench/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
-        f"--rounds {args.rounds} --short-rounds {args.short_rounds} --long-rounds {args.long_rounds} "
-        f"--threads {args.threads} --gap {args.gap}"
-        + (f" --clients {' '.join(map(str, args.clients))}" if concurrency else "")
-        + "`: fixture hidden 256,",
-        "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",
-        "to each server, interleaved, medians; ratio: the median of the rounds' ratios.",
-        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
-        "",
-        "| type | request | tokens | clef-gguf | llama-server | ratio |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {t} | {n} | {k} | {a * 1e3:.0f} ms | " + (f"{b * 1e3:.0f} ms | {r:.2f} |" if b else "cannot (over 28,672) | - |")
-        for t, n, k, a, b, r in rows
-    ]
-    if concurrency:
+Row = tuple[str, str, int, float, float | None, float | None]  # type, request, tokens, ours, theirs, ratio
+Concurrency = tuple[str, int, str, float, float, float]  # type, clients, server, req/s, p50, p99
+
+
+class Run:
+    """Every measurement of one run: the table's rows, the clients rows, and every round's seconds (the .json)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows: list[Row] = []
+        self.concurrency: list[Concurrency] = []
+        self.raw: list[dict[str, Any]] = []
+
+    def one_at_a_time(self, file_type: str, clients: dict[str, Client], name: str, request: dict[str, Any]) -> None:
+        """`request` (a new state each round) to both servers in turn; clef-gguf alone where llama-server cannot."""
+        args = self.args
+        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        _, answer = clients["ours"].post(new_state(request, -1))  # warm-up, and the token count
+        tokens = answer["usage"]["input_tokens"]
+        servers = ["ours", "theirs"]
+        if tokens > LLAMA_SERVER_MAX_BATCH:  # a prompt llama-server cannot take: clef-gguf alone
+            servers = servers[:1]
+            refusal = clients["theirs"].status(new_state(request, -1))
+        else:
+            clients["theirs"].post(new_state(request, -1))
+        short = name in ("ticket", "~2k")
+        for r in range(args.short_rounds if short else args.long_rounds if name == "~32k" else args.rounds):
+            for who in servers[:: 1 if r % 2 == 0 else -1]:
+                time.sleep(args.gap)
+                times[who].append(clients[who].post(new_state(request, r))[0])
+        a = statistics.median(times["ours"])
+        b = statistics.median(times["theirs"]) if times["theirs"] else None
+        ratio = paired_ratio(times) if b else None
+        self.rows.append((file_type, name, tokens, a, b, ratio))
+        self.raw.append({"type": file_type, "request": name, "tokens": tokens, **times})
+        theirs_text = f"{b * 1e3:.0f} ms ({ratio:.2f})" if b else f"llama-server: {refusal}"
+        print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {theirs_text}", flush=True)
+
+    def with_clients(self, file_type: str, urls: dict[str, str], ticket: dict[str, Any]) -> None:
+        """The ticket from each number of concurrent clients, every server in turn, a state per request."""
+        args = self.args
+        for n_clients in args.clients:
+            for url in urls.values():  # warm-up: every server at this concurrency once
+                concurrent_round(url, ticket, n_clients, n_clients, 10**6)
+            per_server: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in urls}
+            for r in range(args.concurrency_rounds):
+                for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
+                    first = 10**7 * (r + 1) + 10**5 * n_clients
+                    time.sleep(args.gap)
+                    per_server[name].append(concurrent_round(urls[name], ticket, n_clients, args.concurrency_requests, first))
+            for name, results in per_server.items():
+                rate = statistics.median(len(lat) / elapsed for elapsed, lat in results)
+                latencies = [x for _, lat in results for x in lat]
+                p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+                self.concurrency.append((file_type, n_clients, name, rate, p50, p99))
+                self.raw.append({"type": file_type, "clients": n_clients, "server": name, "rounds": results})
+                print(
+                    f"{file_type} {n_clients} clients, {name}: {rate:.2f} req/s, p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms"
+                )
+
+    def repeated(self, file_type: str, clients: dict[str, Client], long: dict[str, Any]) -> None:
+        """The ~8k state again, each round with a new schema: clef-gguf has kept it after its first request."""
+        clients["ours"].post(long)
+        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        for r in range(self.args.rounds):
+            request = repeated_state(long, r)
+            for who in ["ours", "theirs"][:: 1 if r % 2 == 0 else -1]:
+                time.sleep(self.args.gap)
+                seconds, answer = clients[who].post(request)
+                times[who].append(seconds)
+                if who == "ours" and not answer["usage"]["input_tokens_details"]["cached_tokens"]:
+                    raise SystemExit("clef-gguf did not reuse the repeated state: is its state cache on?")
+        a, b, ratio = statistics.median(times["ours"]), statistics.median(times["theirs"]), paired_ratio(times)
+        name, tokens = "~8k, state repeated", answer["usage"]["input_tokens"]
+        self.rows.append((file_type, name, tokens, a, b, ratio))
+        self.raw.append({"type": file_type, "request": name, "tokens": tokens, **times})
+        print(f"{file_type} {name}: {a * 1e3:.0f} ms vs {b * 1e3:.0f} ms ({ratio:.2f})", flush=True)
+
+    def file(self, file_type: str, path: Path, root: Path, requests: dict[str, dict[str, Any]]) -> None:
+        """Every row asked for, on one file: clef-gguf, llama-server -np 1, and -np 4 for the clients rows."""
+        args = self.args
+        urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("clef-gguf", "llama-server -np 1", "llama-server -np 4")}
+        if "clients" not in args.requests:  # (-np 4: its slots decode up to 4 requests together)
+            del urls["llama-server -np 4"]
+        processes = [clef_serve(path, urls["clef-gguf"], args.threads, root / f"ours-{file_type}.log")]
+        for slots in (1, 4)[: len(urls) - 1]:
+            log = root / f"theirs-np{slots}-{file_type}.log"
+            processes.append(llama_server(args.bin, path, urls[f"llama-server -np {slots}"], args.threads, slots, log))
+        try:
+            for url, process in zip(urls.values(), processes, strict=True):
+                wait_healthy(url, process)
+            clients = {"ours": Client(urls["clef-gguf"]), "theirs": Client(urls["llama-server -np 1"])}
+            for name, request in requests.items():
+                if name in args.requests:
+                    self.one_at_a_time(file_type, clients, name, request)
+            if "clients" in args.requests:
+                self.with_clients(file_type, urls, requests["ticket"])
+            if "repeated" in args.requests:
+                self.repeated(file_type, clients, requests["~8k"])
+        finally:
+            for process in processes:
+                process.terminate()
+                process.wait(timeout=60)
+
+    def table(self) -> list[str]:
+        args = self.args
+        lines = [
+            "# clef-gguf serve vs llama-server (same file, same threads)",
+            "",
+            f"`python tools/bench/bench_vs_llama_server.py --types {' '.join(args.types)} --requests {' '.join(args.requests)} "
+            f"--rounds {args.rounds} --short-rounds {args.short_rounds} --long-rounds {args.long_rounds} "
+            f"--threads {args.threads} --gap {args.gap}"
+            + (f" --clients {' '.join(map(str, args.clients))}" if self.concurrency else "")
+            + "`: fixture hidden 256,",
+            "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",
+            "to each server, interleaved, medians; ratio: the median of the rounds' ratios.",
+            f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
+            "",
+            "| type | request | tokens | clef-gguf | llama-server | ratio |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {t} | {n} | {k} | {a * 1e3:.0f} ms | " + (f"{b * 1e3:.0f} ms | {r:.2f} |" if b else "cannot (over 28,672) | - |")
+            for t, n, k, a, b, r in self.rows
+        ]
+        if not self.concurrency:
+            return lines
         lines += [
             "",
             f"Concurrent clients, the ticket, each request about a state of its own: {args.concurrency_rounds} rounds of "
@@ -323,15 +337,29 @@ def main() -> None:
             "| type | clients | clef-gguf req/s | p50 / p99 | llama-server -np 1 | p50 / p99 | -np 4 | p50 / p99 | ratio |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for t, n in dict.fromkeys((t, n) for t, n, *_ in concurrency):
-            by = {server: (rate, p50, p99) for tt, nn, server, rate, p50, p99 in concurrency if (tt, nn) == (t, n)}
+        for t, n in dict.fromkeys((t, n) for t, n, *_ in self.concurrency):
+            by = {server: (rate, p50, p99) for tt, nn, server, rate, p50, p99 in self.concurrency if (tt, nn) == (t, n)}
             cells = [f"{r:.2f} | {a * 1e3:.0f} / {b * 1e3:.0f} ms" for r, a, b in by.values()]
             best = max(by["llama-server -np 1"][0], by["llama-server -np 4"][0])
             lines.append(f"| {t} | {n} | " + " | ".join(cells) + f" | {by['clef-gguf'][0] / best:.2f} |")
+        return lines
+
+
+def main() -> None:
+    args = parse_args()
+    from clef_gguf.llama.threads import default_threads
+    from clef_gguf.testing.fixture_files import benchmark_files
+
+    args.threads = args.threads or default_threads()
+    run = Run(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        for file_type, path in benchmark_files(Path(tmp), args.types).items():  # built in a child: no torch threads here
+            run.file(file_type, path, Path(tmp), requests_by_size())
+    lines = run.table()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    plot(rows, concurrency, args.out.with_suffix(".png"), args.threads)
+    args.out.with_suffix(".json").write_text(json.dumps(run.raw, indent=1) + "\n")
+    plot(run.rows, run.concurrency, args.out.with_suffix(".png"), args.threads)
     print("\n".join(lines))
 
 
@@ -358,12 +386,7 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def plot(
-    rows: list[tuple[str, str, int, float, float | None, float | None]],
-    concurrency: list[tuple[str, int, str, float, float, float]],
-    out: Path,
-    threads: int,
-) -> None:
+def plot(rows: list[Row], concurrency: list[Concurrency], out: Path, threads: int) -> None:
     """Left: clef-gguf / llama-server by prompt size, one line per type, the repeated state as a marker. Right (with
     clients rows): requests per second by concurrent clients, one line per server and type."""
     import matplotlib

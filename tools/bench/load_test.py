@@ -92,7 +92,7 @@ class Connection:
 
 def _server_timing(header: str) -> dict[str, float]:
     metrics = (metric.strip().partition(";dur=") for metric in header.split(",") if ";dur=" in metric)
-    return {name: float(duration) for name, _, duration in metrics}
+    return {name: float(duration.partition(";")[0]) for name, _, duration in metrics}  # (dur, then desc=...)
 
 
 def start_server(model: Path, ctx: int, max_queue: int, threads: int | None) -> tuple[subprocess.Popen[bytes], int]:
