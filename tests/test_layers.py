@@ -152,3 +152,11 @@ def test_modules_and_functions_stay_short() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
                 long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1}")
     assert not long_modules and not long_functions, long_modules + long_functions
+
+
+def test_internals_names_every_module() -> None:
+    """docs/internals.md's layout table is where a reader finds a module: a new one is named there."""
+    text = (ROOT / "docs" / "internals.md").read_text()
+    modules = [p for p in (ROOT / "clef_gguf").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    missing = [str(p.relative_to(ROOT)) for p in modules if f"`{p.stem}`" not in text and f"{p.name}" not in text]
+    assert not missing, f"not in docs/internals.md: {missing}"
