@@ -2,7 +2,7 @@
 
 A setting has one name from the CLI flag to the place it is used (--max-queue is max_queue in ServeSettings,
 create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py),
-and this module imports nothing, so that `--help` shows them without loading llama.cpp.
+and this module imports nothing of the package, so that `--help` shows them without loading llama.cpp.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
+DEFAULT_UBATCH = 1024  # (docs/benchmarks.md, "Memory on an 8 GB card": what a ubatch's compute buffer costs)
 LogFormat = Literal["text", "json"]
 
 
@@ -30,14 +31,14 @@ class LoadOptions:
 
     n_gpu_layers: int = _setting(0, "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone).")
     # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
-    # (docs/devices.md: what fits an 8 GiB card).
+    # (docs/benchmarks.md, "Memory on an 8 GB card").
     max_prompt_tokens: int = _setting(
         65536, "Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache."
     )
     ubatch: int | None = _setting(
         None,
         "Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
-        "not the prompt. Default: 1024 (or the context if smaller); --ubatch = --ctx is one batch.",
+        f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
     )
     parallel: int = _setting(
         4,
@@ -48,7 +49,7 @@ class LoadOptions:
         None, "llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica)."
     )
     state_cache: int = _setting(
-        1 << 30,
+        1 << 30,  # two 8k-token states of Clef-flash
         "Host memory for the backbone states of recent requests' states (e.g. 512MiB; 0 turns it off): a request "
         "repeating a state prefills only its schema. Default: 1GiB.",
     )
@@ -61,9 +62,6 @@ class LoadOptions:
     def kwargs(self) -> dict[str, Any]:
         """load()'s keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-DEFAULT_UBATCH = 1024
 
 
 def default_ubatch(max_prompt_tokens: int) -> int:
