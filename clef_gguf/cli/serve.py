@@ -33,8 +33,8 @@ def _serve(name: str, **option: object) -> typer.models.OptionInfo:
     return typer.Option(help=help_of(ServeSettings, name), **option)  # type: ignore[arg-type]
 
 
-def _http(name: str) -> typer.models.OptionInfo:
-    return typer.Option(min=0 if name in ("min_body_rate", "body_grace") else 0.1, help=help_of(HttpLimits, name))
+def _http(name: str, low: float = 0.1) -> typer.models.OptionInfo:
+    return typer.Option(min=low, help=help_of(HttpLimits, name))
 
 
 def _ray(name: str, **option: object) -> typer.models.OptionInfo:
@@ -63,8 +63,8 @@ def serve(
     n_threads: NThreadsOption = LoadOptions.n_threads,
     header_timeout: Annotated[float, _http("header_timeout")] = H.header_timeout,
     body_timeout: Annotated[float, _http("body_timeout")] = H.body_timeout,
-    min_body_rate: Annotated[float, _http("min_body_rate")] = H.min_body_rate,
-    body_grace: Annotated[float, _http("body_grace")] = H.body_grace,
+    min_body_rate: Annotated[float, _http("min_body_rate", 0)] = H.min_body_rate,
+    body_grace: Annotated[float, _http("body_grace", 0)] = H.body_grace,
     keep_alive: Annotated[float, _http("keep_alive")] = H.keep_alive,
     log_format: LogFormatOption = D.log_format,
     state_cache: Annotated[int, state_cache_option()] = LoadOptions.state_cache,
