@@ -563,7 +563,7 @@ def test_16_concurrent_clients_get_the_sequential_answers(live, expected):
 
 
 class BlockingModel:
-    """A real model whose decide waits for a release: to hold the queue full on purpose."""
+    """A real model whose decide_batch waits for a release: to hold the queue full on purpose."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -574,10 +574,6 @@ class BlockingModel:
 
     def encode(self, request: Request) -> Any:
         return self.model.encode(request)
-
-    def decide(self, request: Request) -> dict[str, Any]:
-        assert self.release.wait(60)
-        return self.model.decide(request)
 
     def batchable(self, prompts: list[Any]) -> bool:
         return self.model.batchable(prompts)

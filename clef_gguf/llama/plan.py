@@ -25,7 +25,7 @@ from ..format import contract as C
 from ..format import hparams
 from ..format import vision as V
 from ..format.header import GGUFFile
-from ..settings import DEFAULT_UBATCH, LoadOptions
+from ..settings import LoadOptions, default_ubatch
 from . import log as llama_log
 from .backbone import MAX_UBATCH, context_params, load_model
 from .qwen35_view import lean_vocab
@@ -188,14 +188,14 @@ def memory_plan(
     With `mmproj`, the vision tower too (on the device when layers are offloaded, as the runtime runs it).
 
     Prompts are processed in ubatches of `ubatch` tokens, as the runtime does (the default is
-    its default: DEFAULT_UBATCH, or the prompt limit when that is smaller), up to `parallel` of them
+    its default: settings.default_ubatch, DEFAULT_UBATCH or the prompt limit when that is smaller), up to `parallel` of them
     together (each with a recurrent state of its own).
     """
     if ubatch is not None and not 1 <= ubatch <= MAX_UBATCH:
         raise SettingsError(f"ubatch must be between 1 and {MAX_UBATCH} (llama.cpp aborts above), not {ubatch}")
 
     def ubatch_at(n: int) -> int:
-        return min(ubatch or DEFAULT_UBATCH, n)
+        return default_ubatch(n) if ubatch is None else min(ubatch, n)
 
     f = GGUFFile.open(path)
     try:

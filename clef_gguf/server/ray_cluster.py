@@ -58,7 +58,7 @@ def _imported_from_here() -> Iterator[None]:
     install's checkout), whatever the directory `clef-gguf serve --ray` was started in. Every path Ray is given
     is absolute (launch.py resolves them), so nothing else reads the working directory meanwhile."""
     started_in = os.getcwd()
-    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_serve.py -> the folder holding clef_gguf
+    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_cluster.py -> the folder holding clef_gguf
     try:
         yield
     finally:

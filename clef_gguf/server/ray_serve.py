@@ -107,7 +107,7 @@ class RaySettings(BaseModel):
 class ReplicaDecider:
     """The ingress's decider (worker.Decider): each prompt to a model replica, as many at once as admitted.
 
-    The plain server's DecideWorker runs decide on one thread; here a decision is a remote call, and with
+    The plain server's DecideWorker decides on the model's compute thread; here a decision is a remote call, and with
     max_queue of them in flight every replica has work, the rest waiting in the replicas' own queues."""
 
     def __init__(self, replicas: DeploymentHandle, max_queue: int) -> None:

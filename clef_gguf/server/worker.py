@@ -63,8 +63,6 @@ class Encoder(Protocol):
 class Model(Encoder, Protocol):
     """What the server uses of a ClefModel that decides in this process."""
 
-    def decide(self, request: Prompt) -> dict[str, Any]: ...  # on a prompt encode returned
-
     def batchable(self, prompts: Sequence[Prompt]) -> bool: ...  # whether decide_batch takes them together
 
     def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
