@@ -20,7 +20,7 @@ class ReleaseError(ClefError):
 
 
 class ConversionError(ClefError):
-    """Conversion could not finish (output exists, unsupported shapes, disk)."""
+    """Conversion could not finish (unsupported shapes, disk); a refused output is an OutputError."""
 
     exit_code = 4
 
@@ -47,6 +47,15 @@ class IncompleteModelError(ModelFileError):
     """A Clef file with missing or mismatched parts: head, backbone, tokenizer or metadata."""
 
     exit_code = 7
+
+
+class AdapterBaseError(IncompleteModelError):
+    """An adapter file and a base that do not belong together: trained over another base, or shapes that differ."""
+
+
+class NonFiniteWeightsError(CorruptModelError):
+    """A tensor about to be written, or a head read, holds NaN or Inf values (a diverged fine-tune, a bad
+    lora_alpha, or a value beyond the range of the type it is stored in): no such file is written."""
 
 
 class ModelOutputError(CorruptModelError):
@@ -125,7 +134,8 @@ class AnswersFileError(ClefError):
 
 
 class OutputError(ClefError):
-    """An output (a report, its folder) could not be written: the disk is full, a permission, a special file."""
+    """An output could not be written, or is refused before any work (clef_gguf/outputs.py): it exists without
+    --force, is one of the inputs, is not a regular file, its folder is missing or read-only; the disk is full."""
 
     exit_code = 9
 

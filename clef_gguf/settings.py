@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
+# A JSON Lines record's largest size: the server's body limit at the default context (65536 tokens x 16 bytes,
+# server/body.py), read from files as from sockets. The CLI's --max-line-bytes defaults to the server's limit for
+# its --max-prompt-tokens and --mmproj.
+MAX_LINE_BYTES = 1 << 20
 DEFAULT_UBATCH = 1024  # (docs/benchmarks.md, "Memory on an 8 GB card": what a ubatch's compute buffer costs)
 LogFormat = Literal["text", "json"]
 
@@ -46,7 +50,9 @@ class LoadOptions:
         "fitting one ubatch. Each takes a recurrent state of its own in the context.",
     )
     n_threads: int | None = _setting(
-        None, "llama.cpp CPU threads (default: the physical cores this process may use; with --ray, 1 per replica)."
+        None,
+        "llama.cpp CPU threads (default: the physical cores this process may use, less those other processes keep busy "
+        "when it loads; with --ray, 1 per replica).",
     )
     state_cache: int = _setting(
         1 << 30,  # two 8k-token states of Clef-flash
@@ -58,10 +64,33 @@ class LoadOptions:
         "The vision tower (llama.cpp's mmproj GGUF, which convert writes beside the model): requests may carry up to "
         "4 images. Without it, requests with images are refused.",
     )
+    # Many fine-tunes over one base (runtime/adapters.py): a request names its model; NAME.adapter.gguf files.
+    adapters: dict[str, str | Path] | None = _setting(
+        None, "A fine-tune over this base, NAME=FILE (an adapter file: convert CHECKPOINT --base RELEASE --adapter); repeatable."
+    )
+    adapter_dir: str | Path | None = _setting(
+        None, "A folder of NAME.adapter.gguf files: an adapter is loaded when a request first names it."
+    )
+    max_adapters: int = _setting(8, "At most this many adapters loaded at once (least recently used unloaded first).")
+    adapter_memory: int | None = _setting(
+        None, "At most this much memory for loaded adapters' LoRAs and heads (e.g. 2GiB). Default: no bound but --max-adapters."
+    )
 
     def kwargs(self) -> dict[str, Any]:
         """load()'s keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class DataFiles:
+    """How decide's dataset mode, eval, compare and calibrate read a JSON Lines file (runtime/dataset_file.py)."""
+
+    max_line_bytes: int | None = _setting(
+        None,
+        "JSON Lines: a record longer than this (e.g. 4MiB) is refused unread, an error line (decide) or a line not "
+        "counted (eval). Default: the server's body limit, 16 bytes a prompt token (1MiB at the default "
+        "--max-prompt-tokens), plus 13MiB with --mmproj.",
+    )
 
 
 def default_ubatch(max_prompt_tokens: int) -> int:
@@ -84,6 +113,17 @@ class HttpLimits:
         240.0, "Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none)."
     )
     body_grace: float = _setting(5.0, "Seconds before --min-body-rate applies to a body.")
+    # A body takes an intake slot (--max-queue) only once whole: while it arrives it costs a connection and the bytes
+    # it sent, bounded by these two. 64 MiB: 64 text bodies at the 1 MiB cap of the default --ctx, or 4 with images.
+    max_body_buffer: int = _setting(
+        64 << 20,
+        "Bytes the request bodies still arriving may hold in all (e.g. 64MiB); a body that does not fit gets 503. "
+        "Default: 64MiB.",
+    )
+    # nginx's default worker_connections: far above the --max-queue (64) bodies a server reads honestly at once.
+    max_body_readers: int = _setting(
+        512, "Request bodies read at once (uvicorn's --limit-concurrency, for bodies); more get 503."
+    )
     keep_alive: float = _setting(5.0, "Seconds an idle connection is kept after an answer.")  # uvicorn's default
 
 
@@ -94,7 +134,9 @@ class ServeSettings:
     host: str = _setting("127.0.0.1", "Interface to bind; the default keeps the server on this machine.")
     port: int = _setting(8000, "TCP port.")
     api_key: str | None = _setting(None, "Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)")
-    max_queue: int = _setting(64, "Requests read at once, and admitted to decide (running + waiting); more get 503.")
+    max_queue: int = _setting(
+        64, "Whole bodies prepared at once, and requests admitted to decide (running + waiting); more get 503."
+    )
     drain_timeout: float = _setting(60.0, "Seconds SIGTERM waits for admitted requests to finish.")
     limits: HttpLimits = field(default_factory=HttpLimits)  # (on Ray, its proxy's own, but for the body and keep-alive)
     log_format: LogFormat = _setting(

@@ -44,7 +44,8 @@ void set_threads(ggml_backend_t cpu, int n_threads) {
     if (set != nullptr && n_threads > 0) set(cpu, n_threads);
 }
 
-// "role<TAB>type<TAB>ne0<TAB>ne1<TAB>offset" lines (clef_gguf/llama/native_head.py manifest_text).
+// "role<TAB>type<TAB>ne0<TAB>ne1<TAB>offset[<TAB>file]" lines (clef_gguf/llama/native_head.py manifest_text); file is
+// the index of the path the row's bytes are in (0 when absent).
 clef::Manifest parse_manifest(const char * text) {
     clef::Manifest manifest;
     std::istringstream lines(text);
@@ -57,6 +58,7 @@ clef::Manifest parse_manifest(const char * text) {
         if (!std::getline(fields, role, '\t') || !(fields >> type >> row.ne0 >> row.ne1 >> row.offset)) {
             throw clef::Error("a head manifest line is not role, type, ne0, ne1, offset: " + line);
         }
+        if (!(fields >> row.file)) row.file = 0;
         row.type = (ggml_type) type;
         manifest[role] = row;
     }
@@ -125,7 +127,10 @@ void init_backends(clef_head & head, const char * path, const clef::Manifest & m
     } else {
         head.model.split_products = head.device != nullptr && rounds_products(head.device);
     }
-    clef::load_model(head.model, path, manifest, ggml_backend_get_default_buffer_type(primary));
+    std::vector<std::string> paths;  // `path` holds one path a line: the model's, then an adapter's
+    std::istringstream lines(path);
+    for (std::string line; std::getline(lines, line);) paths.push_back(line);
+    clef::load_model(head.model, paths, manifest, ggml_backend_get_default_buffer_type(primary));
 }
 
 void free_head(clef_head * head) {

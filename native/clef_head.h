@@ -17,7 +17,9 @@ extern "C" {
 typedef struct clef_head clef_head;
 
 // Read the head's tensors (in their stored types) from the Clef GGUF at `path`, as `manifest` says:
-// one "role<TAB>ggml type<TAB>ne0<TAB>ne1<TAB>absolute offset" line a tensor, checked against the file
+// one "role<TAB>ggml type<TAB>ne0<TAB>ne1<TAB>absolute offset[<TAB>file]" line a tensor, checked against the file
+// (`path` may hold several paths, one a line: a row's optional file is the index of the one its bytes are in;
+// an adapter's head is read from the adapter file over its base's lexicon)
 // by the caller (clef_gguf/llama/native_head.py, from contract.head_manifest). config: hidden_size,
 // width, routing_layers, layers, heads, feedforward; norm_eps: the head's LayerNorm epsilon. use_gpu:
 // run on the first GPU device ggml knows (CUDA or Vulkan when llama-cpp-python was built with it),

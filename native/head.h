@@ -65,13 +65,16 @@ struct Lexicon {
     int64_t n_embd, n_vocab;
     size_t row_size;
     uint64_t offset;  // absolute, in the file
+    int file = 0;     // which of the files (Model::fds)
 };
 
 struct Model {
     Config config;
     Weights weights;
     Lexicon lexicon;
-    int fd = -1;
+    // The files the manifest's rows lie in: the model's own, then (an adapter's head) the adapter file whose
+    // tensors replace some of the model's.
+    std::vector<int> fds;
     ggml_context * ctx = nullptr;  // tensor metadata of the weights
     ggml_backend_buffer_t buffer = nullptr;
     bool on_cpu = true;  // the head's graph runs on the CPU backend (no GPU)
@@ -88,11 +91,12 @@ struct ManifestRow {
     ggml_type type;
     int64_t ne0, ne1;
     uint64_t offset;  // absolute, in the file
+    int file = 0;     // which of the paths clef_head_load was given
 };
 using Manifest = std::map<std::string, ManifestRow>;
 
 // Load the head's tensors into a buffer of `buft`; throws Error.
-void load_model(Model & model, const char * path, const Manifest & manifest, ggml_backend_buffer_type_t buft);
+void load_model(Model & model, const std::vector<std::string> & paths, const Manifest & manifest, ggml_backend_buffer_type_t buft);
 void free_model(Model & model);
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids);
 

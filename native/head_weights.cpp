@@ -111,17 +111,17 @@ Weights head_weights(TensorTable & t, const Config & c) {
 }
 
 // decision.scales: [prior, joint, gate], F32.
-void read_scales(int fd, const ManifestRow & scales, Weights & w) {
+void read_scales(const std::vector<int> & fds, const ManifestRow & scales, Weights & w) {
     float values[3];
-    read_at(fd, values, sizeof values, scales.offset);
+    read_at(fds.at(scales.file), values, sizeof values, scales.offset);
     w.prior_scale = values[0];
     w.joint_scale = values[1];
     w.gate = values[2];
 }
 
-std::vector<uint8_t> tensor_bytes(int fd, const ManifestRow & row) {
+std::vector<uint8_t> tensor_bytes(const std::vector<int> & fds, const ManifestRow & row) {
     std::vector<uint8_t> bytes(ggml_row_size(row.type, row.ne0) * (size_t) row.ne1);
-    read_at(fd, bytes.data(), bytes.size(), row.offset);
+    read_at(fds.at(row.file), bytes.data(), bytes.size(), row.offset);
     return bytes;
 }
 
@@ -148,41 +148,46 @@ std::vector<float> transposed_keys(const std::vector<uint8_t> & key, const Manif
 }
 
 // Copy each head tensor's bytes from the file into the backend buffer, and derive key_t.
-void upload(int fd, const TensorTable & table, int64_t heads) {
+void upload(const std::vector<int> & fds, const TensorTable & table, int64_t heads) {
     for (const auto & [tensor, source] : table.sources()) {
-        std::vector<uint8_t> bytes = tensor_bytes(fd, source);
+        std::vector<uint8_t> bytes = tensor_bytes(fds, source);
         ggml_backend_tensor_set(tensor, bytes.data(), 0, bytes.size());
     }
     for (const auto & [key_t, source] : table.derived()) {
-        std::vector<float> values = transposed_keys(tensor_bytes(fd, source), source, heads);
+        std::vector<float> values = transposed_keys(tensor_bytes(fds, source), source, heads);
         ggml_backend_tensor_set(key_t, values.data(), 0, values.size() * sizeof(float));
     }
 }
 
 }  // namespace
 
-void load_model(Model & model, const char * path, const Manifest & manifest, ggml_backend_buffer_type_t buft) {
+void load_model(Model & model, const std::vector<std::string> & paths, const Manifest & manifest, ggml_backend_buffer_type_t buft) {
     try {
         const Config & c = model.config;
-        model.fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (model.fd < 0) {
-            throw Error(std::string("cannot open ") + path + ": " + std::strerror(errno));
+        for (const std::string & path : paths) {
+            model.fds.push_back(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+            if (model.fds.back() < 0) {
+                throw Error("cannot open " + path + ": " + std::strerror(errno));
+            }
+        }
+        for (const auto & [role, row] : manifest) {
+            if (row.file < 0 || (size_t) row.file >= paths.size()) throw Error("the head manifest's " + role + " is in no file given");
         }
         size_t n_tensors = manifest.size() + (size_t) (c.routing_layers + c.layers);  // and one key_t per memory attention
         ggml_init_params init = {ggml_tensor_overhead() * n_tensors, nullptr, /*no_alloc =*/true};
         model.ctx = ggml_init(init);
         TensorTable table(model.ctx, manifest);
         model.weights = head_weights(table, c);
-        read_scales(model.fd, table.row("scales"), model.weights);
+        read_scales(model.fds, table.row("scales"), model.weights);
         const ManifestRow & lexicon = table.row("lexicon");
-        model.lexicon = {lexicon.type, lexicon.ne0, lexicon.ne1, ggml_row_size(lexicon.type, lexicon.ne0), lexicon.offset};
+        model.lexicon = {lexicon.type, lexicon.ne0, lexicon.ne1, ggml_row_size(lexicon.type, lexicon.ne0), lexicon.offset, lexicon.file};
         model.buffer = ggml_backend_alloc_ctx_tensors_from_buft(model.ctx, buft);
         if (model.buffer == nullptr) {
             throw Error(std::string("cannot allocate the head's weights on ") + ggml_backend_buft_name(buft));
         }
         // The scheduler runs an op where its weights are: mark the buffer as weights.
         ggml_backend_buffer_set_usage(model.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        upload(model.fd, table, c.heads);
+        upload(model.fds, table, c.heads);
     } catch (...) {
         free_model(model);
         throw;
@@ -192,17 +197,19 @@ void load_model(Model & model, const char * path, const Manifest & manifest, ggm
 void free_model(Model & model) {
     if (model.buffer) ggml_backend_buffer_free(model.buffer);
     if (model.ctx) ggml_free(model.ctx);
-    if (model.fd >= 0) close(model.fd);
+    for (int fd : model.fds) {
+        if (fd >= 0) close(fd);
+    }
     model.buffer = nullptr;
     model.ctx = nullptr;
-    model.fd = -1;
+    model.fds.clear();
 }
 
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids) {
     const Lexicon & lex = model.lexicon;
     std::vector<uint8_t> rows(ids.size() * lex.row_size);
     for (size_t i = 0; i < ids.size(); i++) {
-        read_at(model.fd, rows.data() + i * lex.row_size, lex.row_size, lex.offset + (uint64_t) ids[i] * lex.row_size);
+        read_at(model.fds.at(lex.file), rows.data() + i * lex.row_size, lex.row_size, lex.offset + (uint64_t) ids[i] * lex.row_size);
     }
     return rows;
 }

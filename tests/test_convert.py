@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import clef_gguf
-from clef_gguf.errors import ConversionError, ReleaseError
+from clef_gguf.errors import OutputError, ReleaseError
 from clef_gguf.format import contract as C
 from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
@@ -114,7 +114,7 @@ def test_an_unreachable_hub_repo_is_one_line(tmp_path, monkeypatch):
 def test_existing_output_is_kept_unless_forced(ws, tmp_path):
     out = tmp_path / "model.gguf"
     out.write_bytes(b"precious")
-    with pytest.raises(ConversionError):
+    with pytest.raises(OutputError, match="exists; pass --force"):
         clef_gguf.convert(ws.release("untied_f32"), out, "f32")
     assert out.read_bytes() == b"precious"
     clef_gguf.convert(ws.release("untied_f32"), out, "f32", force=True)

@@ -27,7 +27,7 @@ from clef_gguf.conversion.graft import graft, head_tensors
 from clef_gguf.conversion.release import open_release
 from clef_gguf.conversion.vocab import read_vocab
 from clef_gguf.conversion.writer import GT, header_bytes, remove_stale
-from clef_gguf.errors import ConversionError
+from clef_gguf.errors import OutputError
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.qwen35_view import write_backbone_gguf
@@ -210,12 +210,12 @@ def test_out_can_never_be_an_input_file(ws, tmp_path):
     before = weights.read_bytes()
     for target in (weights, release / "config.json", release / "tokenizer.json"):
         run = cli("convert", str(release), "-o", str(target), "--type", "f32", "--force")
-        assert run.returncode == 4 and "is one of the input files" in run.stderr, run.stderr
+        assert run.returncode == 9 and "is one of the input files" in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
     link = tmp_path / "link.safetensors"
     link.symlink_to(weights)  # the same file under another name
     run = cli("convert", str(release), "-o", str(link), "--type", "f32", "--force")
-    assert run.returncode == 4 and "is one of the input files" in run.stderr, run.stderr
+    assert run.returncode == 9 and "is one of the input files" in run.stderr, run.stderr
     assert weights.read_bytes() == before
 
     backbone = tmp_path / "backbone.gguf"
@@ -225,9 +225,9 @@ def test_out_can_never_be_an_input_file(ws, tmp_path):
         write_backbone_gguf(f, backbone)
     finally:
         f.close()
-    with pytest.raises(ConversionError, match="is one of the input files"):
+    with pytest.raises(OutputError, match="is one of the input files"):
         graft(backbone, release, backbone, force=True)
-    with pytest.raises(ConversionError, match="is one of the input files"):
+    with pytest.raises(OutputError, match="is one of the input files"):
         graft(backbone, release, release / "joint_head.safetensors", force=True)
 
 
@@ -270,13 +270,13 @@ def test_unwritable_outputs_are_one_line_errors(ws, tmp_path):
     }
     for name, (out, message) in cases.items():
         run = cli("convert", release, "-o", str(out), "--type", "f32", "--force")
-        assert run.returncode == 4, (name, run.stderr)
+        assert run.returncode == 9, (name, run.stderr)  # the output rule (clef_gguf/outputs.py): OutputError
         assert message in run.stderr and "Traceback" not in run.stderr, (name, run.stderr)
         assert len(run.stderr.strip().splitlines()) == 1, (name, run.stderr)
     assert "[/b]" in cli("convert", release, "-o", str(cases["markup in a missing path"][0]), "--type", "f32").stderr
     with read_only_folder(tmp_path / "read-only") as ro:
         run = cli("convert", release, "-o", str(ro / "out.gguf"), "--type", "f32")
-        assert run.returncode == 4 and "cannot write in" in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert run.returncode == 9 and "cannot write in" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_a_path_with_markup_is_printed_as_it_is(ws, tmp_path):

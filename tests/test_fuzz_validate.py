@@ -160,7 +160,8 @@ def check_any_bytes(data: bytes, deep: bool) -> None:
         with mock.patch.object(V, "FIRST_FETCH", 256):  # many small fetches, as for a large remote header
             remote = validate_remote(MemoryReader(data, str(path)))
         local = report if not deep else validate(path)
-        assert (remote.verdict, remote.summary) == (local.verdict, local.summary)
+        if not any(p.check == "head values" for p in local.problems):  # read from a local file only (check/finite.py)
+            assert (remote.verdict, remote.summary) == (local.verdict, local.summary)
         if local.ok:
             open_validated(path).close()  # the runtime's gate agrees
         else:

@@ -18,6 +18,7 @@ from live_server import served
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import BlockingModel, start
 
+import clef_gguf
 from clef_gguf.runtime.state_cache import split_at_prefix
 from clef_gguf.server import create_app
 from clef_gguf.server.observe import ACCESS_LOGGER
@@ -107,14 +108,16 @@ def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model)
     assert value(samples, "clef_request_duration_seconds_count", route="/v1/systemone") == sum(systemone.values())
     assert value(samples, "clef_requests_refused_total") == 1
     usages = [r.json()["usage"] for r in answered]
-    assert value(samples, "clef_prompt_tokens_total") == sum(u["input_tokens"] for u in usages)
-    assert value(samples, "clef_cached_tokens_total") == sum(u["input_tokens_details"]["cached_tokens"] for u in usages)
+    base = {"model": model.name}  # the decided requests' series, by model
+    assert value(samples, "clef_prompt_tokens_total", **base) == sum(u["input_tokens"] for u in usages)
+    assert value(samples, "clef_cached_tokens_total", **base) == sum(u["input_tokens_details"]["cached_tokens"] for u in usages)
     assert usages[1]["input_tokens_details"]["cached_tokens"] == prompt.state_prefix  # the hit, as the answer says
-    assert value(samples, "clef_state_cache_hits_total") == 1 and value(samples, "clef_state_cache_misses_total") == 1
-    assert value(samples, "clef_images_total") == 0
+    assert value(samples, "clef_state_cache_hits_total", **base) == 1
+    assert value(samples, "clef_state_cache_misses_total", **base) == 1
+    assert value(samples, "clef_images_total", **base) == 0
     for phase in ("queue", "compute"):
-        assert value(samples, "clef_decision_seconds_count", phase=phase) == 4
-    assert value(samples, "clef_decision_seconds_sum", phase="compute") > 0
+        assert value(samples, "clef_decision_seconds_count", phase=phase, **base) == 4
+    assert value(samples, "clef_decision_seconds_sum", phase="compute", **base) > 0
     assert value(samples, "clef_requests_in_flight") == 1  # the scrape itself
     assert value(samples, "clef_decisions_queued") == 0 and value(samples, "clef_bodies_reading") == 0
     assert value(samples, "clef_state_cache_entries") == len(model.state_cache) > 0
@@ -122,6 +125,34 @@ def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model)
     assert value(samples, "clef_state_cache_budget_bytes") == model.state_cache.budget
     info = {"name": model.name, "type": "text", "context": str(model.max_prompt_tokens), "ubatch": str(model.ubatch)}
     assert value(samples, "clef_model_info", **info) == 1
+
+
+def test_the_decided_series_carry_the_model_that_decided(ws, tmp_path):
+    """Served with an adapter, each decided request is counted under its model's name: the base's or the adapter's
+    (as the answer's `model` says), by System One's `model` and Workers AI's `lora` alike."""
+    from peft_adapters import peft_adapter
+
+    adapter = peft_adapter(ws.release("untied_f32"), tmp_path, "tuned")
+    model = clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=4096, adapters={"tuned": adapter})
+    live = start(create_app(model, max_queue=4))
+    try:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+            base = c.post("/v1/systemone", json=SHORT).json()
+            tuned = [c.post("/v1/systemone", json={**SHORT, "model": "tuned"}).json()]
+            run = c.post("/accounts/a/ai/run/@cf/cloudflare/clef-flash", json={**SHORT, "lora": "tuned"}).json()
+            tuned.append(run["result"])
+            assert c.post("/v1/systemone", json={**SHORT, "model": "nope"}).status_code == 422  # not decided: not counted
+            samples = scrape(c)
+    finally:
+        live.stop()
+    assert base["model"] == model.name and [t["model"] for t in tuned] == ["tuned", "tuned"]
+    for name, answers in ((model.name, [base]), ("tuned", tuned)):
+        tokens = sum(a["usage"]["input_tokens"] for a in answers)
+        assert value(samples, "clef_prompt_tokens_total", model=name) == tokens > 0, name
+        assert value(samples, "clef_decision_seconds_count", phase="compute", model=name) == len(answers), name
+        assert ("clef_images_total", frozenset({("model", name)})) in samples
+        assert value(samples, "clef_images_total", model=name) == 0
+    assert value(samples, "clef_requests_total", route="/v1/systemone", status="200") == 2
 
 
 def test_two_apps_in_one_process_keep_their_own_counts(model):

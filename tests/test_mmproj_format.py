@@ -18,7 +18,7 @@ from gguf import Keys
 import clef_gguf
 from clef_gguf.conversion.convert import convert_files, default_mmproj_path
 from clef_gguf.conversion.mmproj import MMPROJ_TYPES
-from clef_gguf.errors import ConversionError, ReleaseError
+from clef_gguf.errors import ConversionError, OutputError, ReleaseError
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.golden import describe, make_golden  # noqa: E402
@@ -136,7 +136,7 @@ def test_names_and_switches(ws, tmp_path):
 def test_an_existing_mmproj_is_kept_unless_forced(ws, tmp_path):
     out = tmp_path / "m.gguf"
     default_mmproj_path(out).write_bytes(b"precious")
-    with pytest.raises(ConversionError, match="exists"):
+    with pytest.raises(OutputError, match="exists"):
         clef_gguf.convert(ws.release("untied_f32"), out, "f32")
     assert not out.exists() and default_mmproj_path(out).read_bytes() == b"precious"
     clef_gguf.convert(ws.release("untied_f32"), out, "f32", force=True)

@@ -192,3 +192,70 @@ def test_the_vision_tower_is_counted_where_it_runs(ws):
     assert (on_host.device_bytes, on_host.host_bytes) == (0, weights)
     with pytest.raises(clef_gguf.ModelFileError):
         memory_plan(path, 512, mmproj=path)  # a model is no mmproj
+
+
+_LORA_BUFFER = re.compile(r"(\S+) +LoRA buffer size = +([\d.]+) MiB")
+
+
+@pytest.fixture(scope="module")
+def k256_adapters(ws, tmp_path_factory):
+    """Two adapter files over the k256 release: f32 and q8_0 (whose products llama.cpp runs as such)."""
+    from peft_adapters import peft_adapter
+
+    root = tmp_path_factory.mktemp("plan-adapters")
+    release = ws.release("k256")
+    return [peft_adapter(release, root, "a", file_type="f32"), peft_adapter(release, root, "b", seed=1, file_type="q8_0")]
+
+
+@pytest.mark.parametrize("offload", ["default", "none"])
+def test_an_adapter_is_planned_as_llama_cpp_allocates_its_lora(ws, default_gpu_layers, k256_adapters, offload):
+    """plan --adapter: each adapter's LoRA where llama.cpp puts it (its "LoRA buffer size" lines, logged when the
+    runtime loads it for its first request), and a whole head of its own where the base's head runs."""
+    from clef_gguf.llama.plan import adapter_head_bytes
+
+    path, n_ctx = ws.gguf("k256", "q4_k_m"), 1024
+    n_gpu_layers = default_gpu_layers if offload == "default" else 0
+    plan = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers, adapters=k256_adapters)
+    alone = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers)
+    assert [a.adapter for a in plan.adapters] == [str(p) for p in k256_adapters]
+    assert plan.device_bytes + plan.host_bytes - alone.device_bytes - alone.host_bytes == plan.adapter_bytes > 0
+    request = {"state": "s", "questions": {"q": {"type": "noul"}}}
+    base = GGUFFile.open(path)
+    try:
+        for adapter, cost in zip(k256_adapters, plan.adapters, strict=True):
+            lines: list[str] = []
+            loading = {"max_prompt_tokens": n_ctx, "n_gpu_layers": n_gpu_layers, "adapters": {"x": adapter}}
+            with clef_gguf.load(path, **loading) as model, llama_log.capture_info(lines.append):
+                assert model.decide({**request, "model": "x"})["model"] == "x"  # the LoRA is loaded for its first request
+            allocated = {"device": 0, "host": 0}
+            for m in _LORA_BUFFER.finditer("".join(lines)):
+                allocated["host" if m[1].startswith("CPU") or m[1].endswith("_Host") else "device"] += int(float(m[2]) * MIB)
+            assert sum(allocated.values()) > 0, "".join(lines)[-2000:]
+            assert _close(cost.lora_device_bytes, allocated["device"]) and _close(cost.lora_host_bytes, allocated["host"])
+            f = GGUFFile.open(adapter)
+            head = adapter_head_bytes(base, f)
+            f.close()
+            assert (cost.head_device_bytes, cost.head_host_bytes) == ((head, 0) if n_gpu_layers else (0, head))
+    finally:
+        base.close()
+
+
+def test_plan_adapter_prints_a_line_each_and_their_total(ws, k256_adapters, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = str(ws.gguf("k256", "q4_k_m"))
+    args = [arg for adapter in k256_adapters for arg in ("--adapter", str(adapter))]
+    command = [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--ctx", "1024", *args]
+    table = subprocess.run(command, capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    assert "adapter a.adapter.gguf" in table.stdout and "adapter b.adapter.gguf" in table.stdout
+    assert "2 adapters: " in table.stdout
+    data = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert data["adapter_bytes"] == memory_plan(path, 1024, adapters=k256_adapters).adapter_bytes > 0
+    assert [a["adapter"] for a in data["adapters"]] == [str(a) for a in k256_adapters]
+    other = ws.gguf("untied_f32", "f32")  # another base: refused with validate's exit code for the pair
+    command = [sys.executable, "-m", "clef_gguf.cli", "plan", str(other), *args[:2]]
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode == 7 and "does not fit the base" in refused.stderr, refused.stderr

@@ -242,8 +242,9 @@ def test_the_ingress_counts_requests_and_answers_with_one_request_id(ray_url):
         (s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(scraped.text) for s in f.samples
     }
     assert samples[("clef_requests_total", frozenset({("route", "/v1/systemone"), ("status", "200")}))] >= 1
-    assert samples[("clef_decision_seconds_count", frozenset({("phase", "compute")}))] >= 1
-    assert ("clef_state_cache_hits_total", frozenset()) in samples
+    model = ("model", health.json()["model"])  # the decided requests' series, by the model that decided them
+    assert samples[("clef_decision_seconds_count", frozenset({("phase", "compute"), model}))] >= 1
+    assert ("clef_state_cache_hits_total", frozenset({model})) in samples
     assert not any(name.startswith("clef_state_cache_bytes") for name, _ in samples)  # in each replica, not here
 
 

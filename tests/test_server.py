@@ -346,13 +346,23 @@ STRICT: dict[str, tuple[bytes, bool]] = {  # the bytes, and whether they are rea
     "-Infinity": (b'{"state": [-Infinity], "questions": {"q": {"type": "noul"}}}', False),
     "NaN as text": (b'{"state": "NaN", "questions": {"q": {"type": "noul"}}}', True),
     "not UTF-8": (b'{"state": "caf\xe9", "questions": {"q": {"type": "noul"}}}', False),
-    "a UTF-8 BOM": (b'\xef\xbb\xbf{"state": "s", "questions": {"q": {"type": "noul"}}}', False),
     "a lone surrogate in a key": (b'{"state": {"k\\ud800": 1}, "questions": {"q": {"type": "noul"}}}', False),
     "a huge integer": (b'{"state": ' + b"9" * 5000 + b', "questions": {"q": {"type": "noul"}}}', False),
     "nesting at the limit": (_nested(MAX_REQUEST_NESTING), True),  # the innermost array is at depth 256
     "nesting past the limit": (_nested(MAX_REQUEST_NESTING + 1), False),
     "nesting past Python's recursion limit": (_nested(5000), False),
 }
+
+
+def test_a_byte_order_mark_starts_a_file_never_a_body(client, tmp_path):
+    """The one exception to the same rules: a file may start with a UTF-8 BOM (Windows editors write one), which every
+    file reader skips (runtime/reader.py); a JSON text sent over HTTP must not (RFC 8259, 8.1), and is refused."""
+    raw = b'\xef\xbb\xbf{"state": "s", "questions": {"q": {"type": "noul"}}}'
+    response = client.post("/v1/systemone", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["detail"][0]["type"] == "json_invalid"
+    (tmp_path / "request.json").write_bytes(raw)
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "decide", str(tmp_path / "request.json")], capture_output=True)
+    assert run.returncode == 0 and json.loads(run.stdout)["answers"]["q"]["noul"] >= 0, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", list(STRICT))
@@ -574,6 +584,12 @@ class BlockingModel:
 
     def encode(self, request: Request) -> Any:
         return self.model.encode(request)
+
+    def adapter_names(self) -> list[str]:
+        return self.model.adapter_names()
+
+    def model_name(self, prompt: Any) -> str:
+        return self.model.model_name(prompt)
 
     def batchable(self, prompts: list[Any]) -> bool:
         return self.model.batchable(prompts)

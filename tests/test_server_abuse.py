@@ -319,8 +319,9 @@ def test_prompts_over_the_limit_are_refused_without_delaying_a_normal_request(se
     assert max(excess) < 0.1, excess
 
 
-def test_uploads_in_progress_count_against_max_queue(server):
-    """MAX_QUEUE slow uploads hold every intake slot: one more request gets a JSON 503 at once, not a wait."""
+def test_uploads_in_progress_hold_no_intake_slot(server):
+    """MAX_QUEUE slow uploads take no intake slot (one is taken once a body is whole, issue 46): one more request is
+    answered at once, not refused. Their own cap is --max-body-readers (tests/test_slow_bodies.py)."""
     with ThreadPoolExecutor(MAX_QUEUE) as pool:
         slow = [pool.submit(exchange, server.port, [post_head(1000)] + [b" "] * 40, 0.1) for _ in range(MAX_QUEUE)]
         deadline = time.monotonic() + 10
@@ -328,10 +329,9 @@ def test_uploads_in_progress_count_against_max_queue(server):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         started = time.perf_counter()
-        refused = httpx.post(f"{server.url}/v1/systemone", json=NORMAL, timeout=60)
+        answered = httpx.post(f"{server.url}/v1/systemone", json=NORMAL, timeout=60)
         assert time.perf_counter() - started < 0.5
-        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-        assert refused.json()["detail"]["error_type"] == "overloaded_error"
+        assert answered.status_code == 200, answered.text
         for future in slow:
             assert_json_error(future.result(timeout=30), 408)
     assert httpx.post(f"{server.url}/v1/systemone", json=NORMAL, timeout=60).status_code == 200

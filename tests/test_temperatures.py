@@ -103,7 +103,7 @@ def test_calibrate_lowers_nll_and_eval_sees_the_calibrated_file(ws, tmp_path):
     assert json.loads(evaluated.stdout)["metrics"]["overall"]["nll"] == pytest.approx(result["after"]["fit"]["nll"], abs=1e-9)
     assert validate(out).temperatures == pytest.approx(result["temperatures"])
     again = subprocess.run([*CLI, "calibrate", str(model), str(DATA), "-o", str(out)], capture_output=True, text=True)
-    assert again.returncode == 4 and "--force" in again.stderr  # an existing output is not overwritten
+    assert again.returncode == 9 and "--force" in again.stderr  # an existing output is not overwritten
     in_place = subprocess.run([*CLI, "calibrate", str(model), str(DATA), "-o", str(model), "--force"], capture_output=True)
     assert in_place.returncode != 0 and validate(model).temperatures == {}
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from clef_gguf.llama.threads import cgroup_quota, default_threads, quota_cpus
+from clef_gguf.llama.threads import cgroup_quota, default_threads, physical_threads, quota_cpus
 
 
 def test_the_default_is_at_least_one_and_at_most_the_cpus_allowed():
@@ -24,7 +24,7 @@ def test_the_default_counts_each_physical_core_once():
     rows = [line.split(",") for line in listing.splitlines() if line and not line.startswith("#")]
     cores = {(socket, core) for cpu, core, socket in rows if int(cpu) in allowed}
     quota = cgroup_quota()  # a cgroup quota can only lower it
-    assert default_threads() == (min(len(cores), quota) if quota else len(cores))
+    assert physical_threads() == (min(len(cores), quota) if quota else len(cores))
 
 
 def test_a_process_pinned_to_one_cpu_defaults_to_one_thread():

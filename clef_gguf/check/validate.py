@@ -2,11 +2,13 @@
 
 Without `deep` only the header is read (key-values and tensor infos: ~16 MB of a 6 GB
 file), locally through a memory map or remotely with HTTP range requests (remote.py),
-so an early backbone-only conversion is caught before its download. Every check adds
+so an early backbone-only conversion is caught before its download; a local file's head
+values are read too (check/finite.py: NaN or Inf there makes every decision NaN). Every check adds
 a Problem; the problems decide the verdict, and the verdict the exit code:
 
     complete              0  a Clef decision model stock llama.cpp and the head can run
-    corrupt               5  unreadable, not GGUF, truncated, bad offsets; --deep: NaN, Inf, zeros; --sha256
+    corrupt               5  unreadable, not GGUF, truncated, bad offsets; NaN or Inf in the head (read without
+                             --deep: the head is small); --deep: NaN, Inf, zeros in any tensor; --sha256
     not_a_decision_model  6  a sound GGUF without the decision model (e.g. a backbone-only qwen35 file)
     incomplete            7  a Clef file with missing or mismatched parts (head, backbone, tokenizer, metadata)
 
@@ -34,8 +36,10 @@ from ..errors import ModelFileError, NotADecisionModelError, SettingsError
 from ..format import contract as C
 from ..format.header import GGUFFile, Header
 from ..format.hparams import prefix_of, read_backbone_shape, read_head_config
+from .adapter import is_adapter, judge_adapter
 from .deep import check_data, file_sha256
 from .description import ClefDescription, ValidatedFile
+from .finite import check_head_values
 from .layout import EMPTY, MAX_HEADER_BYTES, check_layout, parse_prefix
 from .metadata import OLD_LAYOUT_MESSAGE, check_decision_metadata, check_temperatures, check_tokenizer, old_layout
 from .mmproj import is_mmproj, judge_mmproj
@@ -49,6 +53,8 @@ MAX_FETCHES = 16
 def judge_header(h: Header, file_size: int) -> Findings:
     if is_mmproj(h):  # a vision tower, llama.cpp's mmproj: its own checks and summary
         return judge_mmproj(h, file_size)
+    if is_adapter(h):  # a fine-tune's LoRA and head over a base (check/adapter.py)
+        return judge_adapter(h, file_size)
     tensors = h.tensors
     n_head = sum(C.is_head_tensor(n) for n in tensors)
     arch = h.get(Keys.General.ARCHITECTURE)
@@ -135,10 +141,13 @@ def _judge_local(path: Path, deep: bool, sha256: str | None, started: float) -> 
     found = judge_header(header, size)
     f = GGUFFile(path, mapped, header)
     extra: dict[str, Any] = {"deep": deep}
-    if deep and not any(p.check == "layout" for p in found.problems):
+    laid_out = not any(p.check == "layout" for p in found.problems)
+    if deep and laid_out:
         problems, notes = check_data(f)
         found.problems += problems
         found.notes += notes
+    elif laid_out:  # the head is a small part of the file: its values are read even without --deep
+        found.problems += check_head_values(f)
     if sha256 is not None:
         extra["sha256"] = actual = file_sha256(path)
         if actual != sha256:
@@ -219,6 +228,9 @@ def open_validated(path: str | os.PathLike[str]) -> ValidatedFile:
     if f is not None and is_mmproj(f.header):
         f.close()
         raise NotADecisionModelError(f"{path}: this is a vision tower (an mmproj), not a Clef model: load the model file")
+    if f is not None and is_adapter(f.header):
+        f.close()
+        raise NotADecisionModelError(f"{path}: this is an adapter file, not a Clef model: load its base with the adapter")
     if not report.ok:
         if f is not None:
             f.close()

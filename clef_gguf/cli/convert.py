@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from ..conversion.adapter import DEFAULT_ADAPTER_TYPE, convert_adapter
 from ..conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES, Converted, convert_files
 from ..conversion.graft import graft as graft_head
 from .errors import err, fail, raise_pending, run, say, signals_clean_up
@@ -79,23 +80,54 @@ MmprojTypeOption = Annotated[
 ]
 
 
+TypeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--type",
+        "-t",
+        help=f"Backbone type: {', '.join(FILE_TYPES)} (default {DEFAULT_FILE_TYPE}); "
+        f"with --adapter, the LoRA's: f32, f16 or q8_0 (default {DEFAULT_ADAPTER_TYPE}).",
+        show_default=False,
+    ),
+]
+AdapterOption = Annotated[
+    bool,
+    typer.Option(
+        "--adapter",
+        help="With a checkpoint and --base: write an adapter file (the LoRA in llama.cpp's adapter layout, the head "
+        "tensors that differ from the base's) to load over the base's GGUF, instead of a merged model.",
+    ),
+]
+LlamaServerOption = Annotated[
+    bool, typer.Option("--llama-server", help="With --adapter: the variant llama-server's --lora loads (no head tensors).")
+]
+
+
 def convert(
     source: SourceOption,
     out: Out,
     base: BaseOption = None,
-    file_type: Annotated[str, typer.Option("--type", "-t", help=f"Backbone type: {', '.join(FILE_TYPES)}.")] = DEFAULT_FILE_TYPE,
+    file_type: TypeOption = None,
     head_type: HeadTypeOption = "auto",
     imatrix: ImatrixOption = None,
     mmproj: MmprojOption = None,
     no_mmproj: Annotated[bool, typer.Option("--no-mmproj", help="Do not convert the vision tower.")] = False,
     mmproj_type: MmprojTypeOption = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT (and the mmproj) if they exist.")] = False,
+    adapter: AdapterOption = False,
+    llama_server: LlamaServerOption = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata), and its vision
     tower into llama.cpp's mmproj file beside it. A clef-finetune checkpoint with --base: the base release with the
-    checkpoint's LoRA merged in and its head."""
+    checkpoint's LoRA merged in and its head, or with --adapter an adapter file over the base's GGUF."""
     if no_mmproj and mmproj is not None:
         fail("--mmproj and --no-mmproj exclude each other")
+    if adapter or llama_server:
+        if mmproj is not None or imatrix is not None or mmproj_type != "auto":
+            fail("--adapter writes a LoRA and a head, no mmproj and no llama.cpp quantization: drop --mmproj and --imatrix")
+        _convert_adapter(source, out, base, file_type, head_type, adapter, llama_server, force)
+        return
+    file_type = file_type or DEFAULT_FILE_TYPE
 
     def work() -> Converted:
         with signals_clean_up(), progress_bars() as progress:
@@ -118,6 +150,37 @@ def convert(
         say(f"wrote {made.mmproj} (the vision tower)")
     if made.note:
         say(f"note: {made.note}")
+
+
+def _convert_adapter(
+    source: str,
+    out: Path,
+    base: str | None,
+    file_type: str | None,
+    head_type: str,
+    adapter: bool,
+    llama_server: bool,
+    force: bool,
+) -> None:
+    if not adapter:
+        fail("--llama-server is a variant of --adapter: give both")
+    if base is None:
+        fail("--adapter converts a clef-finetune checkpoint over its base: give the release it was trained from with --base")
+
+    def work() -> Path:
+        with signals_clean_up(), progress_bars() as progress:
+            return convert_adapter(
+                source,
+                base,
+                out,
+                file_type or DEFAULT_ADAPTER_TYPE,
+                head_type=head_type,
+                llama_server=llama_server,
+                force=force,
+                progress=progress,
+            )
+
+    say(f"wrote {run(work)} (an adapter over {base}'s GGUF" + (", for llama-server's --lora)" if llama_server else ")"))
 
 
 def graft(

@@ -14,12 +14,25 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from ..data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
+from ..errors import SettingsError
 from ..runtime.dataset_file import Summary, decide_file
 from ..runtime.model import load
 from ..runtime.reader import read_request
 from ..settings import LoadOptions
 from .errors import err, fail, run, say, signals_clean_up
-from .options import GpuLayers, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
+from .options import (
+    AdapterFile,
+    GpuLayers,
+    MaxLineBytes,
+    MaxPrompt,
+    Mmproj,
+    Parallel,
+    Threads,
+    Ubatch,
+    check_ubatch,
+    line_limit,
+    state_cache_option,
+)
 
 # Some requests of a JSON Lines run got an error line. Not 3, the issue's first pick: that is ReleaseError's code
 # (clef_gguf/errors.py uses 1 to 7), and a wrapper script must tell "every line has its answer, some are errors"
@@ -52,6 +65,7 @@ def _progress_bar() -> Iterator[Callable[[Summary, int | None], None]]:
             s = summary.as_dict()
             rates = f"{s['records_per_s']:.1f} rec/s  {s['tokens_per_s']:,.0f} tok/s  {summary.cache_hits} cache hits"
             rates += f"  {summary.errors} errors" if summary.errors else ""
+            rates += f"  {summary.workers} workers" if summary.workers else ""
             bar.update(task, completed=summary.records, total=total, rates=rates)
 
         yield update
@@ -67,17 +81,55 @@ def _summary_line(summary: Summary, code: int) -> str:
     return f"decided {done} in {s['seconds']} s ({rates}) into {summary.out}; {outcome}"
 
 
+def on_ray(address: str | None) -> Any:
+    """server/ray_dataset.py, imported after ray_local.loopback_only when the cluster is to be started here."""
+    if address is None:
+        from ..server.ray_local import loopback_only
+
+        loopback_only()  # the cluster started here listens on 127.0.0.1 only; before ray is imported
+    try:
+        from ..server import ray_dataset
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in ("ray", "pandas", "pyarrow"):
+            raise
+        raise SettingsError("--ray needs Ray Data: pip install 'clef-gguf[ray]'") from None
+    return ray_dataset
+
+
+def ray_scorer(address: str | None, workers: int | None) -> Callable[..., Any]:
+    """`eval --ray`'s scorer (quality.evaluate's `score`): Ray imported once the run starts (its errors the CLI's)."""
+
+    def score(*args: Any, **kwargs: Any) -> Any:
+        return on_ray(address).score_on_ray(address, workers)(*args, **kwargs)
+
+    return score
+
+
 def _decide_jsonl(
-    model_path: Path, source: str, out: str, *, json_summary: bool, options: dict[str, Any], **settings: Any
+    model_path: Path,
+    source: str,
+    out: str,
+    *,
+    json_summary: bool,
+    options: dict[str, Any],
+    ray: tuple[str | None, int | None] | None = None,
+    **settings: Any,
 ) -> None:
     bar = err.is_terminal and not (out == "-" and sys.stdout.isatty())  # (answers on this terminal would tear the bar)
 
+    def decided(progress: Callable[[Summary, int | None], None] | None) -> Summary:
+        if ray is not None:
+            on = on_ray(ray[0])
+            return on.decide_file_on_ray(model_path, source, out, on.RayData(*ray, settings), progress=progress, **options)
+        with load(model_path, **settings) as model:
+            return decide_file(model, source, out, progress=progress, **options)
+
     def work() -> Summary:
-        with signals_clean_up(), load(model_path, **settings) as model:
+        with signals_clean_up():
             if not bar:
-                return decide_file(model, source, out, **options)
+                return decided(None)
             with _progress_bar() as progress:
-                return decide_file(model, source, out, progress=progress, **options)
+                return decided(progress)
 
     # After a signal the answers written are whole lines, fsynced on the way out.
     summary = run(work, stopped="the answers written are kept: --resume continues the run")
@@ -92,6 +144,7 @@ def _decide_jsonl(
 PathsOption = Annotated[
     list[str],
     typer.Argument(
+        metavar="[MODEL] REQUEST",
         help="[MODEL.gguf] REQUEST.json or REQUESTS.jsonl (- reads stdin). Without MODEL: the demo model.",
         show_default=False,
     ),
@@ -109,6 +162,28 @@ SortByStateOption = Annotated[
 ]
 JsonSummaryOption = Annotated[
     bool, typer.Option("--json", help="JSON Lines: a JSON summary at the end (on stdout; on stderr when the answers are).")
+]
+OnRayOption = Annotated[
+    bool,
+    typer.Option("--ray", help="JSON Lines: decide on a Ray cluster (Ray Data), the same answers in order (docs/dataset.md)."),
+]
+WorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        min=1,
+        help="With --ray: actors, each loading the model (default: the cluster's CPUs / --threads).",
+        show_default=False,
+    ),
+]
+AddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--address",
+        envvar="RAY_ADDRESS",
+        help="With --ray: the Ray cluster to join (default: a local one, started and stopped here, on loopback).",
+        show_default=False,
+    ),
 ]
 ImagesAnywhereOption = Annotated[
     bool,
@@ -135,6 +210,12 @@ def decide(
     json_summary: JsonSummaryOption = False,
     images_anywhere: ImagesAnywhereOption = False,
     parallel: Parallel = LoadOptions.parallel,
+    n_threads: Threads = LoadOptions.n_threads,
+    max_line_bytes: MaxLineBytes = None,
+    adapter: AdapterFile = None,
+    ray: OnRayOption = False,
+    workers: WorkersOption = None,
+    address: AddressOption = None,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
     and --image files, with --mmproj.
@@ -149,26 +230,21 @@ def decide(
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     check_ubatch(ubatch, max_prompt_tokens)
-    settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "ubatch": ubatch, "parallel": parallel}
+    settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "ubatch": ubatch}
+    settings |= {"parallel": parallel, "n_threads": n_threads, "adapter": adapter}
     if jsonl or request_path.lower().endswith(JSONL_SUFFIXES):
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")
         options = {"resume": resume, "force": force, "sort_by_state": sort_by_state, "images_anywhere": images_anywhere}
-        cache = LoadOptions.state_cache if state_cache is None else state_cache
-        _decide_jsonl(
-            model_path,
-            request_path,
-            out,
-            json_summary=json_summary,
-            options=options,
-            state_cache=cache,
-            mmproj=mmproj,
-            **settings,
-        )
-    jsonl_only = {"-o": out != "-", "--resume": resume, "--force": force, "--sort-by-state": sort_by_state}
-    given = [
-        name for name, on in {**jsonl_only, "--json": json_summary, "--allow-image-paths-anywhere": images_anywhere}.items() if on
-    ]
+        options["max_line_bytes"] = line_limit(max_line_bytes, max_prompt_tokens, mmproj)
+        if workers is not None and not ray:
+            fail("--workers is for --ray")
+        settings |= {"state_cache": LoadOptions.state_cache if state_cache is None else state_cache, "mmproj": mmproj}
+        on = (address, workers) if ray else None
+        _decide_jsonl(model_path, request_path, out, json_summary=json_summary, options=options, ray=on, **settings)
+    jsonl_only = {"-o": out != "-", "--resume": resume, "--force": force, "--sort-by-state": sort_by_state, "--ray": ray}
+    jsonl_only |= {"--json": json_summary, "--allow-image-paths-anywhere": images_anywhere, "--max-line-bytes": max_line_bytes}
+    given = [name for name, on in jsonl_only.items() if on]
     if given:
         fail(f"{given[0]} is for JSON Lines requests (a *.jsonl file, or --jsonl)")
     settings["state_cache"] = state_cache or 0

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from ..llama.plan import parse_size
-from ..settings import MAX_PARALLEL, LoadOptions, LogFormat, ServeSettings, help_of
+from ..settings import MAX_PARALLEL, DataFiles, LoadOptions, LogFormat, ServeSettings, help_of
 from .errors import fail
 
 GpuLayers = Annotated[
@@ -58,6 +58,12 @@ Parallel = Annotated[
 ]
 
 
+Threads = Annotated[
+    int | None,
+    typer.Option("--threads", min=1, help=help_of(LoadOptions, "n_threads"), show_default=False),
+]
+
+
 def _size(value: str | int) -> int:
     if isinstance(value, int):  # the default, which click hands to the parser too
         return value
@@ -79,6 +85,25 @@ def state_cache_option(default: str | None = None) -> Any:
     )
 
 
+MaxLineBytes = Annotated[
+    int | None,
+    typer.Option(
+        "--max-line-bytes", metavar="SIZE", parser=_size, help=help_of(DataFiles, "max_line_bytes"), show_default=False
+    ),
+]
+
+
+def line_limit(max_line_bytes: int | None, max_prompt_tokens: int, mmproj: Path | None) -> int:
+    """--max-line-bytes, or the server's body limit for these settings (server/body.py)."""
+    if max_line_bytes is not None:
+        if max_line_bytes < 1:
+            fail("--max-line-bytes must be at least 1 byte")
+        return max_line_bytes
+    from ..server.body import body_limit  # (here: --help does not load the server)
+
+    return body_limit(max_prompt_tokens, mmproj is not None)
+
+
 def check_ubatch(ubatch: int | None, max_prompt_tokens: int) -> None:
     if ubatch is not None and ubatch > max_prompt_tokens:
         fail(f"--ubatch ({ubatch}) cannot exceed --max-prompt-tokens ({max_prompt_tokens})")
@@ -91,3 +116,44 @@ LogFormatOption = Annotated[
         help=help_of(ServeSettings, "log_format"),
     ),
 ]
+
+
+# Many fine-tunes over one base (runtime/adapters.py).
+AdapterPairs = Annotated[
+    list[str] | None,
+    typer.Option("--adapter", metavar="NAME=FILE", help=help_of(LoadOptions, "adapters"), show_default=False),
+]
+AdapterDir = Annotated[
+    Path | None, typer.Option("--adapter-dir", help=help_of(LoadOptions, "adapter_dir"), show_default=False)
+]
+MaxAdapters = Annotated[int, typer.Option("--max-adapters", min=1, help=help_of(LoadOptions, "max_adapters"))]
+AdapterMemory = Annotated[
+    int | None,
+    typer.Option(
+        "--adapter-memory", metavar="SIZE", parser=_size, help=help_of(LoadOptions, "adapter_memory"), show_default=False
+    ),
+]
+AdapterFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--adapter",
+        metavar="FILE",
+        help="A fine-tune over MODEL (an adapter file: convert CHECKPOINT --base RELEASE --adapter) that answers every request.",
+        show_default=False,
+    ),
+]
+
+
+def adapter_pairs(values: list[str] | None) -> dict[str, Path] | None:
+    """--adapter NAME=FILE, repeated: {name: file}."""
+    if not values:
+        return None
+    pairs: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            fail(f"--adapter takes NAME=FILE (the name requests pick it by), not {value!r}")
+        if name in pairs:
+            fail(f"--adapter names {name} twice")
+        pairs[name] = Path(path)
+    return pairs

@@ -12,9 +12,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..llama.plan import Plan, memory_plan, parse_size
+from ..llama.threads import default_threads, physical_threads
 from ..settings import LoadOptions
 from .errors import line, run
-from .options import GpuLayers, Mmproj, Parallel, Ubatch, check_ubatch
+from .options import GpuLayers, Mmproj, Parallel, Threads, Ubatch, check_ubatch
 
 MIB = 1 << 20
 
@@ -32,19 +33,32 @@ def plan(
     n_gpu_layers: GpuLayers = -1,
     mmproj: Mmproj = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
+    n_threads: Threads = LoadOptions.n_threads,
+    adapters: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--adapter", metavar="FILE", help="An adapter file over MODEL to count, loaded (repeatable).", show_default=False
+        ),
+    ] = None,
 ) -> None:
     """Device and host memory for a model at a prompt limit: weights by type, KV, recurrent state, compute buffer;
-    with --mmproj, the vision tower's weights and the compute of its largest image."""
+    with --mmproj, the vision tower's weights and the compute of its largest image; and the CPU threads a load with
+    these options would compute on (the default measured now: runtime.md, Threads); with --adapter, each adapter's
+    LoRA and head, loaded (a line each, and their total)."""
     check_ubatch(ubatch, max_prompt_tokens)
 
     def work() -> Plan:  # (a --vram that is no size is the library's SettingsError: exit 2)
-        return memory_plan(model, max_prompt_tokens, n_gpu_layers, parse_size(vram) if vram else None, ubatch, mmproj, parallel)
+        size = parse_size(vram) if vram else None
+        return memory_plan(model, max_prompt_tokens, n_gpu_layers, size, ubatch, mmproj, parallel, adapters or ())
 
     result = run(work)
+    threads = n_threads or default_threads()
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        typer.echo(json.dumps({**result.to_dict(), "threads": threads}, indent=2))
     else:
         _print_plan(result, model, vram)
+        given = "--threads" if n_threads else f"the default: {physical_threads()} physical cores, less those busy now"
+        Console().print(f"CPU threads: {threads} ({given})", markup=False, highlight=False)
 
 
 def _print_plan(result: Plan, model: Path, vram: str | None) -> None:
@@ -54,10 +68,15 @@ def _print_plan(result: Plan, model: Path, vram: str | None) -> None:
     for column in ("component", "device MiB", "host MiB", "source"):
         table.add_column(column, justify="left" if column in ("component", "source") else "right")
     for row in result.lines:
-        table.add_row(row.component, f"{row.device_bytes / MIB:.1f}", f"{row.host_bytes / MIB:.1f}", row.source)
+        table.add_row(escape(line(row.component)), f"{row.device_bytes / MIB:.1f}", f"{row.host_bytes / MIB:.1f}", row.source)
     table.add_row("[bold]total", f"[bold]{result.device_bytes / MIB:.1f}", f"[bold]{result.host_bytes / MIB:.1f}", "")
     out = Console()
     out.print(table)
+    if result.adapters:
+        device = sum(a.line.device_bytes for a in result.adapters) / MIB
+        host = sum(a.line.host_bytes for a in result.adapters) / MIB
+        total = f"{len(result.adapters)} adapters: {result.adapter_bytes / MIB:.1f} MiB ({device:.1f} device, {host:.1f} host)"
+        out.print(total, markup=False, highlight=False)
     out.print("weights by type: " + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in sorted(result.weights_by_type.items())))
     if not result.gpu_backend:
         out.print("[yellow]this llama.cpp build has no GPU backend: the compute buffer was measured on the CPU backend.[/]")

@@ -4,6 +4,7 @@ decisions, and the softmax temperatures fitted. Thin over clef_gguf.quality; a p
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,14 +18,27 @@ from ..quality.metrics import DEFAULT_TARGET_PRECISIONS
 from ..quality.report import metrics_table
 from ..settings import LoadOptions
 from .convert import progress_bars
-from .decide import SOME_ERRORS
+from .decide import SOME_ERRORS, AddressOption, OnRayOption, WorkersOption, ray_scorer
 from .errors import err, fail, run, say, signals_clean_up
-from .options import GpuLayers, MaxPrompt, Mmproj
+from .options import AdapterFile, GpuLayers, MaxLineBytes, MaxPrompt, Mmproj, Threads, line_limit
 
-Data = Annotated[Path, typer.Argument(help="Labelled JSON Lines, clef-finetune's format (requests with `labels`).")]
+Data = Annotated[
+    Path,
+    typer.Argument(metavar="DATA", help="Labelled JSON Lines, clef-finetune's format (requests with `labels`); - reads stdin."),
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (for scripts).")]
 OutDir = Annotated[Path | None, typer.Option("--out", "-o", help="Write the reports into this folder.", show_default=False)]
+ForceReports = Annotated[bool, typer.Option("--force", help="-o DIR: overwrite the reports that DIR holds already.")]
+
+def _adapter_of(side: str) -> Any:
+    help = f"An adapter file over MODEL_{side} (its fine-tune, against a merged file say)."
+    return typer.Option(f"--adapter-{side.lower()}", metavar="FILE", help=help, show_default=False)
+
+
+AdapterA = Annotated[Path | None, _adapter_of("A")]
+AdapterB = Annotated[Path | None, _adapter_of("B")]
 DEFAULT_PRECISIONS = ",".join(f"{p:g}" for p in DEFAULT_TARGET_PRECISIONS)
+MAX_HOLDOUT = 0.9  # (a tenth of the data, at least, to fit on)
 TargetPrecision = Annotated[
     str, typer.Option("--target-precision", help="Auto-decide coverage at these precisions (comma-separated).")
 ]
@@ -38,6 +52,21 @@ def _precisions(text: str) -> tuple[float, ...]:
     if not all(0 < v <= 1 for v in values):
         fail("--target-precision values are precisions, in (0, 1]")
     return values
+
+
+def _warn_duplicates(result: dict[str, Any]) -> None:
+    """Records sharing an id (result["duplicates"], quality/labelled.duplicates): one warning line each, on stderr."""
+    found = result.get("duplicates") or {}
+    for warning in found.get("warnings", []):
+        say(f"warning: {warning}")
+    if found.get("duplicate_ids", 0) > len(found.get("warnings", [])):
+        say(f"warning: ... {found['duplicate_ids'] - len(found['warnings'])} more ids repeated")
+
+
+def _holdout(value: float) -> float:
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_HOLDOUT):
+        fail(f"--holdout is the share of records held out of the fit, a number from 0 to {MAX_HOLDOUT}; not {value}")
+    return value
 
 
 def _finish(errors: list[str]) -> None:
@@ -61,6 +90,7 @@ def _work(
     progress bar per stage on a terminal; its errors and signals as the CLI's."""
     kwargs |= {"target_precisions": _precisions(target_precision), "n_gpu_layers": n_gpu_layers}
     kwargs |= {"max_prompt_tokens": max_prompt_tokens, "mmproj": mmproj}
+    kwargs["max_line_bytes"] = line_limit(kwargs.get("max_line_bytes"), max_prompt_tokens, mmproj)
 
     def work() -> dict[str, Any]:
         with signals_clean_up():
@@ -81,15 +111,37 @@ def eval_(
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
     json_output: JsonOption = False,
     out: OutDir = None,
+    force: ForceReports = False,
     n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
     max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     mmproj: Mmproj = None,
+    n_threads: Threads = LoadOptions.n_threads,
+    max_line_bytes: MaxLineBytes = None,
+    adapter: AdapterFile = None,
+    ray: OnRayOption = False,
+    workers: WorkersOption = None,
+    address: AddressOption = None,
 ) -> None:
     """clef-finetune's metrics (accuracy, macro_f1, nll, brier, ece, auto-decide coverage) of MODEL on labelled data,
     per question and overall. -o DIR: metrics.json, predictions.jsonl, report.md, a reliability diagram per question
-    type. A bad line is reported (exit 8 at the end) and the others are counted."""
+    type. A bad line is reported (exit 8 at the end) and the others are counted. --ray: decided on a Ray cluster, the
+    same result (docs/dataset.md)."""
+    if workers is not None and not ray:
+        fail("--workers is for --ray")
+    on = {"score": ray_scorer(address, workers)} if ray else {}
     result = _work(
-        evaluating.evaluate, (model_path, data), target_precision, n_gpu_layers, max_prompt_tokens, mmproj, out_dir=out
+        evaluating.evaluate,
+        (model_path, data),
+        target_precision,
+        n_gpu_layers,
+        max_prompt_tokens,
+        mmproj,
+        out_dir=out,
+        force=force,
+        n_threads=n_threads,
+        max_line_bytes=max_line_bytes,
+        adapter=adapter,
+        **on,
     )
     if json_output:
         typer.echo(json.dumps(result, indent=2))
@@ -97,25 +149,46 @@ def eval_(
         typer.echo("\n".join(metrics_table({"value": result["metrics"]})))
         rate = f"{result['seconds']} s ({result['records_per_s']} records/s)"
         say(f"{result['records']} records, {result['rows']} labelled questions in {rate}")
+    _warn_duplicates(result)
     _finish(result["errors"])
 
 
 def compare(
     model_a: Annotated[Path, typer.Argument(metavar="MODEL_A", help="The Clef GGUF to compare from (e.g. f32).")],
     model_b: Annotated[Path, typer.Argument(metavar="MODEL_B", help="The Clef GGUF to compare with it (e.g. Q4_K_M).")],
-    data: Annotated[Path, typer.Argument(help="JSON Lines requests; with `labels` (clef-finetune's format), metrics too.")],
+    data: Annotated[
+        Path, typer.Argument(metavar="DATA", help="JSON Lines requests; with `labels` (clef-finetune's format), metrics too.")
+    ],
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
     json_output: JsonOption = False,
     out: OutDir = None,
+    force: ForceReports = False,
     n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
     max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     mmproj: Mmproj = None,
+    n_threads: Threads = LoadOptions.n_threads,
+    max_line_bytes: MaxLineBytes = None,
+    adapter_a: AdapterA = None,
+    adapter_b: AdapterB = None,
 ) -> None:
     """What changing the file does to the decisions: top answers changed, decided flips (A's top-two margin over
     0.04), |dp| and KL(A||B), per question type and overall; with labels, both models' metrics side by side. The
     models are loaded one after the other, so that the two never take memory together."""
+    if str(data) == "-":  # (each model reads DATA in turn)
+        fail("compare reads DATA once per model: give a file, not - (stdin)")
     result = _work(
-        comparing.compare, (model_a, model_b, data), target_precision, n_gpu_layers, max_prompt_tokens, mmproj, out_dir=out
+        comparing.compare,
+        (model_a, model_b, data),
+        target_precision,
+        n_gpu_layers,
+        max_prompt_tokens,
+        mmproj,
+        out_dir=out,
+        force=force,
+        n_threads=n_threads,
+        max_line_bytes=max_line_bytes,
+        adapter_a=adapter_a,
+        adapter_b=adapter_b,
     )
     typer.echo(json.dumps(result, indent=2) if json_output else comparing.report_markdown(result))
     _finish(sorted(set(result["errors"]["a"]) | set(result["errors"]["b"])))
@@ -126,7 +199,10 @@ def calibrate(
     data: Data,
     out: Annotated[Path, typer.Option("--out", "-o", help="The calibrated copy of MODEL.")],
     holdout: Annotated[
-        float, typer.Option(min=0.0, max=0.9, help="Share of records held out of the fit, to measure it on (by record id).")
+        float,
+        typer.Option(
+            metavar="SHARE", help=f"Share of records held out of the fit, to measure it on (by record id), 0 to {MAX_HOLDOUT}."
+        ),
     ] = 0.0,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
@@ -134,6 +210,9 @@ def calibrate(
     n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
     max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     mmproj: Mmproj = None,
+    n_threads: Threads = LoadOptions.n_threads,
+    max_line_bytes: MaxLineBytes = None,
+    adapter: AdapterFile = None,
 ) -> None:
     """Fit llama.cpp's softmax temperatures (clef.decision.temperature.<type>[.<bucket>]) on labelled data by NLL,
     and write MODEL with them as OUT: its tensor data byte for byte, llama-server and clef-gguf apply them alike.
@@ -146,9 +225,13 @@ def calibrate(
         n_gpu_layers,
         max_prompt_tokens,
         mmproj,
-        holdout_fraction=holdout,
+        holdout_fraction=_holdout(holdout),
         force=force,
+        n_threads=n_threads,
+        max_line_bytes=max_line_bytes,
+        adapter=adapter,
     )
     typer.echo(json.dumps(result, indent=2) if json_output else calibrating.report_markdown(result))
     say(f"wrote {out}")
+    _warn_duplicates(result)
     _finish(result["errors"])

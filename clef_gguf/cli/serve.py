@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +11,22 @@ import typer
 
 from ..settings import API_KEY_ENV, HttpLimits, LoadOptions, RayScale, ServeSettings, help_of
 from .errors import fail, run
-from .options import GpuLayers, LogFormatOption, MaxPrompt, Mmproj, Parallel, Ubatch, check_ubatch, state_cache_option
+from .options import (
+    AdapterDir,
+    AdapterMemory,
+    AdapterPairs,
+    GpuLayers,
+    LogFormatOption,
+    MaxAdapters,
+    MaxPrompt,
+    Mmproj,
+    Parallel,
+    Ubatch,
+    _size,
+    adapter_pairs,
+    check_ubatch,
+    state_cache_option,
+)
 
 
 def _api_key(value: str | None) -> str | None:
@@ -41,12 +57,28 @@ def _ray(name: str, **option: object) -> typer.models.OptionInfo:
     return typer.Option(help=help_of(RayScale, name), show_default=False, **option)  # type: ignore[arg-type]
 
 
+MaxBodyBuffer = Annotated[
+    int,
+    typer.Option(
+        "--max-body-buffer", metavar="SIZE", parser=_size, help=help_of(HttpLimits, "max_body_buffer"), show_default=False
+    ),
+]
 ApiKeyOption = Annotated[str | None, _serve("api_key", envvar=API_KEY_ENV, callback=_api_key)]
 NThreadsOption = Annotated[int | None, typer.Option("--threads", help=help_of(LoadOptions, "n_threads"), show_default=False)]
 OnRayOption = Annotated[
     bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
 ]
 D, H = ServeSettings, HttpLimits  # (the defaults below)
+
+
+def _http_limits(max_prompt_tokens: int, images: bool, limits: HttpLimits) -> HttpLimits:
+    """`limits`, unless its body buffer is under the body limit (no largest body could be read): refused before the
+    model loads."""
+    from ..server.body import body_limit
+
+    if limits.max_body_buffer < (cap := body_limit(max_prompt_tokens, images)):
+        fail(f"--max-body-buffer ({limits.max_body_buffer} bytes) is under the body limit ({cap} bytes): raise it or lower --ctx")
+    return limits
 
 
 def serve(
@@ -66,9 +98,15 @@ def serve(
     min_body_rate: Annotated[float, _http("min_body_rate", 0)] = H.min_body_rate,
     body_grace: Annotated[float, _http("body_grace", 0)] = H.body_grace,
     keep_alive: Annotated[float, _http("keep_alive")] = H.keep_alive,
+    max_body_buffer: MaxBodyBuffer = H.max_body_buffer,
+    max_body_readers: Annotated[int, _http("max_body_readers", 1)] = H.max_body_readers,
     log_format: LogFormatOption = D.log_format,
     state_cache: Annotated[int, state_cache_option()] = LoadOptions.state_cache,
     mmproj: Mmproj = LoadOptions.mmproj,  # type: ignore[assignment]
+    adapter: AdapterPairs = None,
+    adapter_dir: AdapterDir = None,
+    max_adapters: MaxAdapters = LoadOptions.max_adapters,
+    adapter_memory: AdapterMemory = LoadOptions.adapter_memory,
     on_ray: OnRayOption = False,
     replicas: Annotated[int | None, _ray("replicas", min=1)] = RayScale.replicas,
     autoscale: Annotated[str | None, _ray("autoscale", metavar="MIN:MAX")] = RayScale.autoscale,
@@ -80,15 +118,13 @@ def serve(
     from ..server.launch import serve_file, serve_on_ray
 
     check_ubatch(ubatch, max_prompt_tokens)
-    limits = HttpLimits(
-        header_timeout=header_timeout,
-        body_timeout=body_timeout,
-        min_body_rate=min_body_rate,
-        body_grace=body_grace,
-        keep_alive=keep_alive,
-    )
+    http = {"header_timeout": header_timeout, "body_timeout": body_timeout, "min_body_rate": min_body_rate}
+    http |= {"body_grace": body_grace, "keep_alive": keep_alive, "max_body_buffer": max_body_buffer}
+    limits = _http_limits(max_prompt_tokens, mmproj is not None, HttpLimits(**http, max_body_readers=max_body_readers))
     settings = ServeSettings(host, port, api_key, max_queue, drain_timeout, limits, log_format)
     options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, state_cache, mmproj)
+    many = {"adapters": adapter_pairs(adapter), "adapter_dir": adapter_dir}
+    options = replace(options, **many, max_adapters=max_adapters, adapter_memory=adapter_memory)
     if on_ray:
         if replicas is not None and autoscale is not None:
             fail("--replicas and --autoscale exclude each other")

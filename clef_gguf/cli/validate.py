@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..check.adapter_pair import validate_adapter_pair
 from ..check.pair import validate_pair
 from ..check.report import Report
 from ..check.validate import validate as validate_file
@@ -28,6 +29,28 @@ def _print_report(report: Report) -> None:
         read = f"{report.bytes_read} bytes over HTTP" if report.bytes_read is not None else f"a {report.header_size}-byte header"
         deep = " and every tensor (--deep)" if report.deep else ""
         typer.echo(f"  read {read}{deep} of a {report.file_size}-byte file in {report.seconds:.3f} s")
+
+
+def _validate_adapter(base: str, adapter: str, deep: bool, as_json: bool) -> None:
+    pair = run(lambda: validate_adapter_pair(base, adapter, deep=deep))
+    if as_json:
+        typer.echo(json.dumps(pair.to_dict(), indent=2))
+    else:
+        _print_report(pair.base)
+        _print_report(pair.adapter)
+        typer.echo(f"pairing: {line(pair.summary)}")
+    raise typer.Exit(pair.exit_code)
+
+
+AdapterOption = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter",
+        metavar="FILE",
+        help="Also validate this adapter file and whether it was trained over SOURCE (both local files).",
+        show_default=False,
+    ),
+]
 
 
 def validate(
@@ -54,6 +77,7 @@ def validate(
             show_default=False,
         ),
     ] = None,
+    adapter: AdapterOption = None,
 ) -> None:
     """Is SOURCE a complete Clef decision model, or a vision tower (mmproj) for one? Says so in one line, before
     anything is loaded.
@@ -62,8 +86,13 @@ def validate(
     With --mmproj, both files and their pairing (projector, embedding width = the backbone's hidden size).
 
     Exit codes: 0 complete, 5 corrupt or unreadable, 6 not a decision model (e.g. backbone-only; an mmproj of
-    another projector), 7 incomplete or inconsistent (with --mmproj: also a pair that does not belong together).
+    another projector), 7 incomplete or inconsistent (with --mmproj or --adapter: also a pair that does not belong
+    together, e.g. an adapter trained over another base).
     """
+    if adapter is not None:
+        if mmproj is not None or sha256 is not None:
+            fail("--adapter checks a base and an adapter: validate --mmproj and --sha256 separately")
+        _validate_adapter(source, adapter, deep, as_json)
     if mmproj is None:
         report = run(lambda: validate_file(source, deep=deep, sha256=sha256))
         if as_json:

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import ConversionError, ReleaseError
 from ..format import contract as C
 from ..format import vision as V
+from ..outputs import refuse_inputs
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
 from .lora import checkpoint_files, is_checkpoint, needs_base, open_checkpoint
 from .mmproj import MmprojPlan, no_tower_reason, plan_mmproj
@@ -39,7 +40,6 @@ from .writer import (
     check_output,
     encode,
     header_bytes,
-    refuse_inputs,
     staging_dir,
     storage_type,
     write_gguf,
@@ -229,6 +229,8 @@ def _open_source(source: str | Path, base: str | Path | None) -> tuple[Release, 
         if path.is_dir() and is_checkpoint(path):
             raise needs_base(path)
         return open_release(source), []
+    if path.is_symlink() and not path.exists():
+        raise ReleaseError(f"{source}: a symbolic link that leads to no folder (a loop, or its target is gone)")
     if not (path.is_dir() and is_checkpoint(path)):
         raise ReleaseError(
             f"{source}: --base is for a clef-finetune checkpoint (adapter/ + joint_head.safetensors); this is not one"

@@ -21,6 +21,7 @@ from ..errors import ConversionError, ModelFileError
 from ..format import contract as C
 from ..format.header import GGUFFile, Header
 from ..format.hparams import backbone_shape
+from ..outputs import refuse_inputs
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
 from .writer import (
@@ -33,7 +34,6 @@ from .writer import (
     data_bytes,
     encode,
     header_bytes,
-    refuse_inputs,
     storage_type,
     write_gguf,
     write_metadata,

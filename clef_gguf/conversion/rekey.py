@@ -14,7 +14,8 @@ from pathlib import Path
 from gguf import GGUFValueType
 
 from ..format.header import GGUF_MAGIC, GGUFFile
-from .writer import Progress, atomic_output, check_free_space, refuse_inputs, writing
+from ..outputs import refuse_inputs
+from .writer import Progress, atomic_output, check_free_space, writing
 
 CHUNK = 16 << 20
 

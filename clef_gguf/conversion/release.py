@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,21 +52,81 @@ class StoredTensor:
         return data.astype(np.float32, copy=False).reshape(self.shape)
 
 
+# Bytes per value of safetensors' dtypes; another dtype is refused when its tensor is read (StoredTensor.load).
+_DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+
+
 def read_safetensors_index(path: Path) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file holds, each entry of its header checked against the file's bytes."""
     try:
         with path.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > 100_000_000:
                 raise ValueError("header too large")
             header = json.loads(f.read(header_len))
-    except (OSError, ValueError, struct.error) as e:
+            size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, RecursionError, struct.error) as e:
         raise ReleaseError(f"{path.name} is not a readable safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise ReleaseError(
+            f"{path.name} is not a readable safetensors file: its header is a JSON {type(header).__name__}, not an object"
+        )
     base = 8 + header_len
-    return {
-        name: StoredTensor(path, info["dtype"], tuple(info["shape"]), base + info["data_offsets"][0])
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
+    spans, tensors = [], {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = _entry(path, name, info, size - base)
+        tensors[name] = StoredTensor(path, info["dtype"], tuple(info["shape"]), base + begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise ReleaseError(f"{path.name}: the data of tensors {first!r} and {second!r} overlap: the file is damaged")
+    return tensors
+
+
+def _entry(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int]:
+    """The (begin, end) of a header entry's data, after checking its keys: a damaged header is a ReleaseError."""
+
+    def bad(what: str) -> ReleaseError:
+        return ReleaseError(f"{path.name}: tensor {name!r}: {what}: the file is damaged or not safetensors")
+
+    if not isinstance(info, dict):
+        raise bad(f"its header entry is a JSON {type(info).__name__}, not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise bad(f"its header entry has no {key!r}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise bad(f"dtype is {json_excerpt(dtype)}, not a name")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"shape is {json_excerpt(shape)}, not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        raise bad(f"data_offsets is {json_excerpt(offsets)}, not [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        where = f"data_offsets {offsets} lie outside the file's {data_size} bytes of data"
+        if 0 <= begin <= end:  # a range past the end: the file is shorter than its header says
+            raise ReleaseError(f"{path.name}: tensor {name!r}: {where}: the file is truncated (an interrupted download?)")
+        raise bad(where)
+    if dtype in _DTYPE_SIZES and end - begin != math.prod(shape) * _DTYPE_SIZES[dtype]:
+        raise bad(
+            f"shape {shape} of {dtype} needs {math.prod(shape) * _DTYPE_SIZES[dtype]} bytes, data_offsets give {end - begin}"
+        )
+    return begin, end
+
+
+def json_excerpt(value: Any, limit: int = 80) -> str:
+    """A JSON value read from a file, quoted in a message: one short line whatever it holds."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)
@@ -124,13 +186,22 @@ def layer_types(text_config: dict[str, Any]) -> list[str]:
     return list(types)
 
 
+def _looks_local(source: str) -> bool:
+    """A path, not a Hub id: it starts with ./, ../, / or ~, or holds the system's own separator (Windows')."""
+    return source.startswith(("./", "../", "/", "~")) or (os.sep != "/" and os.sep in source)
+
+
 def resolve(source: str) -> Path:
     """A local release folder, or a Hugging Face repo id downloaded (or found in the cache)."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
+    if path.is_symlink() and not path.exists():
+        raise ReleaseError(f"{source}: a symbolic link that leads nowhere (a loop, or its target is gone)")
     if path.exists() or source.count("/") != 1:
         raise ReleaseError(f"{source}: not a release folder, and not a Hugging Face repo id (owner/name)")
+    if _looks_local(source):  # ("./base" and "~/base" have one slash too: a typo, not a repository)
+        raise ReleaseError(f"{source}: no such folder (a local path; a Hugging Face repo id is owner/name)")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -150,15 +221,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ReleaseError(f"{path.parent.name}: not a Clef release: {path.name} is missing")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
         raise ReleaseError(f"{path.name} is not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ReleaseError(f"{path.name}: a JSON {type(value).__name__}, where a JSON object is expected")
+    return value
 
 
 def _model_files(root: Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ReleaseError(f"{index.name}: weight_map is {json_excerpt(weight_map)}, not an object of file names")
+        names = sorted(set(weight_map.values()))
         files = [root / n for n in names]
     else:
         files = sorted(root.glob("model*.safetensors"))

@@ -19,9 +19,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..errors import ConversionError
+from ..check.finite import count_nonfinite
+from ..errors import ConversionError, NonFiniteWeightsError, OutputError
 from ..format import contract as C
 from ..format.template import SYSTEMONE_TEMPLATE
+from ..outputs import atomic_file, check_file, temporary
 from .vocab import Vocab
 
 GT = gguf.GGMLQuantizationType
@@ -50,13 +52,49 @@ def storage_type(name: str, shape: tuple[int, ...], wanted: GT) -> GT:
     return wanted
 
 
+NONFINITE_CAUSE = "a diverged fine-tune, or a bad lora_alpha?"
+
+
 def encode(x: np.ndarray, qtype: GT) -> np.ndarray:
-    """float32 values -> the bytes of `qtype` (numpy quantizers of gguf-py)."""
-    if qtype == GT.F32:
-        return np.ascontiguousarray(x, dtype=np.float32)
-    if qtype == GT.F16:
-        return np.ascontiguousarray(x, dtype=np.float16)
-    return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)
+    """float32 values -> the bytes of `qtype` (numpy quantizers of gguf-py).
+
+    NaN or Inf, in `x` or from a value `qtype` cannot hold (above 65504 in F16), raise NonFiniteWeightsError
+    (write_gguf adds the tensor's name): no file holding one is written.
+    """
+    with np.errstate(all="ignore"):  # a NaN or an overflow is reported below, as the error it is, not as a warning
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        bad = count_nonfinite(x, GT.F32)
+        if bad:
+            raise NonFiniteWeightsError(f"{bad} of its {x.size} values are NaN or Inf ({NONFINITE_CAUSE})")
+        if qtype == GT.F32:
+            return x
+        out = x.astype(np.float16) if qtype == GT.F16 else gguf.quants.quantize(x, qtype)
+    overflow = count_nonfinite(out, qtype)
+    if overflow:
+        raise NonFiniteWeightsError(
+            f"{overflow} of its {x.size} values become Inf stored as {qtype.name} (the largest magnitude is "
+            f"{float(np.abs(x).max()):.4g}, beyond what {qtype.name} holds): store it as f32 or bf16 "
+            f"(--type, --head-type), or find why it is so large ({NONFINITE_CAUSE})"
+        )
+    return out
+
+
+def _checked(t: OutTensor) -> np.ndarray:
+    """The tensor's bytes, refused when one of its values is NaN or Inf (copied ones too: graft)."""
+    try:
+        with np.errstate(all="ignore"):  # a transform's overflow or NaN is found below, not printed as a warning
+            data = t.data()  # reads the source: its errors are the source's, not the output's
+    except NonFiniteWeightsError as e:
+        raise NonFiniteWeightsError(f"tensor {t.name}: {e}; nothing was written") from None
+    if data.nbytes != t.n_bytes:
+        raise ConversionError(f"tensor {t.name}: {data.nbytes} bytes produced, {t.n_bytes} expected")
+    bad = count_nonfinite(data, t.qtype)
+    if bad:
+        n = int(np.prod(t.shape, dtype=np.int64))
+        raise NonFiniteWeightsError(
+            f"tensor {t.name}: {bad} of its {n} values are NaN or Inf ({t.qtype.name}; {NONFINITE_CAUSE}); nothing was written"
+        )
+    return data
 
 
 def human_size(n: int) -> str:
@@ -68,7 +106,10 @@ def human_size(n: int) -> str:
 
 
 def check_free_space(directory: Path, needed: int) -> None:
-    free = shutil.disk_usage(directory).free
+    usage = shutil.disk_usage(directory)
+    if usage.total == 0:  # proc, sysfs, cgroup: "/proc has 0 bytes free" was true, and said nothing
+        raise OutputError(f"{directory} is on a file system that stores no files (/proc, /sys): write to a folder on a disk")
+    free = usage.free
     if free < needed:
         raise ConversionError(
             f"{directory} has {human_size(free)} free; this conversion needs about {human_size(needed)} ({needed} bytes)"
@@ -91,10 +132,6 @@ def data_bytes(tensors: Iterable[OutTensor], alignment: int = gguf.GGUF_DEFAULT_
 # --- Output files that clean up after themselves ---------------------------------------------------
 # Temporary names carry the writer's PID, so that a later run can tell the leftovers of a
 # dead process (SIGKILL, a power cut) from the files of a conversion still running.
-def _temporary(out: Path, kind: str) -> Path:
-    return out.with_name(f".{out.name}.{os.getpid()}.{kind}")
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -125,31 +162,11 @@ def remove_stale(out: Path) -> list[Path]:
     return removed
 
 
-def refuse_inputs(out: Path, inputs: Iterable[Path]) -> None:
-    """OUT may never be one of the files a conversion reads, --force or not."""
-    for source in inputs:
-        if _same_file(out, source):
-            raise ConversionError(f"{out} is one of the input files ({source}); choose another output path")
-
-
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an OUT that cannot be written, before anything is read; then remove dead runs' leftovers."""
-    if out.is_dir():
-        raise ConversionError(f"{out} is a folder; give the path of the .gguf file to write")
-    if out.exists() and not force:
-        raise ConversionError(f"{out} exists; pass --force to overwrite it")
-    if not out.parent.is_dir():
-        raise ConversionError(f"the folder {out.parent} does not exist; create it first")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ConversionError(f"cannot write in {out.parent}: no permission, or a read-only file system")
+def check_output(out: Path, force: bool, inputs: Iterable[str | os.PathLike[str] | None] = ()) -> None:
+    """Refuse an OUT that cannot be written, before anything is read (outputs.check_file: OutputError, exit 9);
+    then remove dead runs' leftovers."""
+    check_file(out, force=force, inputs=inputs)
     remove_stale(out)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)  # hard links and symlinks included
-    except OSError:
-        return False
 
 
 def _write_error(out: Path, e: OSError) -> ConversionError:
@@ -171,21 +188,16 @@ def writing(path: Path) -> Iterator[None]:
 
 @contextmanager
 def atomic_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary path beside `out`; rename it to `out` only on success."""
+    """Yield a temporary path beside `out`; published as `out` only on success (outputs.publish)."""
     check_output(out, force)
-    tmp = _temporary(out, "partial")
-    try:
+    with atomic_file(out, force) as tmp:  # created atomically: of two runs without --force, one wins
         yield tmp
-        with writing(out):
-            os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextmanager
 def staging_dir(out: Path) -> Iterator[Path]:
     """A scratch folder beside `out` (same disk), removed whatever happens."""
-    path = _temporary(out, "stage")
+    path = temporary(out, "stage")
     with writing(path):
         path.mkdir()
     try:
@@ -265,9 +277,7 @@ def write_gguf(
         # The header is on disk now: what is left to write must fit in what is left.
         check_free_space(path.parent, data_bytes(tensors))
         for i, t in enumerate(tensors):
-            data = t.data()  # reads the source: its errors are the source's, not the output's
-            if data.nbytes != t.n_bytes:
-                raise ConversionError(f"tensor {t.name}: {data.nbytes} bytes produced, {t.n_bytes} expected")
+            data = _checked(t)
             with writing(path):
                 writer.write_tensor_data(data)
             if progress:

@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from ..errors import ModelFileError
+from .contract import is_head_tensor
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -265,6 +266,19 @@ def parse_header(buf: bytes | mmap.mmap | memoryview) -> Header:
     return Header(version, fields, tensors, alignment, c.pos, data_offset)
 
 
+IDENTITY_DOMAIN = b"clef-gguf model identity 1\n"  # changes with the rule of GGUFFile.identity
+IDENTITY_WINDOW = 4096  # bytes
+IDENTITY_WINDOWS = 16  # per sampled tensor, its first and last bytes included
+
+
+def identity_windows(n_bytes: int) -> list[tuple[int, int]]:
+    """(start, size) of the bytes of a tensor of `n_bytes` that GGUFFile.identity hashes when it does not hash it all."""
+    if n_bytes <= IDENTITY_WINDOW * IDENTITY_WINDOWS:
+        return [(0, n_bytes)]
+    last = n_bytes - IDENTITY_WINDOW
+    return [(i * last // (IDENTITY_WINDOWS - 1), IDENTITY_WINDOW) for i in range(IDENTITY_WINDOWS)]
+
+
 def check_data_layout(header: Header, file_size: int) -> None:
     """Tensor data aligned, inside the file and not overlapping."""
     end = 0
@@ -301,8 +315,34 @@ class GGUFFile:
         return cls(path, mapped, header)
 
     def digest(self) -> str:
-        """SHA-256 of the header (metadata and tensor infos): what the file's vocabulary, template and layout are."""
+        """SHA-256 of the header alone (metadata and tensor infos): blind to the weights, so not a model's identity
+        (`identity` is). What an answers file of clef-gguf 0.2.0 recorded as its model_sha256."""
         return hashlib.sha256(memoryview(self.map)[: self.header.header_end]).hexdigest()
+
+    def identity(self) -> str:
+        """The file's identity, a SHA-256 (hex) over, in this order:
+        - IDENTITY_DOMAIN (a version of this rule: a hash of another rule never equals one of this);
+        - the header's bytes (metadata and tensor infos: vocabulary, template, temperatures, every tensor's name,
+          type, shape and offset);
+        - each tensor's data, in file order (by offset): all of it for the head's tensors (contract.is_head_tensor:
+          a small part of a Clef file) and for any tensor of at most IDENTITY_WINDOWS windows, else
+          IDENTITY_WINDOWS windows of IDENTITY_WINDOW bytes evenly spaced from its first byte to its last.
+
+        Any change to the header, to any head weight, or to a sampled byte gives another identity: two conversions or
+        quantizations, a calibration (its temperature keys), a fine-tune's head, and a fine-tune's backbone where it
+        changes the samples (a merged LoRA changes every element of the matrices it adapts, so every window of them).
+        Not guaranteed: a change confined to unsampled bytes of a backbone tensor (one weight edited by hand) keeps
+        it; only a full hash of the file sees every byte. It reads the header, the head and 64 KiB per other tensor:
+        docs/dataset.md gives the time on a 5 GB file. Any GGUF file has one (an adapter's: every tensor sampled).
+        """
+        whole = memoryview(self.map)
+        h = hashlib.sha256(IDENTITY_DOMAIN)
+        h.update(whole[: self.header.header_end])
+        for t in sorted(self.header.tensors.values(), key=lambda t: t.offset):
+            data = whole[self.header.data_offset + t.offset :][: t.n_bytes]
+            for start, size in [(0, t.n_bytes)] if is_head_tensor(t.name) else identity_windows(t.n_bytes):
+                h.update(data[start : start + size])
+        return h.hexdigest()
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         t = self.header.tensors[name]

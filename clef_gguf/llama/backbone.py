@@ -256,6 +256,7 @@ class Backbone:
             stack.callback(L.llama_free, self.ctx)
             self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos, parallel)
             self._dirty = True  # the first clear zeroes the memory (see clear)
+            self.wipes = 0  # clears of the whole memory so far: a prefill in steps is told its sequence went with it
             self._resources = stack.pop_all()
 
     def tokenize(self, text: str) -> list[int]:
@@ -289,6 +290,7 @@ class Backbone:
         if self._dirty or not all([L.llama_memory_seq_rm(memory, s, -1, -1) for s in seqs]):
             L.llama_memory_clear(memory, True)
             self._dirty = False
+            self.wipes += 1
 
     def embeddings(self, tokens: Sequence[int]) -> np.ndarray:
         """The input embeddings of `tokens` (a new array: an image's rows can be written into it)."""

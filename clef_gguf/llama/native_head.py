@@ -61,17 +61,20 @@ def _ptr(array: np.ndarray) -> ctypes._Pointer:
 LEXICONS = tuple(f"{gguf.TENSOR_NAMES[t]}.weight" for t in (gguf.MODEL_TENSOR.OUTPUT, gguf.MODEL_TENSOR.TOKEN_EMBD))
 
 
-def manifest_text(header: Header, config: C.HeadConfig) -> bytes:
+def manifest_text(header: Header, config: C.HeadConfig, overlay: Header | None = None) -> bytes:
     """contract.head_manifest checked against the file, as libclef_head reads it: one line a tensor,
-    `role, ggml type, ne0, ne1, absolute offset`. The head runs what validate accepts: vectors F32,
-    matrices of contract.WEIGHT_TYPES."""
+    `role, ggml type, ne0, ne1, absolute offset, file`. The head runs what validate accepts: vectors F32,
+    matrices of contract.WEIGHT_TYPES. With an `overlay` (an adapter file's header, file 1), its head tensors
+    replace the model's (file 0); the lexicon is always the model's."""
     lines = []
 
-    def add(role: str, t: TensorInfo) -> None:
-        lines.append(f"{role}\t{int(t.type)}\t{t.dims[0]}\t{math.prod(t.dims[1:])}\t{header.data_offset + t.offset}")
+    def add(role: str, t: TensorInfo, source: Header = header) -> None:
+        file = int(source is not header)
+        lines.append(f"{role}\t{int(t.type)}\t{t.dims[0]}\t{math.prod(t.dims[1:])}\t{source.data_offset + t.offset}\t{file}")
 
     for row in C.head_manifest(config):
-        t = header.tensors.get(row.gguf)
+        source = overlay if overlay is not None and row.gguf in overlay.tensors else header
+        t = source.tensors.get(row.gguf)
         if t is None:
             raise ModelFileError(f"the head tensor {row.gguf} is missing")
         if (*t.dims, 1)[:2] != row.ne or len(t.dims) > 2:
@@ -80,7 +83,7 @@ def manifest_text(header: Header, config: C.HeadConfig) -> bytes:
             raise ModelFileError(f"the head tensor {row.gguf} is {t.type.name}, expected F32")
         if not row.f32 and t.type not in C.WEIGHT_TYPES:
             raise ModelFileError(f"the head tensor {row.gguf} is {t.type.name}, which the head does not run")
-        add(row.role, t)
+        add(row.role, t, source)
     lexicon = next((header.tensors[name] for name in LEXICONS if name in header.tensors), None)
     if lexicon is None or len(lexicon.dims) != 2 or lexicon.dims[0] != config.hidden_size:
         raise ModelFileError(f"the output embedding ({' or '.join(LEXICONS)}) is missing or not {config.hidden_size} wide")
@@ -89,18 +92,30 @@ def manifest_text(header: Header, config: C.HeadConfig) -> bytes:
 
 
 class NativeHead:
-    """The head of one Clef GGUF, on the GPU when `gpu` and ggml has one, else on the CPU."""
+    """The head of one Clef GGUF, on the GPU when `gpu` and ggml has one, else on the CPU; with an `adapter`
+    file, the adapter's head tensors in place of the model's (llama/adapter.py)."""
 
-    def __init__(self, file: GGUFFile, config: C.HeadConfig, *, gpu: bool = False, n_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        file: GGUFFile,
+        config: C.HeadConfig,
+        *,
+        gpu: bool = False,
+        n_threads: int | None = None,
+        adapter: GGUFFile | None = None,
+    ) -> None:
         self._lib = library()
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_SIZE)
         threads = n_threads or default_threads()
-        manifest = manifest_text(file.header, config)
+        manifest = manifest_text(file.header, config, adapter.header if adapter is not None else None)
+        paths = [file.path, *([adapter.path] if adapter is not None else [])]
+        if any(b"\n" in os.fsencode(p) for p in paths):
+            raise ModelFileError(f"a model file's path holds a line break, which the native head cannot take: {paths}")
         fields = (config.hidden_size, config.width, config.routing_layers, config.layers, config.heads, config.feedforward)
         values = (ctypes.c_int64 * len(fields))(*fields)
         args = (manifest, values, config.norm_eps, int(gpu), threads, ctypes.byref(handle), err, _ERR_SIZE)
-        status = self._lib.clef_head_load(os.fsencode(file.path), *args)
+        status = self._lib.clef_head_load(b"\n".join(os.fsencode(p) for p in paths), *args)
         if status != 0:
             raise ModelFileError(f"{file.path.name}: {err.value.decode('utf-8', 'replace')}")
         self._handle = handle

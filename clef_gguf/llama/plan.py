@@ -6,6 +6,8 @@ Each figure says where it comes from:
               buffer without allocating): KV cache, recurrent state, compute buffer
               at a prompt limit of n_ctx tokens in ubatches, read from its log;
   computed  - arithmetic here (placement of layers, output buffer, head).
+With adapters (`plan BASE --adapter FILE...`), each adapter's LoRA tensors (from its file, where llama.cpp puts
+them) and the whole head it is served with.
 The compute buffer is measured on the backends this llama.cpp build has: on a
 CPU-only build, the CPU backend's buffer stands in for the GPU's (same graph; the
 CUDA backend's differs by a few percent) and the plan says so.
@@ -14,16 +16,20 @@ CUDA backend's differs by a few percent) and the plan says so.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import llama_cpp as L
 
+from ..check.adapter import is_adapter
+from ..check.adapter_pair import require_adapter
 from ..check.mmproj import describe_mmproj
 from ..errors import ModelFileError, SettingsError
 from ..format import contract as C
 from ..format import hparams
 from ..format import vision as V
+from ..format.adapter import lora_target
 from ..format.header import GGUFFile
 from ..settings import LoadOptions, default_ubatch
 from . import log as llama_log
@@ -46,6 +52,24 @@ class Line:
 
 
 @dataclass(frozen=True)
+class AdapterCost:
+    """One adapter's memory once loaded: its LoRA pairs (llama.cpp's LoRA buffers) and the head it is served with."""
+
+    adapter: str  # the file
+    lora_device_bytes: int
+    lora_host_bytes: int
+    head_device_bytes: int
+    head_host_bytes: int
+
+    @property
+    def line(self) -> Line:
+        lora, head = self.lora_device_bytes + self.lora_host_bytes, self.head_device_bytes + self.head_host_bytes
+        component = f"adapter {Path(self.adapter).name} (LoRA {lora / MIB:.1f} + head {head / MIB:.1f} MiB)"
+        device, host = self.lora_device_bytes + self.head_device_bytes, self.lora_host_bytes + self.head_host_bytes
+        return Line(component, device, host, "file")
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     n_ctx: int
@@ -56,6 +80,12 @@ class Plan:
     gpu_backend: bool  # False: the compute buffer was measured on the CPU backend
     vram: int | None = None
     max_prompt_tokens: int | None = None  # the largest prompt whose device total fits `vram`
+    adapters: tuple[AdapterCost, ...] = ()  # (each also one of `lines`)
+
+    @property
+    def adapter_bytes(self) -> int:
+        """The adapters' memory, device and host together."""
+        return sum(a.line.device_bytes + a.line.host_bytes for a in self.adapters)
 
     @property
     def device_bytes(self) -> int:
@@ -66,7 +96,8 @@ class Plan:
         return sum(line.host_bytes for line in self.lines)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self) | {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes}
+        totals = {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "adapter_bytes": self.adapter_bytes}
+        return asdict(self) | totals
 
 
 class _NoAllocModel:
@@ -122,6 +153,46 @@ def _head_bytes(f: GGUFFile) -> int:
         return 0
     config = hparams.head_config(f.header, f.path.name)
     return weights + (config.routing_layers + config.layers) * config.width * config.width * 4
+
+
+def lora_bytes(adapter: GGUFFile) -> int:
+    """An adapter file's LoRA pairs, in their stored types (what llama.cpp copies into its LoRA buffers)."""
+    return sum(t.n_bytes for n, t in adapter.header.tensors.items() if lora_target(n))
+
+
+def adapter_head_bytes(base: GGUFFile, adapter: GGUFFile) -> int:
+    """The whole head an adapter is served with (a head of its own in libclef_head): its head tensors where it has
+    them, else the base's, plus the F32 transposed keys, as _head_bytes counts them."""
+    tensors = {n: t for n, t in base.header.tensors.items() if C.is_head_tensor(n)}
+    tensors |= {n: t for n, t in adapter.header.tensors.items() if C.is_head_tensor(n)}
+    config = hparams.head_config(base.header, base.path.name)
+    return sum(t.n_bytes for t in tensors.values()) + (config.routing_layers + config.layers) * config.width**2 * 4
+
+
+# llama.cpp allocates each LoRA tensor in a buffer of its base weight's type, rounded up to the buffer's alignment
+# (ggml_backend_buft_get_alignment: 32 bytes on the CPU, 128 or less on the GPU backends).
+LORA_ALIGNMENT = 32
+
+
+def adapter_cost(base: GGUFFile, path: str | Path, n_layer: int, offloaded: int) -> AdapterCost:
+    """An adapter's memory next to `base` loaded with `offloaded` layers on the device. llama.cpp puts a LoRA tensor
+    in its base weight's buffer (src/llama-adapter.cpp; the CPU's where that is a repacking type): on the device for
+    the offloaded layers, else on the host. The head runs where the base's does: on the device as soon as layers
+    are offloaded."""
+    adapter = GGUFFile.open(path)
+    try:
+        if not is_adapter(adapter.header):
+            raise SettingsError(f"{path} is not an adapter file (convert CHECKPOINT --base RELEASE --adapter makes one)")
+        require_adapter(base, adapter.header, str(path))
+        lora = [0, 0]  # device, host
+        for name, t in adapter.header.tensors.items():
+            target = lora_target(name)
+            if target is not None:
+                lora[0 if _on_device(target[0], n_layer, offloaded) else 1] += -(-t.n_bytes // LORA_ALIGNMENT) * LORA_ALIGNMENT
+        head = adapter_head_bytes(base, adapter)
+    finally:
+        adapter.close()
+    return AdapterCost(str(path), lora[0], lora[1], *((head, 0) if offloaded > 0 else (0, head)))
 
 
 def _lines(
@@ -182,10 +253,12 @@ def memory_plan(
     ubatch: int | None = None,
     mmproj: str | Path | None = None,
     parallel: int = LoadOptions.parallel,
+    adapters: Sequence[str | Path] = (),
 ) -> Plan:
     """The memory a model needs at a prompt limit of n_ctx tokens, and the largest prompt limit that fits `vram`.
 
-    With `mmproj`, the vision tower too (on the device when layers are offloaded, as the runtime runs it).
+    With `mmproj`, the vision tower too (on the device when layers are offloaded, as the runtime runs it); with
+    `adapters` (adapter files over this base), each one loaded (adapter_cost).
 
     Prompts are processed in ubatches of `ubatch` tokens, as the runtime does (the default is
     its default: settings.default_ubatch, DEFAULT_UBATCH or the prompt limit when that is smaller), up to `parallel` of them
@@ -201,13 +274,14 @@ def memory_plan(
     try:
         n_layer = hparams.backbone_shape(f.header, f.path.name).n_layer
         offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
+        costs = tuple(adapter_cost(f, a, n_layer, offloaded) for a in adapters)  # (refused before llama.cpp plans)
         model = _NoAllocModel(f, n_gpu_layers)
         try:
             vision = vision_lines(mmproj, offloaded > 0) if mmproj is not None else []
 
             def lines_at(n: int) -> tuple[list[Line], dict[str, int], bool]:
                 lines, by_type, gpu = _lines(f, model.measure(n, ubatch_at(n), parallel), n, ubatch_at(n), offloaded)
-                return lines + vision, by_type, gpu
+                return lines + vision + [c.line for c in costs], by_type, gpu
 
             lines, by_type, gpu = lines_at(n_ctx)
             fits = None
@@ -218,7 +292,7 @@ def memory_plan(
             model.close()
     finally:
         f.close()
-    return Plan(str(path), n_ctx, ubatch_at(n_ctx), n_gpu_layers, tuple(lines), by_type, gpu, vram, fits)
+    return Plan(str(path), n_ctx, ubatch_at(n_ctx), n_gpu_layers, tuple(lines), by_type, gpu, vram, fits, costs)
 
 
 # clip.cpp's compute buffer for one image of n tokens, fitted to what tools/plan_vision.py measured on

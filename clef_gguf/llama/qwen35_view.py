@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGUFValueType, Keys
 
 from ..errors import ModelFileError
+from ..format import adapter as A
 from ..format import contract as C
 from ..format.header import GGUF_MAGIC, GGUFFile
 
@@ -261,6 +262,26 @@ class VirtualFile:
 def open_qwen35_view(f: GGUFFile, lean: bool = False) -> VirtualFile:
     extents = _extents(f, view_tensor_names(f, lean), lean)
     return VirtualFile(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents)
+
+
+def open_adapter_view(f: GGUFFile) -> VirtualFile:
+    """A Clef adapter file seen as a qwen35 LoRA adapter: llama.cpp's loader wants the model's architecture and
+    no tensor but `<weight>.lora_a` / `.lora_b`, so the view shows the file's adapter keys and LoRA pairs alone
+    (its head and decision keys stay behind, for the native head and the runtime)."""
+    h = f.header
+    kvs = [_pack_kv(Keys.General.ARCHITECTURE, GGUFValueType.STRING, _pack_string(C.BACKBONE_ARCH))]
+    for key, field in h.fields.items():
+        if key in (A.KEY_GENERAL_TYPE, Keys.General.ALIGNMENT, A.KEY_ADAPTER_TYPE, A.KEY_ALPHA):
+            kvs.append(bytes(f.map[field.start : field.end]))
+    names = [n for n in h.tensors if A.lora_target(n) is not None]
+    extents, start = [], 0
+    for name in names:
+        t = h.tensors[name]
+        extents.append(Extent(name, start, t.offset, t.n_bytes))
+        start += -(-t.n_bytes // h.alignment) * h.alignment
+    infos = [_pack_tensor_info(e.name, h.tensors[e.name].dims, h.tensors[e.name].type, e.start) for e in extents]
+    header = GGUF_MAGIC + struct.pack("<IQQ", 3, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
+    return VirtualFile(header + bytes(-len(header) % h.alignment), f.path, h.data_offset, extents)
 
 
 def write_backbone_gguf(f: GGUFFile, out: os.PathLike[str] | str) -> None:

@@ -1,20 +1,28 @@
-"""The default number of compute threads: the physical cores this process may run on.
+"""The default number of compute threads: the physical cores this process may run on, less those other
+processes keep busy.
 
 llama.cpp's kernels keep every thread busy until a graph is done, so a thread that shares
 a core with another (an SMT sibling, or a core the process may not use) slows all of them:
 on an oversubscribed machine llama.cpp's default was measured about 6 times slower than one
 thread (issue 12). Hence: the CPUs of the process's affinity mask, counted once per
 physical core (the (package, core) pair sysfs gives each logical CPU), and no more than a
-cgroup v2 CPU quota allows.
+cgroup v2 CPU quota allows (physical_threads). A core another process keeps busy is the same
+oversubscription: beside one spinning neighbour, eval on 2 threads of a 2-CPU machine took 10 times as
+long as on 1 (docs/benchmarks.md, "Threads beside a busy neighbour"). So the default also takes off
+the cores the other processes kept busy over SAMPLE_SECONDS of /proc/stat, measured once a load
+(reused for REUSE_SECONDS, so that the backbone and the head of one load get the same count).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
+SAMPLE_SECONDS = 0.1  # ten clock ticks of /proc/stat per CPU
+REUSE_SECONDS = 60.0
 
 
 def _core(cpu: int) -> tuple[str, str] | None:
@@ -47,7 +55,7 @@ def cgroup_quota() -> int | None:
         return None
 
 
-def default_threads() -> int:
+def physical_threads() -> int:
     """Physical cores available to this process (at least 1).
 
     Without an affinity mask (not Linux) os.cpu_count(); without sysfs topology, the CPUs
@@ -61,3 +69,51 @@ def default_threads() -> int:
     count = len(allowed) if None in cores else len(cores)
     quota = cgroup_quota()
     return max(1, min(count, quota) if quota else count)
+
+
+def _cpu_times(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """(all, idle) clock ticks of each of `cpus` from /proc/stat; {} where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    times = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
+            ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+            times[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])
+    return times
+
+
+def busy_cpus(cpus: set[int], seconds: float = SAMPLE_SECONDS) -> float:
+    """How many of `cpus` were busy over the next `seconds`, in CPUs (0.0 where /proc/stat cannot be read).
+
+    Measured while this process sleeps: the time is the other processes' (or this one's other threads')."""
+    before = _cpu_times(cpus)
+    time.sleep(seconds)
+    after = _cpu_times(cpus)
+    busy = 0.0
+    for cpu in before.keys() & after.keys():
+        total, idle = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
+        busy += 1 - idle / total if total > 0 else 0.0
+    return busy
+
+
+_measured: tuple[float, int] | None = None  # (when, the default then)
+
+
+def default_threads() -> int:
+    """physical_threads, less the CPUs other processes keep busy (rounded), at least 1."""
+    global _measured
+    now = time.monotonic()
+    if _measured is not None and now - _measured[0] < REUSE_SECONDS:
+        return _measured[1]
+    cores = physical_threads()
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set()
+    threads = max(1, cores - int(busy_cpus(allowed) + 0.5)) if cores > 1 and allowed else cores
+    _measured = (now, threads)
+    return threads

@@ -28,6 +28,8 @@ from ..conversion.writer import check_output
 from ..errors import RequestError, SettingsError
 from ..format import contract as C
 from ..format import temperatures as T
+from ..runtime.catalog import adapter_temperatures
+from .labelled import duplicates
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, block
 from .scoring import Progress, score_path
 
@@ -149,17 +151,22 @@ def calibrate(
     **load: Any,
 ) -> dict[str, Any]:
     """Fit the temperatures of the model at `model` on the labelled file `data` and write the model with them to
-    `out` (rekey: its tensor data byte for byte). Raises RequestError when no type has enough labelled questions."""
-    if not 0.0 <= holdout_fraction < 1.0:
-        raise SettingsError(f"the held-out share must be in [0, 1), not {holdout_fraction}")
-    check_output(Path(out), force)  # before the data is decided: minutes, on a real model
+    `out` (rekey: its tensor data byte for byte). Raises RequestError when no type has enough labelled questions.
+    With load's `adapter` (an adapter file over `model`), the fine-tune's temperatures are fitted and `out` is a copy
+    of the adapter file with them (the base is left as it is)."""
+    if not (math.isfinite(holdout_fraction) and 0.0 <= holdout_fraction < 1.0):  # (nan passes no comparison)
+        raise SettingsError(f"the held-out share must be a number in [0, 1), not {holdout_fraction}")
+    # Before the data is decided (minutes, on a real model): OUT is none of the inputs, DATA included.
+    adapter = load.get("adapter")
+    check_output(Path(out), force, inputs=[model, data, load.get("mmproj"), adapter])
     run = score_path(model, data, stage="calibrate", progress=progress, **load)
-    current = dict(validate(model).temperatures)  # (the load refused a file whose keys are invalid)
+    # (the load refused a file whose keys are invalid); an adapter without keys of its own answers with its base's
+    current = (adapter_temperatures(adapter) if adapter is not None else {}) or dict(validate(model).temperatures)
     fit = calibrate_rows(run.rows(), current, holdout_fraction, target_precisions)
     if not fit.counts:
-        raise RequestError(f"{data}: no question type has {MIN_QUESTIONS} labelled questions to fit a temperature on")
+        raise RequestError(_too_few(str(data), run.rows(), holdout_fraction))
     keys = {C.KEY_TEMPERATURE_PREFIX + name: value for name, value in fit.temperatures.items()}
-    rekey(model, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=progress)
+    rekey(adapter or model, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=progress)
     return {
         "model": str(model),
         "out": str(out),
@@ -169,7 +176,19 @@ def calibrate(
         "before": fit.before,
         "after": fit.after,
         "errors": run.errors,
+        "duplicates": duplicates(d.record for d in run.decided),
     }
+
+
+def _too_few(data: str, rows: Sequence[Row], fraction: float) -> str:
+    """Why no temperature was fitted: the labelled questions of each type, and what the holdout took of them."""
+    fit_rows, held = holdout(rows, fraction)
+    most = max((sum(r.type == t for r in fit_rows) for t in {r.type for r in fit_rows}), default=0)
+    text = f"{data}: no question type has {MIN_QUESTIONS} labelled questions to fit a temperature on"
+    text += f" (the most of one type: {most}"
+    if fraction:
+        return text + f", after --holdout {fraction:g} held out {len(held)} of the {len(rows)}): lower --holdout, or label more"
+    return text + "): label more"
 
 
 def _at_bound(temperature: float) -> bool:
@@ -195,4 +214,8 @@ def report_markdown(result: dict[str, Any]) -> str:
             f"| {'fitted on' if part == 'fit' else 'held out'} | {before['n']} | {before['nll']:.4f} | {after['nll']:.4f} | "
             f"{before['ece']:.4f} | {after['ece']:.4f} | {coverage} |"
         )
+    found = result.get("duplicates") or {}
+    if found.get("contradictory_ids"):
+        lines += ["", f"Warning: {found['contradictory_ids']} ids carry contradictory labels; the fit learnt their disagreement:"]
+        lines += [f"- {w}" for w in found["warnings"]]
     return "\n".join(lines) + "\n"

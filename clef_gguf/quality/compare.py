@@ -17,12 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from ..check.validate import open_validated
 from ..errors import RequestError
+from ..outputs import check_folder
 from .metrics import DEFAULT_TARGET_PRECISIONS, summarize
 from .report import errors_section, metrics_table, output_dir, write_bytes, write_json
 from .scoring import Progress, Run, score_path
 
 FLIP_MARGIN = 0.04
+REPORTS = ("comparison.json", "report.md")  # what -o DIR gets
 FLOOR = 1e-12
 
 
@@ -91,15 +94,25 @@ def compare(
     *,
     target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
     out_dir: Path | None = None,
+    force: bool = False,
     progress: Progress | None = None,
+    adapter_a: str | Path | None = None,
+    adapter_b: str | Path | None = None,
     **load: Any,
 ) -> dict[str, Any]:
-    """compare_runs of the two models on `data`, loaded one after the other (never together: each may be large)."""
-    a = score_path(model_a, data, stage="A", require_labels=False, progress=progress, **load)
-    b = score_path(model_b, data, stage="B", require_labels=False, progress=progress, **load)
+    """compare_runs of the two models on `data`, loaded one after the other (never together: each may be large).
+    adapter_a / adapter_b: an adapter file over that side's base (a fine-tune against its merged conversion, say).
+
+    Before any decision: B is validated (header only) as A is by its load, and -o DIR checked (outputs.check_folder),
+    so that neither fails once A has decided the whole file."""
+    if out_dir is not None:
+        check_folder(Path(out_dir), REPORTS, force=force, inputs=[model_a, model_b, data, load.get("mmproj")])
+    open_validated(model_b).close()
+    a = score_path(model_a, data, stage="A", require_labels=False, progress=progress, adapter=adapter_a, **load)
+    b = score_path(model_b, data, stage="B", require_labels=False, progress=progress, adapter=adapter_b, **load)
     result = compare_runs(a, b, target_precisions)
     if out_dir is not None:
-        result["written"] = [str(p) for p in write_reports(out_dir, result)]
+        result["written"] = [str(p) for p in write_reports(Path(out_dir), result, force)]
     return result
 
 
@@ -129,9 +142,9 @@ def report_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_reports(out: Path, result: dict[str, Any]) -> list[Path]:
+def write_reports(out: Path, result: dict[str, Any], force: bool = False) -> list[Path]:
     out = output_dir(out)
     written = [out / "comparison.json", out / "report.md"]
-    write_json(written[0], result)
-    write_bytes(written[1], report_markdown(result).encode())
+    write_json(written[0], result, force)
+    write_bytes(written[1], report_markdown(result).encode(), force)
     return written

@@ -7,14 +7,18 @@ a reliability diagram per question type.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import RequestError
+from ..outputs import check_folder
+from .labelled import duplicates
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, reliability, summarize
 from .report import errors_section, metrics_table, output_dir, reliability_png, write_bytes, write_json, write_jsonl
 from .scoring import Progress, Run, score_path
+
+REPORTS = ("metrics.json", "predictions.jsonl", "report.md", "reliability-*.png")  # what -o DIR gets (fnmatch)
 
 
 def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) -> dict[str, Any]:
@@ -26,6 +30,7 @@ def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) ->
         "metrics": summarize(rows, target_precisions),
         "rows": len(rows),
         "errors": run.errors,
+        "duplicates": duplicates(d.record for d in run.decided),  # (ids repeated, with contradictory labels or not)
         **run.timing(),
         "tokens": run.tokens,
     }
@@ -37,19 +42,23 @@ def evaluate(
     *,
     target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
     out_dir: Path | None = None,
+    force: bool = False,
     progress: Progress | None = None,
+    score: Callable[..., Run] = score_path,
     **load: Any,
 ) -> dict[str, Any]:
     """The metrics of the model at `model` (loaded with load's keyword arguments) on the labelled file `data`; with
-    out_dir, the reports there too (result["written"] lists them)."""
-    run = score_path(model, data, stage="eval", progress=progress, **load)
+    out_dir, the reports there too (result["written"] lists them; outputs.check_folder's rule, checked first)."""
+    if out_dir is not None:
+        check_folder(Path(out_dir), REPORTS, force=force, inputs=[model, data, load.get("mmproj")])
+    run = score(model, data, stage="eval", progress=progress, **load)  # (score_path; on Ray: server/ray_dataset.py's)
     rows = run.rows()
     if not rows:
         shown = "; ".join(run.errors[:3])
         raise RequestError(f"{data}: no labelled question could be decided" + (f" ({shown})" if shown else ""))
     result = evaluation(run, rows, target_precisions)
     if out_dir is not None:
-        result["written"] = [str(p) for p in write_reports(output_dir(out_dir), result, rows)]
+        result["written"] = [str(p) for p in write_reports(output_dir(Path(out_dir)), result, rows, force)]
     return result
 
 
@@ -66,18 +75,20 @@ def report_markdown(result: dict[str, Any]) -> str:
         "Lower is better for nll, brier and ece. Auto-decide coverage: the share of questions whose top probability "
         "clears the threshold while the precision on them stays at the target; small sets make it noisy.",
     ]
+    warnings = [f"- {w}" for w in result.get("duplicates", {}).get("warnings", [])]
+    lines += ["", "## Repeated ids", "", *warnings] if warnings else []
     return "\n".join([*lines, *errors_section("Lines not counted", result["errors"])]) + "\n"
 
 
-def write_reports(out: Path, result: dict[str, Any], rows: list[Row]) -> list[Path]:
+def write_reports(out: Path, result: dict[str, Any], rows: list[Row], force: bool = False) -> list[Path]:
     written = [out / "metrics.json", out / "predictions.jsonl", out / "report.md"]
-    write_json(written[0], result)
-    write_jsonl(written[1], [r.as_dict() for r in rows])
-    write_bytes(written[2], report_markdown(result).encode())
+    write_json(written[0], result, force)
+    write_jsonl(written[1], [r.as_dict() for r in rows], force)
+    write_bytes(written[2], report_markdown(result).encode(), force)
     for qtype in sorted({r.type for r in rows}):
         of_type = [r for r in rows if r.type == qtype]
         bins = reliability([float(r.probs.max()) for r in of_type], [r.predicted == r.target for r in of_type])
         path = out / f"reliability-{qtype}.png"
-        reliability_png(bins, f"{qtype}: {len(of_type)} questions", path)
+        reliability_png(bins, f"{qtype}: {len(of_type)} questions", path, force=force)
         written.append(path)
     return written

@@ -13,6 +13,7 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from ..errors import OutputError
+from ..outputs import atomic_file
 
 METRICS = ("accuracy", "macro_f1", "nll", "brier", "ece")
 
@@ -31,27 +32,24 @@ def output_dir(path: Path) -> Path:
     return path
 
 
-def write_bytes(path: Path, data: bytes) -> None:
-    """`data` into `path`, whole or not at all: a temporary file beside it, fsynced, renamed over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+def write_bytes(path: Path, data: bytes, force: bool = False) -> None:
+    """`data` into `path`, whole or not at all: a temporary file beside it, fsynced, then given the name
+    (outputs.publish: an existing file only replaced with --force)."""
     try:
-        with open(tmp, "wb") as file:
+        with atomic_file(path, force) as tmp, open(tmp, "wb") as file:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(tmp, path)
     except OSError as e:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
-def write_json(path: Path, value: Any) -> None:
-    write_bytes(path, (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=True) + "\n").encode())
+def write_json(path: Path, value: Any, force: bool = False) -> None:
+    write_bytes(path, (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=True) + "\n").encode(), force)
 
 
-def write_jsonl(path: Path, values: Sequence[dict[str, Any]]) -> None:
-    write_bytes(path, "".join(json.dumps(v, ensure_ascii=False) + "\n" for v in values).encode())
+def write_jsonl(path: Path, values: Sequence[dict[str, Any]], force: bool = False) -> None:
+    write_bytes(path, "".join(json.dumps(v, ensure_ascii=False) + "\n" for v in values).encode(), force)
 
 
 def errors_section(title: str, errors: Sequence[str], shown: int = 50) -> list[str]:
@@ -84,7 +82,7 @@ def metrics_table(columns: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def reliability_png(bins: list[dict[str, float]], title: str, path: Path, size: int = 480) -> None:
+def reliability_png(bins: list[dict[str, float]], title: str, path: Path, size: int = 480, force: bool = False) -> None:
     """A reliability diagram: per confidence bin, the accuracy (bar) against the mean confidence (dot) and the
     diagonal of perfect calibration; each bar's count above it."""
     margin, width = 48, size - 2 * 48
@@ -110,4 +108,4 @@ def reliability_png(bins: list[dict[str, float]], title: str, path: Path, size: 
     draw.text((margin, size - 20), "confidence (top probability); bars: accuracy, dots: mean confidence", fill="black")
     png = io.BytesIO()
     img.save(png, "PNG")
-    write_bytes(path, png.getvalue())
+    write_bytes(path, png.getvalue(), force)

@@ -3,9 +3,11 @@ keeping each question's unrounded probabilities. What `eval`, `compare` and `cal
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from ..errors import RequestError
 from ..runtime.dataset import decide_outcomes
 from ..runtime.dataset_file import count_records
 from ..runtime.model import ClefModel
+from ..settings import MAX_LINE_BYTES
 from .labelled import BadLine, Labelled, read_labelled
 from .metrics import Row
 
@@ -86,11 +89,14 @@ def score_path(
     stage: str,
     require_labels: bool = True,
     progress: Progress | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
     **load: Any,
 ) -> Run:
     """score_file with the model at `model` loaded (ClefModel's keyword arguments) for the run, then closed."""
     with ClefModel(model, **load) as loaded:
-        return score_file(loaded, data, require_labels=require_labels, progress=progress, stage=stage)
+        return score_file(
+            loaded, data, require_labels=require_labels, progress=progress, stage=stage, max_line_bytes=max_line_bytes
+        )
 
 
 def score_file(
@@ -100,12 +106,15 @@ def score_file(
     require_labels: bool = True,
     progress: Progress | None = None,
     stage: str = "decide",
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Run:
-    """Decide every labelled record of `data` (image paths relative to its folder); bad lines are kept, not fatal."""
+    """Decide every labelled record of `data` ("-": stdin; image paths relative to its folder, stdin's to the working
+    directory); bad lines, and lines over max_line_bytes (unread), are kept, not fatal."""
     path = Path(data)
+    stdin = str(data) == "-"
     try:
-        total = count_records(path)
-        file = open(path, "rb")  # noqa: SIM115 (closed below, once the requests are read)
+        total = None if stdin else count_records(path)
+        file = nullcontext(sys.stdin.buffer) if stdin else open(path, "rb")  # noqa: SIM115 (closed once read)
     except OSError as e:
         raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
     run = Run(str(model.path), str(path))
@@ -113,9 +122,9 @@ def score_file(
     started = time.perf_counter()
 
     def requests() -> Iterator[dict[str, Any]]:
-        with file:
+        with file as lines:
             try:
-                for item in read_labelled(file, require_labels=require_labels):
+                for item in read_labelled(lines, require_labels=require_labels, max_line_bytes=max_line_bytes):
                     if isinstance(item, BadLine):
                         run.bad.append(item)
                         continue
@@ -124,7 +133,27 @@ def score_file(
             except OSError as e:  # (the records read before are decided first: decide_outcomes)
                 raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
 
-    for outcome in decide_outcomes(model, requests(), base=path.resolve().parent):
+    def each() -> None:
+        if progress:
+            progress(stage, len(run.decided) + len(run.bad), total, "")
+
+    score_requests(model, requests(), pending, run, base=Path.cwd() if stdin else path.resolve().parent, each=each)
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def score_requests(
+    model: ClefModel,
+    requests: Iterator[dict[str, Any]],
+    pending: deque[Labelled],
+    run: Run,
+    *,
+    base: Path,
+    each: Callable[[], None] | None = None,
+) -> None:
+    """Decide `requests` into `run.decided`, each with its record, which `requests` appends to `pending` as it gives
+    it (score_file, and a Ray worker's part of the file: server/ray_dataset.py)."""
+    for outcome in decide_outcomes(model, requests, base=base):
         record = pending.popleft()
         if outcome.scores is None:
             run.decided.append(Decided(record, {}, outcome.reason or "not decided"))
@@ -133,7 +162,5 @@ def score_file(
             questions = {qid: Answered(types[qid], *answered) for qid, answered in outcome.scores.by_question().items()}
             run.decided.append(Decided(record, questions))
             run.tokens += outcome.tokens
-        if progress:
-            progress(stage, len(run.decided) + len(run.bad), total, "")
-    run.seconds = time.perf_counter() - started
-    return run
+        if each:
+            each()

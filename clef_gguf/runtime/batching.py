@@ -16,11 +16,31 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def take(waiting: deque[T], fits: Callable[[list[T], T], bool]) -> list[T]:
-    """Pop the oldest of `waiting` (not empty), then the next ones in order while fits(batch, next)."""
-    batch = [waiting.popleft()]
-    while waiting and fits(batch, waiting[0]):
+def take(
+    waiting: deque[T],
+    fits: Callable[[list[T], T], bool],
+    model: Callable[[T], object] | None = None,
+    ready: Callable[[T], bool] | None = None,
+) -> list[T]:
+    """Pop the oldest of `waiting` (not empty), then the next ones in order while fits(batch, next).
+
+    With `model` (an item's model: the base or one of its adapters), items of other models are passed over and
+    stay waiting in their order: a batch is one model's (the context applies one adapter at a time), and the oldest
+    request's model goes first, so that no model starves while the batches follow their models, not their arrival.
+    With `ready`, the items it refuses now (the server's long prompts while one is decided in steps) are passed over
+    the same way, the oldest ready one going first; none ready: an empty batch."""
+    passed: list[T] = []
+    while waiting and ready is not None and not ready(waiting[0]):
+        passed.append(waiting.popleft())
+    batch = [waiting.popleft()] if waiting else []
+    while waiting and batch:
+        if (model is not None and model(waiting[0]) != model(batch[0])) or (ready is not None and not ready(waiting[0])):
+            passed.append(waiting.popleft())
+            continue
+        if not fits(batch, waiting[0]):
+            break
         batch.append(waiting.popleft())
+    waiting.extendleft(reversed(passed))
     return batch
 
 

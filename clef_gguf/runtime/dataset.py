@@ -116,7 +116,9 @@ def with_image_files(request: Any, base: Path, anywhere: bool = False) -> Any:
 def _state_key(prompt: EncodedPrompt) -> bytes:
     """What requests about one state share: the tokens up to the end of the state, and the images before it."""
     return prefix_key(
-        prompt.tokens[: prompt.state_prefix], [p.image.digest for p in prompt.images if p.start < prompt.state_prefix]
+        prompt.tokens[: prompt.state_prefix],
+        [p.image.digest for p in prompt.images if p.start < prompt.state_prefix],
+        prompt.model,
     )
 
 
@@ -159,7 +161,7 @@ class _Window:
         """The requests in `order`, in batches the model decides together (runtime/batching.py)."""
         waiting = deque(order)
         while waiting:
-            yield take(waiting, self._fits)
+            yield take(waiting, self._fits, lambda i: self.prompts[i].model)
 
     def _fits(self, batch: list[int], i: int) -> bool:
         """Whether request i joins the batch: never two about one state the cache does not hold yet, which would

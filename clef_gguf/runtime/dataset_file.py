@@ -7,8 +7,8 @@ model, answers and usage, so they never meet):
                   in JSON, 1e400 say: then id_error says so);
   line            the request's line number in the input (1-based; blank lines are no request and get no answer);
   request_sha256  the SHA-256 of the request line's bytes (without its line ending);
-  model_sha256    the SHA-256 of the model file's header (its metadata and tensor infos: GGUFFile.digest), which
-                  --resume checks: answers from two models never share a file;
+  model_sha256    the model file's identity (GGUFFile.identity: its header, head and sampled weights), which --resume
+                  checks: answers from two models (a base and its fine-tune too) never share a file;
 and, for a request that could not be decided, `error` in place of the response: {"status", "detail"}, the
 status and body the server answers it with (runtime/problems.py).
 
@@ -24,32 +24,36 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import stat
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from ..errors import AnswersFileError, OutputError, RequestError
+from ..outputs import check_in_place
+from ..settings import MAX_LINE_BYTES
 from . import dataset
-from .dataset import Outcome, decide_outcomes, request_sha256
+from .dataset import Outcome, decide_outcomes
+from .problems import ApiError, error_object
+from .reader import Record, count_records, over_limit, read_records
 
 
 class Decider(dataset.Decider, Protocol):
-    identity: str  # the model file's header digest (GGUFFile.digest): what model_sha256 records
+    identity: str  # the model file's identity (GGUFFile.identity): what model_sha256 records
+    header_digest: str  # its header's SHA-256 (GGUFFile.digest): the model_sha256 of an older clef-gguf's answers
 
 
 FSYNC_EVERY = 64
+Tally = tuple[bool, int, bool]  # what an answer line counts in the summary: (an error, its tokens, a state cache hit)
+
+
+def tally(outcome: Outcome) -> Tally:
+    return outcome.error is not None, outcome.tokens, outcome.state_hit
 LINE_FIELDS = ("id", "line", "request_sha256", "model_sha256")  # (and id_error, when the id could not be written)
-
-
-@dataclass(frozen=True)
-class Record:
-    line: int  # 1-based
-    raw: bytes  # without the line ending
 
 
 @dataclass
@@ -62,14 +66,19 @@ class Summary:
     cache_hits: int = 0  # answered requests whose state the state cache gave
     seconds: float = 0.0
     out: str = "-"
+    workers: int | None = None  # on Ray (server/ray_dataset.py): the actors deciding; not in as_dict, the local mode's
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     def count(self, outcome: Outcome) -> None:
+        self.add(tally(outcome))
+
+    def add(self, counted: Tally) -> None:
+        failed, tokens, hit = counted
         self.records += 1
-        if outcome.error is None:
+        if not failed:
             self.answered += 1
-            self.tokens += outcome.tokens
-            self.cache_hits += outcome.state_hit
+            self.tokens += tokens
+            self.cache_hits += hit
         else:
             self.errors += 1
 
@@ -93,14 +102,10 @@ class Summary:
 Progress = Callable[[Summary, int | None], None]  # (the counts so far, the records in all when known)
 
 
-def read_records(file: IO[bytes]) -> Iterator[Record]:
-    try:
-        for number, line in enumerate(file, 1):
-            raw = line.rstrip(b"\n").removesuffix(b"\r")
-            if raw.strip():
-                yield Record(number, raw)
-    except OSError as e:  # an I/O error, a directory: the requests read before are answered first (decide_outcomes)
-        raise RequestError(f"cannot read the requests: {e.strerror or e}") from None
+def _over_limit_outcome(record: Record, max_line_bytes: int) -> Outcome:
+    """The server's answer to a body over its limit (413), for a line over the limit."""
+    problem = ApiError(413, "request_too_large", over_limit(record, max_line_bytes))
+    return Outcome(None, error_object(problem), None, reason=problem.text())
 
 
 def _writable_id(own: Any) -> bool:
@@ -112,14 +117,14 @@ def _writable_id(own: Any) -> bool:
 
 
 def answer_line(record: Record, outcome: Outcome, model: str = "") -> bytes:
-    """The answer line; `model` is the header digest of the model that decided it (ClefModel.identity)."""
+    """The answer line; `model` is the identity of the model that decided it (ClefModel.identity)."""
     request = outcome.request
     own = request.get("id") if isinstance(request, dict) else None
     writable = _writable_id(own)  # 1e400 parses as inf, which JSON cannot hold: the line number stands in, and says so
     head: dict[str, Any] = {"id": own if own is not None and writable else record.line}
     if not writable:
         head["id_error"] = "the request's id is not a finite JSON value: its line number stands in"
-    head |= {"line": record.line, "request_sha256": request_sha256(record.raw), **({"model_sha256": model} if model else {})}
+    head |= {"line": record.line, "request_sha256": record.sha256, **({"model_sha256": model} if model else {})}
     body = {**head, **outcome.answer()}
     try:
         text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -168,18 +173,6 @@ def answered_lines(out: Path) -> list[tuple[int, str, bool, str | None]]:
     return answers
 
 
-def count_records(path: Path) -> int | None:
-    """The requests in a regular file, for the progress bar; None for a pipe, a FIFO or a device, which can be read
-    once only (counting it would consume the requests)."""
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return None
-        with open(path, "rb") as file:
-            return sum(1 for line in file if line.strip())
-    except OSError:
-        return None
-
-
 def _close(file: IO[bytes]) -> None:
     with suppress(OSError):  # after a failed write, close tries the flush again: that error is the one already raised
         file.close()
@@ -202,28 +195,29 @@ def _lock(file: IO[bytes], out: str) -> None:
 
 
 def _open_output(
-    out: str, source: str, *, resume: bool, force: bool
+    out: str, source: str, *, resume: bool, force: bool, model: Path | None = None
 ) -> tuple[IO[bytes], list[tuple[int, str, bool, str | None]], bool]:
     """The answers file, locked and positioned after its whole answers; those answers; and whether it is to be closed.
 
-    Opened (and locked) before the answers are read or the file is emptied, so that a second run changes nothing."""
+    Opened (and locked) before the answers are read or the file is emptied, so that a second run changes nothing.
+    A stream (outputs.check_in_place: a pipe, /dev/null, a terminal) is written in order, never emptied nor locked."""
+    stream = out == "-" or check_in_place(Path(out), [None if source == "-" else source, model])
+    if stream and resume:
+        raise AnswersFileError(f"--resume continues an answers file; {out} is a stream: give a file with -o")
     if out == "-":
-        if resume:
-            raise AnswersFileError("--resume continues an answers file: give it with -o")
         return sys.stdout.buffer, [], False
     path = Path(out)
-    if source != "-" and path.exists() and Path(source).exists() and path.samefile(source):
-        raise AnswersFileError(f"{out} is the input: write the answers to another file")
     if not resume and not force and path.exists() and path.stat().st_size > 0:
         raise AnswersFileError(f"{out} exists: --resume continues it, --force overwrites it")
     try:
         file = open(path, "ab")  # noqa: SIM115 (returned open, closed by decide_file)
     except OSError as e:
         raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
-    _lock(file, out)
+    if not stream:
+        _lock(file, out)
     try:
         done = answered_lines(path) if resume else []
-        if not resume and file.seekable():
+        if not resume and not stream:
             file.truncate(0)
     except OSError as e:
         file.close()
@@ -235,21 +229,123 @@ def _open_output(
 
 
 def _skip_answered(
-    records: Iterator[Record], done: list[tuple[int, str, bool, str | None]], identity: str, out: str, summary: Summary
+    records: Iterator[Record], done: list[tuple[int, str, bool, str | None]], model: Decider, out: str, summary: Summary
 ) -> None:
     """Take the requests OUT already answers off `records`, checking that they are its answers, by this model."""
     for number, (line, digest, failed, by) in enumerate(done, 1):
-        if by is not None and by != identity:
-            raise AnswersFileError(
-                f"{out}: answer {number} was decided by another model (header sha256 {by[:12]}..., this one "
-                f"{identity[:12]}...): resume with that model, or write the answers to another file"
-            )
+        if by is not None and by != model.identity:
+            raise AnswersFileError(_another_model(out, number, by, model))
         record = next(records, None)
-        if record is None or (record.line, request_sha256(record.raw)) != (line, digest):
-            raise AnswersFileError(f"{out}: answer {number} (line {line}) is not the answer to this input's request {number}")
+        if record is None or (record.line, record.sha256) != (line, digest):
+            raise AnswersFileError(_not_the_answer(out, number, line, record))
         summary.errors += failed
         summary.answered += not failed
     summary.records = summary.skipped = len(done)
+
+
+def _another_model(out: str, number: int, by: str, model: Decider) -> str:
+    """Why --resume refuses answer `number`, decided by the model whose model_sha256 is `by`."""
+    if by == model.header_digest:  # an older clef-gguf's model_sha256: the header alone, which a fine-tune shares
+        why = "was written by an older clef-gguf, whose model_sha256 covers the model's header only, not its weights"
+        return f"{out}: answer {number} {why}: write the answers to another file, or --force decides the input again"
+    theirs = f"model_sha256 {by[:12]}..., this one {model.identity[:12]}...; or by an older clef-gguf"
+    return f"{out}: answer {number} was decided by another model ({theirs}): resume with that model, or write to another file"
+
+
+def _not_the_answer(out: str, number: int, line: int, record: Record | None) -> str:
+    """Why --resume cannot continue at answer `number`, and what to do: the input changed under its answers (most
+    often a last line still being written when the earlier run read it, then finished)."""
+    kept = f"`head -n {number - 1} {out} > kept.jsonl` keeps the {number - 1} answers before it" if number > 1 else ""
+    where = "the input ends before it" if record is None else f"the input's line {record.line} is not what was answered"
+    return (
+        f"{out}: answer {number} (line {line}) is not the answer to this input's request {number}: {where} (a line still "
+        f"being written when it was read, or another input); "
+        + (f"{kept}: resume into that file, or " if kept else "")
+        + "--force decides the input again"
+    )
+
+
+def write_line(output: IO[bytes], out: str, line: bytes, counted: Tally, summary: Summary) -> None:
+    """One whole answer line written and flushed, counted; OUT fsynced every FSYNC_EVERY lines."""
+    try:
+        output.write(line)
+        output.flush()
+    except OSError as e:  # a full disk, an I/O error: the lines before are whole, --resume mends a torn last one
+        raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
+    summary.add(counted)
+    if (summary.records - summary.skipped) % FSYNC_EVERY == 0:
+        _fsync(output)
+    summary.seconds = time.perf_counter() - summary.started
+
+
+def answered_records(
+    model: dataset.Decider,
+    records: Iterator[Record],
+    *,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    sort_by_state: bool = False,
+    base: Path | None = None,
+    anywhere: bool = False,
+) -> Iterator[tuple[Record, Outcome]]:
+    """Each record with its outcome, in order: a line over max_line_bytes the server's 413, unread. What decide_file
+    writes, and what a Ray worker decides of its part of the file (server/ray_dataset.py)."""
+    pending: deque[Record] = deque()  # (appended by decide_outcomes' reading thread)
+
+    def raw_requests() -> Iterator[bytes]:
+        for record in records:
+            pending.append(record)
+            if not record.over:  # a line over the limit is answered here, unread
+                yield record.raw
+
+    for outcome in decide_outcomes(model, raw_requests(), sort_by_state=sort_by_state, base=base, anywhere=anywhere):
+        while pending[0].over:
+            over = pending.popleft()
+            yield over, _over_limit_outcome(over, max_line_bytes)
+        yield pending.popleft(), outcome
+    while pending:  # lines over the limit after the last request
+        over = pending.popleft()
+        yield over, _over_limit_outcome(over, max_line_bytes)
+
+
+def images_base(source: str, total: int | None) -> Path:
+    """The folder a dataset's image paths are relative to: the input's (stdin, a pipe: the working directory)."""
+    return Path(source).resolve().parent if total is not None else Path.cwd()
+
+
+@dataclass
+class AnswersRun:
+    """An answers file opened for a run (answers_file): the input's records after those OUT answers already, OUT
+    positioned after them, the summary so far, and the requests in all when known."""
+
+    input: IO[bytes]
+    records: Iterator[Record]
+    output: IO[bytes]
+    summary: Summary
+    total: int | None
+    next_line: int  # the line number the input is positioned at
+
+
+@contextmanager
+def answers_file(
+    model: Decider, source: str, out: str, *, resume: bool, force: bool, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[AnswersRun]:
+    """decide_file's input and OUT, opened, locked and checked (--resume: OUT's answers are the input's first requests'
+    by this model), closed and fsynced at the end and on the way out of an interrupted run."""
+    summary = Summary(out=out)
+    with ExitStack() as stack:
+        try:
+            file = sys.stdin.buffer if source == "-" else stack.enter_context(open(source, "rb"))
+        except OSError as e:
+            raise RequestError(f"cannot read the requests: {e.strerror or e}") from None
+        total = None if source == "-" else count_records(Path(source))  # (None: not a regular file)
+        output, done, owned = _open_output(out, source, resume=resume, force=force, model=getattr(model, "path", None))
+        if owned:
+            stack.callback(_close, output)
+        stack.callback(_fsync, output)  # at the end, and on the way out of an interrupted run
+        records = read_records(file, max_line_bytes)
+        _skip_answered(records, done, model, out, summary)
+        yield AnswersRun(file, records, output, summary, total, done[-1][0] + 1 if done else 1)
+    summary.seconds = time.perf_counter() - summary.started
 
 
 def decide_file(
@@ -262,48 +358,23 @@ def decide_file(
     sort_by_state: bool = False,
     images_anywhere: bool = False,
     progress: Progress | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Summary:
     """Decide the JSON Lines requests of `source` ("-": stdin; a pipe, a FIFO or a device streams as stdin does)
-    into the answers file `out` ("-": stdout).
+    into the answers file `out` ("-": stdout). A line over max_line_bytes gets the server's 413 error line unread.
 
     Image paths in a request's `images` are relative to the input's folder (stdin, a pipe: the working directory)
-    and must stay inside it unless `images_anywhere`. Each answer line carries the model's header digest
+    and must stay inside it unless `images_anywhere`. Each answer line carries the model's identity
     (model_sha256): --resume with another model is refused."""
-    summary = Summary(out=out)
-    with ExitStack() as stack:
-        try:
-            file = sys.stdin.buffer if source == "-" else stack.enter_context(open(source, "rb"))
-        except OSError as e:
-            raise RequestError(f"cannot read the requests: {e.strerror or e}") from None
-        total = None if source == "-" else count_records(Path(source))  # (None: not a regular file)
-        output, done, owned = _open_output(out, source, resume=resume, force=force)
-        if owned:
-            stack.callback(_close, output)
-        stack.callback(_fsync, output)  # at the end, and on the way out of an interrupted run
-        records = read_records(file)
-        _skip_answered(records, done, model.identity, out, summary)
-        pending: list[Record] = []
-
-        def raw_requests() -> Iterator[bytes]:
-            for record in records:
-                pending.append(record)
-                yield record.raw
-
-        base = Path(source).resolve().parent if total is not None else Path.cwd()
+    with answers_file(model, source, out, resume=resume, force=force, max_line_bytes=max_line_bytes) as run:
+        summary, base = run.summary, images_base(source, run.total)
         if progress:
-            progress(summary, total)
-        outcomes = decide_outcomes(model, raw_requests(), sort_by_state=sort_by_state, base=base, anywhere=images_anywhere)
-        for outcome in outcomes:
-            try:
-                output.write(answer_line(pending.pop(0), outcome, model.identity))
-                output.flush()
-            except OSError as e:  # a full disk, an I/O error: the lines before are whole, --resume mends a torn last one
-                raise OutputError(f"cannot write {out}: {e.strerror or e}") from None
-            summary.count(outcome)
-            if (summary.records - summary.skipped) % FSYNC_EVERY == 0:
-                _fsync(output)
-            summary.seconds = time.perf_counter() - summary.started
+            progress(summary, run.total)
+        answered = answered_records(
+            model, run.records, max_line_bytes=max_line_bytes, sort_by_state=sort_by_state, base=base, anywhere=images_anywhere
+        )
+        for record, outcome in answered:
+            write_line(run.output, out, answer_line(record, outcome, model.identity), tally(outcome), summary)
             if progress:
-                progress(summary, total)
-    summary.seconds = time.perf_counter() - summary.started
+                progress(summary, run.total)
     return summary

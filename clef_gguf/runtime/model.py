@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,31 +17,21 @@ from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
 from ..format.temperatures import temperature_of
-from ..llama.backbone import Backbone, Part, prompt_positions
+from ..llama.backbone import Backbone
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
 from ..settings import LoadOptions, default_ubatch
+from .adapters import Variant, Variants
 from .answers import Scores, question_probabilities, response
 from .dataset import decide_many
 from .images import ImageLimits, image_limits
+from .prefill import Prefill
 from .prompt import EncodedPrompt, encode, parse_request
-from .state_cache import Entry, StateCache, cuts, entry_bytes, prefix_key
-
-
-@dataclass
-class _Plan:
-    """A prompt's prefill as sequence `seq`: the parts to decode in order, the key of the state after each but
-    the last, and the cache entry it starts from (reused: its tokens)."""
-
-    seq: int
-    parts: list[Part]
-    keys: list[bytes]
-    restore: Entry | None
-    reused: int
-    done: list[np.ndarray] = field(default_factory=list)  # hidden states so far, in order
-
+from .state_cache import StateCache
+from .steps import PromptSteps
 
 T = TypeVar("T")
+Hidden = tuple[np.ndarray, int]  # a prompt's final hidden states, and the tokens of them the state cache gave
 
 # One small decision run at load, on the real weights.
 PROBE: dict[str, Any] = {"state": "probe", "questions": {"ok": {"type": "noul", "instructions": "Is the file sound?"}}}
@@ -70,10 +59,14 @@ class ClefModel:
     physical batch.
     state_cache: bytes of host memory for the backbone states of recent requests' state prefixes
     (runtime/state_cache.py; default 1 GiB), so that a request repeating a state computes only its
-    schema; 0 turns it off. n_threads: default, the physical cores this process may use.
+    schema; 0 turns it off. n_threads: default, the physical cores this process may use, less those busy (llama/threads.py).
     mmproj: the vision tower (llama.cpp's mmproj GGUF, which `clef-gguf convert` writes beside the
     model), so that requests may carry up to 4 images (runtime/images.py); without it they are refused.
     parallel: at most this many requests prefilled together (decide_batch).
+    adapters: {name: adapter file} of fine-tunes over this base (runtime/adapters.py); adapter_dir: a folder of
+    NAME.adapter.gguf files, each loaded when first named; at most max_adapters (and adapter_memory bytes) loaded at
+    once. A request picks its model by name (its `model` field); without adapters every name is the base's.
+    adapter: one adapter file that answers every request, whatever model it names (`decide --adapter`).
     """
 
     def __init__(
@@ -87,6 +80,11 @@ class ClefModel:
         state_cache: int = LoadOptions.state_cache,
         mmproj: str | Path | None = None,
         parallel: int = LoadOptions.parallel,
+        adapters: Mapping[str, str | Path] | None = None,
+        adapter: str | Path | None = None,
+        adapter_dir: str | Path | None = None,
+        max_adapters: int = LoadOptions.max_adapters,
+        adapter_memory: int | None = None,
     ) -> None:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
         self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
@@ -94,9 +92,12 @@ class ClefModel:
         self._closed = False
         self._busy = threading.Condition()  # guards _closed and _active
         self._active = 0  # API calls in progress: close() frees the model only once none is
+        self._stepping: PromptSteps | None = None  # the prompt prefilled in steps now (begin), on the last sequence
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-compute", initializer=self._mark)
         try:
-            self.compute(self._load, n_gpu_layers, max_prompt_tokens, n_threads, parallel, mmproj)
+            many = {"adapters": adapters, "adapter": adapter, "adapter_dir": adapter_dir}
+            many |= {"max_adapters": max_adapters, "adapter_memory": adapter_memory}
+            self.compute(self._load, n_gpu_layers, max_prompt_tokens, n_threads, parallel, mmproj, many)
         except BaseException:
             self._compute.shutdown()
             raise
@@ -123,7 +124,13 @@ class ClefModel:
         return self._compute.submit(fn, *args)
 
     def _load(
-        self, n_gpu_layers: int, max_prompt_tokens: int, n_threads: int | None, parallel: int, mmproj: str | Path | None
+        self,
+        n_gpu_layers: int,
+        max_prompt_tokens: int,
+        n_threads: int | None,
+        parallel: int,
+        mmproj: str | Path | None,
+        many: dict[str, Any],
     ) -> None:
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
@@ -131,7 +138,7 @@ class ClefModel:
             stack.callback(validated.close)
             self.file, d = validated.file, validated.description
             self.description, self.name, self.template = d, d.name, d.template
-            self.identity = self.file.digest()  # what the prompts it encodes carry
+            self.identity, self.header_digest = self.file.identity(), self.file.digest()  # prompts', model_sha256's
             self.backbone = Backbone(
                 self.file,
                 n_gpu_layers=n_gpu_layers,
@@ -145,6 +152,11 @@ class ClefModel:
             # The head runs where the backbone runs: on the GPU when layers are offloaded.
             self.head = NativeHead(self.file, d.head, gpu=n_gpu_layers != 0, n_threads=n_threads)
             stack.callback(self.head.close)
+            gpu = n_gpu_layers != 0
+            self.variants = Variants(self.backbone, self.file, d, self.identity, self.head, gpu=gpu, n_threads=n_threads, **many)
+            stack.callback(self.variants.close)
+            if self.variants.pinned is not None:  # one fine-tune answers everything: its identity is the model's
+                self.identity, self.name = self.variants.pinned.identity, self.variants.pinned.name
             self.vision: VisionEncoder | None = None
             self.image_limits: ImageLimits | None = None
             if mmproj is not None:
@@ -175,6 +187,10 @@ class ClefModel:
         )
         return encoder, limits
 
+    def adapter_names(self) -> list[str]:
+        """The fine-tunes a request may name (its `model`, Workers AI's `lora`) besides the base."""
+        return self.variants.names()
+
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise ModelClosedError(f"{self.path.name}: the model is closed; load the file again to decide")
@@ -195,13 +211,16 @@ class ClefModel:
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
         """Validate, tokenize and (images) decode and size a request; no compute. Raises RequestError."""
         with self._in_use():
-            return encode(parse_request(request, self.image_limits), self.template, self.backbone.tokenize, self.identity)
+            parsed = parse_request(request, self.image_limits)
+            # The model it names (Workers AI's `lora`, else System One's `model`): the base, or one of its adapters.
+            variant = self.variants.of_request(parsed)
+            return encode(parsed, self.template, self.backbone.tokenize, variant.identity)
 
     def _check(self, prompt: Any) -> None:
         """Refuse a prompt this model did not encode (another file's tokens would index other rows) or one forged."""
         if not isinstance(prompt, EncodedPrompt):
             raise RequestError(f"a prompt is what model.encode(request) returns, not a {type(prompt).__name__}")
-        if prompt.model != self.identity:
+        if self.variants.of(prompt.model) is None:
             raise RequestError("this prompt was encoded by another model (another file): encode it with this model")
         tokens, n_vocab = np.asarray(prompt.tokens), self.backbone.token_embd.n_rows
         if tokens.ndim != 1 or (tokens.size and (tokens.dtype.kind != "i" or tokens.min() < 0 or tokens.max() >= n_vocab)):
@@ -232,19 +251,64 @@ class ClefModel:
         boundaries than alone: its answers differ from its answers alone by float noise only (llama.cpp sums in
         another order over a ubatch of several sequences and a KV cache they share; tests/test_batching.py).
         """
+        stepping, tokens = self._stepping, sum(len(p.tokens) for p in prompts)
+        if stepping is not None:  # beside it: on the other sequences, in the cells it leaves, a ubatch at most
+            room = min(self.backbone.ubatch, self.max_prompt_tokens - len(stepping.prompt.tokens))
+            return 0 < len(prompts) < self.backbone.parallel and tokens <= room and len({p.model for p in prompts}) == 1
         return len(prompts) == 1 or (
-            len(prompts) <= self.backbone.parallel and sum(len(p.tokens) for p in prompts) <= self.backbone.ubatch
+            len(prompts) <= self.backbone.parallel
+            and tokens <= self.backbone.ubatch
+            and len({p.model for p in prompts}) == 1  # one model's: the context applies one adapter at a time
         )
+
+    def stepped(self, prompt: EncodedPrompt) -> bool:
+        """Whether a server decides this prompt in steps (begin), the batches waiting decided between them: one
+        longer than a ubatch, when the context has a sequence for the others (parallel > 1)."""
+        return self.backbone.parallel > 1 and len(prompt.tokens) > self.backbone.ubatch
+
+    def begin(self, prompt: EncodedPrompt) -> PromptSteps:
+        """Start deciding a prompt a ubatch at a time (runtime/steps.py): step() the result until it answers.
+
+        Until then it holds the context's last sequence, and `batchable` admits only batches that fit beside it.
+        One prompt at a time is decided in steps; each step is an API call (refused once the model is closed)."""
+        with self._in_use():
+            self._check(prompt)
+            return self.compute(self._begin, prompt)
+
+    def _begin(self, prompt: EncodedPrompt) -> PromptSteps:
+        if self._stepping is not None:
+            raise ComputeError("another prompt is being decided in steps: one at a time")
+        self._stepping = PromptSteps(self, prompt, self._call)
+        return self._stepping
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        with self._in_use():
+            return self.compute(fn)
+
+    def end_steps(self, steps: PromptSteps) -> None:
+        """(PromptSteps.finish) Its sequence is free again."""
+        if self._stepping is steps:
+            self._stepping = None
 
     def decide_batch(self, prompts: Sequence[EncodedPrompt]) -> list[dict[str, Any] | Exception]:
         """Answer encoded prompts that are `batchable`, their backbone prefills in the same llama_decode calls.
 
         One answer (or the exception that prompt raised: PromptTooLongError, ComputeError, ...) per prompt, in order.
         """
-        return [
-            s if isinstance(s, Exception) else response(p, self.name, s.probabilities, s.cached_tokens)
-            for p, s in zip(prompts, self.score_batch(prompts), strict=True)
-        ]
+        scored = self.score_batch(prompts)
+        return [s if isinstance(s, Exception) else self.answer(p, s) for p, s in zip(prompts, scored, strict=True)]
+
+    def answer(self, prompt: EncodedPrompt, scores: Scores) -> dict[str, Any]:
+        """A prompt's response body from its scores."""
+        return response(prompt, self._name_of(prompt), scores.probabilities, scores.cached_tokens)
+
+    def _name_of(self, prompt: EncodedPrompt) -> str:
+        variant = self.variants.of(prompt.model)
+        return variant.name if variant is not None else self.name
+
+    def model_name(self, prompt: EncodedPrompt) -> str:
+        """The name of the model a prompt was encoded for (the base's or an adapter's): the server's metrics label."""
+        return self._name_of(prompt)
 
     def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
         """decide_batch's decisions before rounding: each prompt's Scores (or its exception), in order."""
@@ -257,7 +321,16 @@ class ClefModel:
             return self.compute(self._score_batch, prompts)
 
     def _score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
-        hidden = self._hidden_states(prompts)  # a prompt's error, or (its hidden states, tokens the cache gave)
+        variant = self.variants.of(prompts[0].model)  # (batchable: one model's)
+        assert variant is not None
+        head = self.variants.activate(variant)  # its LoRA applied, its head
+        return self.score(variant, head, prompts, self._hidden_states(prompts))
+
+    def score(
+        self, variant: Variant, head: NativeHead, prompts: Sequence[EncodedPrompt], hidden: Sequence[Hidden | Exception]
+    ) -> list[Scores | Exception]:
+        """(On the compute thread) Each prompt's Scores from its hidden states (a prompt's error, or (its hidden states,
+        tokens the cache gave)), by the variant's head, or its error."""
         scored: list[Scores | Exception] = []
         for prompt, result in zip(prompts, hidden, strict=True):
             if isinstance(result, Exception):
@@ -265,9 +338,9 @@ class ClefModel:
                 continue
             try:  # views of llama.cpp's output buffer: the head reads them before the next decode
                 questions = tuple(q.question for q in prompt.questions)
-                tempered = [temperature_of(self.description.temperatures, q.type, len(q.options)) for q in questions]
-                logits = [np.array(z, dtype=np.float32) for z in self.head(result[0], prompt)]
-                probabilities = question_probabilities(self.name, logits, tempered)
+                tempered = [temperature_of(variant.temperatures, q.type, len(q.options)) for q in questions]
+                logits = [np.array(z, dtype=np.float32) for z in head(result[0], prompt)]
+                probabilities = question_probabilities(variant.name, logits, tempered)
                 options = tuple(tuple(option for option, _ in q.options) for q in questions)
                 scored.append(Scores(probabilities, result[1], tuple(q.id for q in questions), options, logits))
             except (ComputeError, ModelOutputError) as e:
@@ -275,82 +348,16 @@ class ClefModel:
         return scored
 
     def _hidden_states(self, prompts: Sequence[EncodedPrompt]) -> list[tuple[np.ndarray, int] | Exception]:
-        """Every token's final hidden state of each prompt (sequence i: prompts[i]), and how many tokens of
-        them the state cache gave; or the prompt's error.
+        """Each prompt's hidden states and the tokens the state cache gave, or its error (runtime/prefill.py)."""
+        stepping = self._stepping
+        if stepping is None:
+            return self.prefill().hidden_states(prompts)
+        if not self.batchable(prompts):
+            raise ComputeError(f"{len(prompts)} prompts cannot be decided beside the prompt decided in steps; retry after it")
+        return self.prefill().hidden_states(prompts, keep=stepping.seq)  # (sequences 0.. before its own)
 
-        A prompt is prefilled in parts, cut where its state is kept (state_cache.cuts): after the template's
-        preamble, and after its state prefix. The longest cut the cache has is restored; each part after it
-        is decoded once the part before it is, the state after a cut saved right then. Decodes take one
-        part of each prompt, aligned at the end, so that every prompt's last part is in the last decode.
-        """
-        self.backbone.clear()
-        out: list[tuple[np.ndarray, int] | Exception] = []
-        plans: list[_Plan] = []
-        for seq, prompt in enumerate(prompts):
-            try:
-                plan = self._plan(seq, prompt)  # (encoding's errors: this prompt's alone)
-            except (PromptTooLongError, ComputeError) as e:
-                out.append(e)
-                continue
-            out.append(ComputeError("not decoded"))  # replaced below by its hidden states
-            if plan.restore is not None:  # (a refused state clears every sequence: the batch's error, not this prompt's)
-                self.backbone.restore_sequence(plan.restore.sequence, seq)
-                plan.done.append(plan.restore.hidden)
-            plans.append(plan)
-        steps = max((len(p.parts) for p in plans), default=0)
-        for step in range(steps):
-            now = [(p, step - steps + len(p.parts)) for p in plans if step >= steps - len(p.parts)]
-            parts = [plan.parts[i] for plan, i in now]
-            for (plan, i), hidden in zip(now, self.backbone.decode_batch(parts), strict=True):
-                if step == steps - 1:  # a view of llama.cpp's output buffer, valid until the next decode
-                    plan.done.append(hidden)
-                    continue
-                # The hidden states up to this cut, in one array: the cache entry's, and the start of the prompt's.
-                prefix = np.concatenate([*plan.done, hidden]) if plan.done else hidden.copy()
-                plan.done = [prefix]
-                size = entry_bytes(plan.keys[i], self.backbone.sequence_size(plan.seq), prefix.nbytes)
-                if self.state_cache.admits(size):
-                    self.state_cache.put(plan.keys[i], Entry(self.backbone.save_sequence(plan.seq), prefix))
-        for plan in plans:
-            out[plan.seq] = (np.concatenate(plan.done) if len(plan.done) > 1 else plan.done[0], plan.reused)
-        return out
-
-    def _plan(self, seq: int, prompt: EncodedPrompt) -> _Plan:
-        """How sequence `seq` prefills the prompt: the longest cached cut to restore, and the parts after it."""
-        tokens = prompt.tokens
-        if len(tokens) > self.max_prompt_tokens:  # (an image takes fewer positions than tokens)
-            raise PromptTooLongError(len(tokens), self.max_prompt_tokens)
-        positions = prompt_positions(len(tokens), [(p.start, p.image.nx, p.image.ny) for p in prompt.images])
-        ends = [*cuts(prompt.preamble, prompt.state_prefix, len(tokens)), len(tokens)]
-        keys = [prefix_key(tokens[:end], [p.image.digest for p in prompt.images if p.start < end]) for end in ends[:-1]]
-        first, restore = 0, None
-        for i in reversed(range(len(keys))):
-            restore = self.state_cache.get(keys[i])
-            if restore is not None:
-                first = i + 1
-                break
-        starts = [0, *ends[:-1]]
-        todo = zip(starts[first:], ends[first:], strict=True)  # (not the restored ones: their images are not encoded again)
-        parts = [Part(seq, self._embeddings(prompt, a, b), positions[:, a:b]) for a, b in todo]
-        return _Plan(seq, parts, keys[first:], restore, starts[first])
-
-    def _embeddings(self, prompt: EncodedPrompt, start: int, end: int) -> np.ndarray:
-        """The input embeddings of tokens[start:end]: token rows, and the vision tower's for image tokens."""
-        embeddings = self.backbone.embeddings(prompt.tokens[start:end])
-        for placed in prompt.images:
-            first, last = placed.start, placed.start + placed.image.n_tokens
-            if first >= end or last <= start:
-                continue
-            if first < start or last > end:
-                raise ComputeError("an image straddles the state prefix: the template placed it inside the state")
-            assert self.vision is not None  # encode refuses images without it
-            encoded = self.vision.encode(placed.image.pixels)
-            if (encoded.nx, encoded.ny) != (placed.image.nx, placed.image.ny):
-                raise ComputeError(
-                    f"mtmd encoded a {placed.image.nx} x {placed.image.ny}-token image as {encoded.nx} x {encoded.ny} tokens"
-                )
-            embeddings[first - start : last - start] = encoded.embeddings
-        return embeddings
+    def prefill(self) -> Prefill:
+        return Prefill(self.backbone, self.state_cache, self.vision)
 
     def close(self) -> None:
         """Free the model once the calls in progress have ended; later calls raise ModelClosedError. A second close
@@ -360,6 +367,7 @@ class ClefModel:
                 return
             self._closed = True
             self._busy.wait_for(lambda: self._active == 0)
+        self._stepping = None  # (a prompt left in steps: its next step is refused)
         self.state_cache.clear()  # host memory only: the saved states are of no use without the context
         self.compute(self._resources.close)  # head, backbone, then the mapping: the reverse of loading
         self._compute.shutdown()

@@ -47,6 +47,7 @@ class Request:
     state: str | dict | list
     questions: tuple[Question, ...]
     images: tuple[PreparedImage, ...] = ()  # placed where the template puts images (before the state)
+    lora: str | None = None  # Workers AI's name of a fine-tune: the model it picks, over `model`
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class EncodedPrompt:
     # tokens[:preamble] are the template's pieces before the request's first own one (its images or its
     # state): the system prompt and the user turn's opening, the same for every request to the model.
     preamble: int = 0
-    model: str = ""  # the header digest of the file whose vocabulary and template encoded it (GGUFFile.digest)
+    model: str = ""  # the identity of the file whose vocabulary and template encoded it (GGUFFile.identity)
 
 
 # --- Validation -------------------------------------------------------------------------------------------
@@ -135,6 +136,9 @@ def parse_request(body: Any, image_limits: ImageLimits | None = None) -> Request
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("must be a string", "model")
+    lora = body.get("lora")
+    if lora is not None and not isinstance(lora, str):
+        raise RequestError("must be the name of a fine-tune (a string)", "lora")
     if "state" not in body:
         raise RequestError("is required", "state")
     state = body["state"]
@@ -157,7 +161,7 @@ def parse_request(body: Any, image_limits: ImageLimits | None = None) -> Request
         order = tuple(q["criteria"]) if qtype == "choice" else ()
         parsed.append(Question(qid, qtype, instructions, options, levels, order))
     values, state = request_images(body, state)
-    return Request(model, state, tuple(parsed), prepare_all(values, image_limits))
+    return Request(model, state, tuple(parsed), prepare_all(values, image_limits), lora)
 
 
 # --- Encoding ---------------------------------------------------------------------------------------------------

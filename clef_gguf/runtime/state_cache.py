@@ -69,10 +69,11 @@ def cuts(preamble: int, state_prefix: int, prompt_tokens: int) -> list[int]:
     return points
 
 
-def prefix_key(tokens: Sequence[int], images: Sequence[bytes] = ()) -> bytes:
-    """The key of a prefix: its images' digests (an image's tokens are all <|image_pad|>), then its tokens
-    as int32 bytes (hashed, and compared in full on a match)."""
-    return bytes([len(images)]) + b"".join(images) + np.asarray(tokens, dtype=np.int32).tobytes()
+def prefix_key(tokens: Sequence[int], images: Sequence[bytes] = (), model: str = "") -> bytes:
+    """The key of a prefix: the model computing it (a base and each of its adapters compute other states), its
+    images' digests (an image's tokens are all <|image_pad|>), then its tokens as int32 bytes (hashed, and compared
+    in full on a match)."""
+    return model.encode() + bytes([len(images)]) + b"".join(images) + np.asarray(tokens, dtype=np.int32).tobytes()
 
 
 def entry_bytes(key: bytes, sequence_bytes: int, hidden_bytes: int) -> int:

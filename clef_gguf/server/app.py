@@ -61,10 +61,13 @@ def _models_listing(model: Encoder) -> dict[str, Any]:
     written = dt.datetime.fromtimestamp(model.path.stat().st_mtime, dt.timezone.utc).date().isoformat()
     limit = model.max_prompt_tokens
     described = f"Clef decision model {model.name} ({model.path.name}) on llama.cpp; prompts up to {limit} tokens"
+    about = f"a fine-tune over {model.name} (an adapter file): name it in `model`"
+    tunes = [{"name": name, "description": about, "release_date": written} for name in model.adapter_names()]
     return {
         "models": [
             {"name": model.name, "description": described, "release_date": written},
             {"name": JEV_ALIAS, "description": f"alias of {model.name}", "release_date": written},
+            *tunes,
         ]
     }
 

@@ -3,13 +3,17 @@
 Everything a client can get wrong here is a 4xx: a body over the limit (413), an encoding or
 media type the server cannot read (415), bytes that are not strict UTF-8 JSON (422: the runtime's
 reader, runtime/reader.py, which `clef-gguf decide` reads its files with too).
+
+While a body arrives it holds no intake slot (intake.py takes one once it is whole), only a connection and the
+bytes it sent: Bodies bounds both across the server, as nginx and Kestrel read bodies before handing them on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -17,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from ..errors import RequestJsonError
 from ..runtime.reader import parse_json
 from ..settings import HttpLimits
-from .problems import ApiError, Invalid, from_request_error
+from .problems import ApiError, Invalid, from_request_error, overloaded
 
 # The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
 # could fit is refused while it is decoded (in milliseconds), never tokenized. On Qwen3.5's vocabulary (the Clef
@@ -89,30 +93,78 @@ def _late(limits: HttpLimits, start: float, received: int, now: float) -> ApiErr
     return ApiError(408, "request_timeout", message, {"Connection": "close"})
 
 
-async def read(request: Request, limit: int, limits: HttpLimits) -> bytes:
+class Bodies:
+    """The request bodies arriving, across the server: at most `max_body_readers` at once, holding at most
+    `max_body_buffer` bytes in all. A body is charged the bytes it has sent, never what it declares: a connection
+    trickling a body costs the few bytes it sent, however long its Content-Length. Touched on the event loop only."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.max_readers = limits.max_body_readers
+        self.max_bytes = limits.max_body_buffer
+        self.readers = 0
+        self.bytes = 0
+
+    def _full(self, wanted: int, close: bool = False) -> ApiError:
+        message = (
+            f"request bodies still arriving hold {self.bytes} of this server's {self.max_bytes} bytes (--max-body-buffer): "
+            f"no room for {wanted} more; retry shortly"
+        )
+        return overloaded(message, close=close)
+
+    @contextmanager
+    def reading(self, declared: int) -> Iterator[Callable[[int], None]]:
+        """A body of `declared` bytes (0: not declared) admitted to be read, or 503 at once: past the readers, or
+        when it does not fit the bytes left. Yields what charges its bytes as they come; a chunk that does not fit
+        gets 503 and a closed connection. All are given back when the body is whole, refused or abandoned."""
+        if self.readers >= self.max_readers:
+            message = f"{self.readers} request bodies are being read, this server's limit (--max-body-readers); retry shortly"
+            raise overloaded(message)
+        if declared > self.max_bytes - self.bytes:
+            raise self._full(declared)
+        held = 0
+
+        def take(size: int) -> None:
+            nonlocal held
+            if self.bytes + size > self.max_bytes:
+                raise self._full(size, close=True)
+            self.bytes += size
+            held += size
+
+        self.readers += 1
+        try:
+            yield take
+        finally:
+            self.readers -= 1
+            self.bytes -= held
+
+
+async def read(request: Request, limit: int, limits: HttpLimits, bodies: Bodies) -> bytes:
     """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first), and as slow as `limits`
-    allow: a client trickling its body (slowloris) gets 408 and a closed connection."""
+    allow: a client trickling its body (slowloris) gets 408 and a closed connection. It counts among `bodies` until
+    it is whole."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     loop = asyncio.get_running_loop()
     chunks, size, start = [], 0, loop.time()
     stream = request.stream().__aiter__()
-    try:
-        while True:
-            wait = _deadline(limits, start, size) - loop.time()
-            try:
-                chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
-            except StopAsyncIteration:
-                return b"".join(chunks)
-            except asyncio.TimeoutError:
-                raise _late(limits, start, size, loop.time()) from None
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:  # nobody reads the answer; typed so that it is not logged as a server fault
-        raise ApiError(400, "invalid_request_error", "the client closed the connection before its body ended") from None
+    with bodies.reading(int(declared) if declared.isdigit() else 0) as take:
+        try:
+            while True:
+                wait = _deadline(limits, start, size) - loop.time()
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
+                except StopAsyncIteration:
+                    return b"".join(chunks)
+                except asyncio.TimeoutError:
+                    raise _late(limits, start, size, loop.time()) from None
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                take(len(chunk))
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody reads the answer; typed so that it is not logged as a server fault
+            raise ApiError(400, "invalid_request_error", "the client closed the connection before its body ended") from None
 
 
 def check_media_type(content_type: str | None) -> None:

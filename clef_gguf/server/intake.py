@@ -1,10 +1,12 @@
 """Reading, validating and tokenizing request bodies, off the decision worker and bounded.
 
-A request holds an intake slot from the moment its headers are in until its body is known to be a
-request that fits the model: read (bounded in bytes and in time, body.py), decoded, parsed,
-validated and tokenized. At most `max_reading` requests hold one, so uploads in progress are
-bounded like decisions are (worker.py): past it, a request gets 503 before its body is read, and
-memory is bounded by max_reading bodies of at most `limit` bytes.
+A body is read first (bounded in bytes and in time, body.py), holding no intake slot: while it arrives it
+costs a connection and the bytes it sent, which body.Bodies bounds across the server (--max-body-readers,
+--max-body-buffer). Once whole, it takes an intake slot until it is known to be a request that fits the
+model: decoded, parsed, validated and tokenized. At most `max_reading` requests hold one, bounded like
+decisions are (worker.py): past it, a whole body gets 503, and the memory of bodies being prepared is
+bounded by max_reading bodies of at most `limit` bytes. So clients trickling their bodies, however many,
+never take the slots of requests whose bodies are in (issue 46, F15).
 
 Tokenizing happens here, on intake threads, never on the decision worker: a prompt over the
 token limit gets its 413 without waiting for (or delaying) any decision. Bodies over LARGE_BODY
@@ -23,7 +25,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..errors import PromptTooLongError, RequestError
+from ..errors import PromptTooLongError, RequestError, SettingsError
 from ..runtime import images
 from ..settings import HttpLimits
 from . import body, media
@@ -69,7 +71,18 @@ def _text_bytes(decoded: bytes, value: Any) -> int:
 
 
 class Intake:
-    def __init__(self, model: Encoder, max_reading: int, limit: int, limits: HttpLimits, text_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Encoder,
+        max_reading: int,
+        limit: int,
+        limits: HttpLimits,
+        text_limit: int | None = None,
+        bodies: body.Bodies | None = None,
+    ) -> None:
+        if limits.max_body_buffer < limit:
+            message = f"--max-body-buffer ({limits.max_body_buffer} bytes) is under the body limit ({limit} bytes)"
+            raise SettingsError(f"{message}: the largest bodies could never be read; raise it")
         self.model = model
         self.max_reading = max_reading
         self.limit = limit  # bytes, raw and decoded
@@ -77,7 +90,8 @@ class Intake:
         # larger by their allowance, never its text, which is refused before it is tokenized
         self.text_limit = limit if text_limit is None else min(limit, text_limit)
         self.limits = limits  # how fast a body must arrive
-        self.reading = 0  # requests holding an intake slot; touched on the event loop only
+        self.bodies = bodies or body.Bodies(limits)  # the bodies arriving (a server's apps may share one)
+        self.preparing = 0  # whole bodies holding an intake slot; touched on the event loop only
         self._small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clef-intake")
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
 
@@ -110,16 +124,20 @@ class Intake:
         finally:
             _trim()  # the tokens and the parse of a refused body are garbage by now
 
+    @property
+    def reading(self) -> int:
+        """Requests whose body is not a prompt yet: arriving, or whole and being prepared."""
+        return self.bodies.readers + self.preparing
+
     async def request(self, request: Request) -> Any:
         """The request of `request`, parsed, validated and encoded; raises ApiError or Invalid."""
         content_type = request.headers.get("content-type")
         body.check_media_type(content_type)
-        if self.reading >= self.max_reading:
-            message = f"{self.reading} request bodies are already being read; retry shortly"
-            raise overloaded(message)
-        self.reading += 1
+        raw = await body.read(request, self.limit, self.limits, self.bodies)  # no intake slot while it arrives
+        if self.preparing >= self.max_reading:
+            raise overloaded(f"{self.preparing} requests are already being prepared (--max-queue); retry shortly")
+        self.preparing += 1
         try:
-            raw = await body.read(request, self.limit, self.limits)
             # Decoding stays on the event loop: bounded by the limit, it takes milliseconds, and the decoded
             # size is what picks the lane (a small compressed body can decode to a large one).
             decoded = body.decode(raw, request.headers.get("content-encoding"), self.limit)
@@ -130,7 +148,7 @@ class Intake:
                 future = self._small.submit(self._prepare, decoded, content_type)
             return await asyncio.wrap_future(future)
         finally:
-            self.reading -= 1
+            self.preparing -= 1
 
     def close(self) -> None:
         self._small.shutdown(wait=True, cancel_futures=True)

@@ -15,6 +15,7 @@ from ..check.pair import open_vision
 from ..check.report import printable
 from ..check.validate import open_validated
 from ..errors import SettingsError
+from ..runtime.catalog import Catalog
 from ..runtime.images import MAX_IMAGES
 from ..runtime.model import load
 from ..settings import LoadOptions, RayScale, ServeSettings
@@ -31,21 +32,32 @@ def serve_file(model: Path, settings: ServeSettings, options: LoadOptions) -> No
     serve(loaded, settings)
 
 
-def check_files(model: Path, mmproj: Path | None) -> None:
-    """The header checks loading runs: the model's, and the mmproj's with its pairing."""
+def check_files(model: Path, mmproj: Path | None, options: LoadOptions | None = None) -> None:
+    """The header checks loading runs: the model's, the mmproj's with its pairing, and the named adapters' with
+    theirs (each adapter file validated against the model, as Catalog does at load)."""
     validated = open_validated(model)
     try:
         if mmproj is not None:
             open_vision(validated.file.header, mmproj)
+        if options is not None and (options.adapters or options.adapter_dir is not None):
+            many = {"adapters": options.adapters, "adapter_dir": options.adapter_dir}
+            Catalog(validated.file, validated.description, validated.file.identity(), **many).close()
     finally:
         validated.close()
+
+
+def _resolved(options: LoadOptions) -> dict[str, object]:
+    """The adapters' paths as every node sees them (absolute), as RaySettings takes them."""
+    adapters = options.adapters and {name: str(Path(path).resolve()) for name, path in options.adapters.items()}
+    folder = options.adapter_dir and str(Path(options.adapter_dir).resolve())
+    return {"adapters": adapters or None, "adapter_dir": folder}
 
 
 def serve_on_ray(model: Path, settings: ServeSettings, options: LoadOptions, scale: RayScale) -> None:
     """`model` on Ray Serve (the ingress over model replicas, each loaded with `options`), until SIGTERM
     or SIGINT. Without Ray Serve installed, or with settings RaySettings refuses, a SettingsError."""
     mmproj = options.mmproj
-    check_files(model, mmproj and Path(mmproj))
+    check_files(model, mmproj and Path(mmproj), options)
     if scale.address is None:
         from .ray_local import loopback_only
 
@@ -61,6 +73,7 @@ def serve_on_ray(model: Path, settings: ServeSettings, options: LoadOptions, sca
     scaling: dict[str, object] = {"replicas": scale.replicas or 1} if scale.autoscale is None else {"autoscale": scale.autoscale}
     # Paths as every node sees them; llama.cpp's threads default to 1 per replica (Ray reserves a CPU for each).
     placed = options.kwargs() | {"mmproj": mmproj and str(Path(mmproj).resolve()), "n_threads": options.n_threads or 1}
+    placed |= _resolved(options)
     served = {"api_key": settings.api_key, "max_queue": settings.max_queue, "drain_timeout": settings.drain_timeout}
     served |= {"log_format": settings.log_format, "body_timeout": settings.limits.body_timeout}
     try:

@@ -8,6 +8,9 @@ holds yet is counted here, from each request's answer (observe.py) and each deci
 State cache hits and misses are counted per decided request whose state prefix the cache keeps (one of
 state_cache.MIN_PREFIX_TOKENS or more, runtime/model.py cuts it off): a hit when the backbone state after it came
 from the cache. The template's preamble, cached once for every request, is in cached tokens but is no hit.
+
+The decided requests' series carry a `model` label: the name of the model that decided them, the base's or an
+adapter's (runtime/adapters.py), as the answer's `model` says.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Metrics:
     refused: Counter
     cache_hits: Counter
     cache_misses: Counter
+    model_name: Callable[[Prompt], str]  # a prompt's model's name (Encoder.model_name): the decided series' label
 
     def answered(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -51,13 +55,14 @@ class Metrics:
             self.refused.inc()
 
     def decided(self, prompt: Prompt, decision: Decision) -> None:
-        self.phases.labels("queue").observe(decision.queued_s)
-        self.phases.labels("compute").observe(decision.decide_s)
-        self.prompt_tokens.inc(len(prompt.tokens))
-        self.cached_tokens.inc(decision.cached_tokens)
-        self.images.inc(len(prompt.images))
+        model = self.model_name(prompt)
+        self.phases.labels("queue", model).observe(decision.queued_s)
+        self.phases.labels("compute", model).observe(decision.decide_s)
+        self.prompt_tokens.labels(model).inc(len(prompt.tokens))
+        self.cached_tokens.labels(model).inc(decision.cached_tokens)
+        self.images.labels(model).inc(len(prompt.images))
         if prompt.state_prefix > prompt.preamble and split_at_prefix(prompt.state_prefix, len(prompt.tokens)):
-            (self.cache_hits if decision.cached_tokens >= prompt.state_prefix else self.cache_misses).inc()
+            (self.cache_hits if decision.cached_tokens >= prompt.state_prefix else self.cache_misses).labels(model).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -87,7 +92,7 @@ def create_metrics(model: Encoder, decider: Decider, reading: Reading, state_cac
         _gauge(r, "clef_state_cache_bytes", "Bytes the state cache's entries hold.", lambda: state_cache.nbytes)
         _gauge(r, "clef_state_cache_budget_bytes", "The state cache's budget (--state-cache).", lambda: state_cache.budget)
         _gauge(r, "clef_state_cache_entries", "States the state cache holds.", lambda: len(state_cache))
-    return Metrics(
+    metrics = Metrics(
         registry=r,
         requests=Counter("clef_requests", "Requests answered, by route and status.", ["route", "status"], registry=r),
         latency=Histogram(
@@ -99,18 +104,26 @@ def create_metrics(model: Encoder, decider: Decider, reading: Reading, state_cac
         ),
         phases=Histogram(
             "clef_decision_seconds",
-            "Seconds a decided request waited for the model (queue) and was decided (compute).",
-            ["phase"],
+            "Seconds a decided request waited for the model (queue) and was decided (compute), by model.",
+            ["phase", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         ),
-        prompt_tokens=Counter("clef_prompt_tokens", "Prompt tokens of the decided requests.", registry=r),
-        cached_tokens=Counter("clef_cached_tokens", "Prompt tokens whose backbone state the state cache gave.", registry=r),
-        images=Counter("clef_images", "Images of the decided requests.", registry=r),
+        prompt_tokens=Counter("clef_prompt_tokens", "Prompt tokens of the decided requests.", ["model"], registry=r),
+        cached_tokens=Counter(
+            "clef_cached_tokens", "Prompt tokens whose backbone state the state cache gave.", ["model"], registry=r
+        ),
+        images=Counter("clef_images", "Images of the decided requests.", ["model"], registry=r),
         in_flight=Gauge("clef_requests_in_flight", "Requests being answered.", registry=r),
         refused=Counter(
             "clef_requests_refused", "Requests refused with 503 (queue full, bodies, replicas, shutdown).", registry=r
         ),
-        cache_hits=Counter("clef_state_cache_hits", "Decided requests whose state the state cache gave.", registry=r),
-        cache_misses=Counter("clef_state_cache_misses", "Decided requests whose cacheable state it did not have.", registry=r),
+        cache_hits=Counter("clef_state_cache_hits", "Decided requests whose state the state cache gave.", ["model"], registry=r),
+        cache_misses=Counter(
+            "clef_state_cache_misses", "Decided requests whose cacheable state it did not have.", ["model"], registry=r
+        ),
+        model_name=model.model_name,
     )
+    for counter in (metrics.prompt_tokens, metrics.cached_tokens, metrics.images, metrics.cache_hits, metrics.cache_misses):
+        counter.labels(model.name)  # the base's series from the start, at 0 (each adapter's from its first decision)
+    return metrics

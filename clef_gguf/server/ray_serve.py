@@ -8,6 +8,9 @@ Two deployments, from the server's own code:
     refuse. Its decider hands each prompt to a replica through a DeploymentHandle.
   * ClefReplica holds one loaded ClefModel, with its own llama.cpp threads (= its num_cpus) and GPU
     share (num_gpus), and decides one prompt at a time.
+With adapters (fine-tunes over the model, runtime/adapters.py), every replica is loaded with the same set and the
+ingress's encoder resolves a request's model name from the same files (runtime/catalog.py), so a prompt carries
+the identity the replicas give that name.
 
 Why our own ingress in front of the replicas rather than the replicas behind Ray's HTTP proxy: when a
 replica's process dies mid-request, Ray's proxy answers 500 (serve/_private/http_util.py,
@@ -76,6 +79,12 @@ class RaySettings(BaseModel):
     parallel: int = Field(LoadOptions.parallel, ge=1, le=MAX_PARALLEL)  # requests a replica prefills together
     state_cache: int = Field(LoadOptions.state_cache, ge=0)  # bytes per replica: each replica keeps its own states
     mmproj: str | None = None  # the vision tower's path, the same on every node (as the model's)
+    # Fine-tunes over the model (runtime/adapters.py), paths the same on every node: every replica holds the same set,
+    # each loading an adapter on its first request for it (its own LRU), and the ingress resolves names as they do.
+    adapters: dict[str, str] | None = None  # {name: adapter file}
+    adapter_dir: str | None = None  # a folder of NAME.adapter.gguf files
+    max_adapters: int = Field(LoadOptions.max_adapters, ge=1)  # per replica
+    adapter_memory: int | None = Field(LoadOptions.adapter_memory, ge=1)  # bytes per replica
     api_key: str | None = None
     max_queue: int = Field(ServeSettings.max_queue, ge=1)
     body_timeout: float = Field(HttpLimits.body_timeout, gt=0)
@@ -158,6 +167,11 @@ class ClefReplica:
 
     async def decide(self, prompt: EncodedPrompt) -> Decision:
         """The decision of a prompt the ingress encoded: its response JSON, time queued here and deciding."""
+        if self.model.variants.of(prompt.model) is None:
+            # An adapter of the folder this replica was not asked for before: resolved here as the ingress resolved it
+            # (the file validated against the base; the same identity, unless the file changed in between, and then
+            # the model refuses the prompt).
+            await asyncio.to_thread(self.model.variants.of_request, prompt.request)
         return await self.worker.decide(prompt)
 
     def check_health(self) -> None:
@@ -211,9 +225,12 @@ class ClefIngress:
         max_prompt_tokens: int,
         ubatch: int | None,
         mmproj: str | None,
+        adapters: dict[str, str] | None = None,
+        adapter_dir: str | None = None,
         **app: Any,
     ) -> None:
-        self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj)
+        many = {"adapters": adapters, "adapter_dir": adapter_dir}  # the replicas' names and identities
+        self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj, **many)
         configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
         self.decider = ReplicaDecider(replicas, app["max_queue"])
         self.app_options = app  # create_app's api_key, max_queue, limits and log_format (`app` is Ray's)
@@ -270,6 +287,7 @@ def build_app(settings: RaySettings) -> serve.Application:
     )
     limits = HttpLimits(body_timeout=s.body_timeout)
     app = {"api_key": s.api_key, "max_queue": s.max_queue, "limits": limits, "log_format": s.log_format}
+    app |= {"adapters": s.adapters, "adapter_dir": s.adapter_dir}
     return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, mmproj=s.mmproj, **app)
 
 

@@ -42,6 +42,9 @@ class Prompt(Protocol):
     @property
     def preamble(self) -> int: ...  # tokens before the request's own
 
+    @property
+    def model(self) -> str: ...  # the identity of the model it was encoded for: the base's or an adapter's
+
 
 class Encoder(Protocol):
     """What the app and its intake use of a ClefModel: a runtime.encoder.PromptEncoder is one too."""
@@ -56,6 +59,10 @@ class Encoder(Protocol):
 
     def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
 
+    def adapter_names(self) -> list[str]: ...  # the fine-tunes a request may name besides the base
+
+    def model_name(self, prompt: Prompt) -> str: ...  # the name of the model it was encoded for (metrics' label)
+
     def close(self) -> None: ...
 
 
@@ -68,6 +75,23 @@ class Model(Encoder, Protocol):
     def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
 
     def submit(self, fn: Callable[[], None]) -> Future[None]: ...  # fn on the model's compute thread, not waited for
+
+
+class Steps(Protocol):
+    """A prompt decided in steps (runtime/steps.py's PromptSteps)."""
+
+    def step(self) -> dict[str, Any] | Exception | None: ...  # one ubatch; then its answer (or its error)
+
+    def finish(self) -> None: ...  # give its sequence back, answered or not
+
+
+@runtime_checkable
+class SteppingModel(Model, Protocol):
+    """A Model that decides a long prompt a ubatch at a time, the batches waiting decided between its steps (ClefModel)."""
+
+    def stepped(self, prompt: Prompt) -> bool: ...  # whether this prompt is decided in steps
+
+    def begin(self, prompt: Prompt) -> Steps: ...  # on the compute thread; batchable then admits what fits beside it
 
 
 @dataclass(frozen=True)
@@ -142,27 +166,74 @@ class DecideWorker:
         self._lock = threading.Lock()  # guards _queue, _drain and _closed
         self._drain: Future[None] | None = None  # the drain submitted to the compute thread, while there is one
         self._closed = False
+        self._steps = isinstance(model, SteppingModel)  # long prompts decided in steps (else each in one batch)
 
     def _fits(self, batch: list[_Job], job: _Job) -> bool:
         return self.model.batchable([*(j.prompt for j in batch), job.prompt])
 
-    def _drain_queue(self) -> None:
-        """On the model's compute thread: decide what waits, batch by batch, until nothing does."""
-        while True:
-            with self._lock:  # (emptiness and the drain's end in one step: a request queued after it submits a new one)
-                if not self._queue or self._closed:
-                    self._drain = None
-                    return
-                batch = take(self._queue, self._fits)
-            try:
-                self._run(batch)
-            except Exception as e:  # a failure handing answers back is its batch's; the drain goes on
-                for job in batch:
-                    job.settle(None, e)
+    def _ready(self, job: _Job) -> bool:
+        return self.model.batchable([job.prompt])  # (beside the prompt decided in steps)
 
-    def _run(self, batch: list[_Job]) -> None:
+    def _drain_queue(self) -> None:
+        """On the model's compute thread: decide what waits, batch by batch, until nothing does.
+
+        Fairness: a prompt longer than a ubatch (SteppingModel.stepped) is decided in steps of a ubatch, and
+        between two of its steps the oldest batch waiting that fits beside it is decided; other long prompts wait
+        for its end. A small request behind a long one waits about a ubatch of its prefill, not all of it."""
+        stepping: tuple[_Job, Steps, float] | None = None  # the long prompt decided in steps now, and its start
+        try:
+            while True:
+                with self._lock:  # (emptiness and the drain's end in one step: a request queued after it submits a new one)
+                    if stepping is None and (not self._queue or self._closed):
+                        self._drain = None
+                        return
+                    ready = None if stepping is None else self._ready
+                    batch = [] if self._closed else take(self._queue, self._fits, lambda job: job.prompt.model, ready)
+                if stepping is None and len(batch) == 1 and self._stepped(batch[0]):
+                    stepping = self._begin(batch[0])
+                elif batch:
+                    self._run(batch)
+                if stepping is not None and self._step(*stepping):
+                    stepping = None
+        finally:
+            if stepping is not None:  # (the drain failed: its sequence is given back all the same)
+                stepping[1].finish()
+
+    def _stepped(self, job: _Job) -> bool:
+        return self._steps and self.model.stepped(job.prompt)  # type: ignore[attr-defined]
+
+    def _begin(self, job: _Job) -> tuple[_Job, Steps, float] | None:
+        assert isinstance(self.model, SteppingModel)
         started = time.perf_counter()
-        answers = each(self.model.decide_batch, [job.prompt for job in batch])
+        try:
+            return job, self.model.begin(job.prompt), started
+        except Exception as e:  # (a prompt begin refuses: its error alone)
+            job.settle(None, e)
+            return None
+
+    def _step(self, job: _Job, steps: Steps, started: float) -> bool:
+        """One step of the long prompt: True once it is answered."""
+        try:
+            answer = steps.step()
+        except Exception as e:
+            steps.finish()
+            answer = e
+        if answer is not None:
+            self._run([job], [answer], started)
+        return answer is not None
+
+    def _run(self, batch: list[_Job], answers: list[dict[str, Any] | Exception] | None = None, started: float = 0.0) -> None:
+        """Decide a batch (or hand back the answers given, of a batch begun at `started`); a failure is its batch's."""
+        try:
+            self._settle(batch, answers, started)
+        except Exception as e:  # a failure handing answers back is its batch's; the drain goes on
+            for job in batch:
+                job.settle(None, e)
+
+    def _settle(self, batch: list[_Job], answers: list[dict[str, Any] | Exception] | None, started: float) -> None:
+        if answers is None:
+            started = time.perf_counter()
+            answers = each(self.model.decide_batch, [job.prompt for job in batch])
         bodies = [_rendered(a) for a in answers]  # (an error here is its request's alone)
         finished = time.perf_counter()
         for job, answer, body in zip(batch, answers, bodies, strict=True):

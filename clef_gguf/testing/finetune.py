@@ -72,6 +72,34 @@ def merge(release: Path, checkpoint: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def peft_checkpoint(
+    base: Path, out: Path, lora: dict[str, Any], head_shift: dict[str, float] | None = None, seed: int = 0
+) -> Path:
+    """A checkpoint in clef-finetune's layout made by PEFT itself (get_peft_model + save_pretrained) with random
+    lora_A / lora_B, and the base's head with the tensors of `head_shift` moved by their values: any LoraConfig
+    (rank_pattern, rsLoRA, ...) in seconds, where `train` takes minutes and only its own settings."""
+    import numpy as np
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.numpy import load_file, save_file
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.2)
+    checkpoint = out / "checkpoint-4"
+    peft_model.save_pretrained(checkpoint / "adapter")
+    head = load_file(base / "joint_head.safetensors")
+    for name, shift in (head_shift or {}).items():
+        head[name] = np.asarray(head[name] + shift, dtype=head[name].dtype)
+    save_file(head, checkpoint / "joint_head.safetensors")
+    return checkpoint
+
+
 def evaluate(release: Path, data: Path, out_dir: Path) -> dict[str, Any]:
     """clef-finetune eval of a release in float32: its tuned_metrics.json."""
     run_cli(

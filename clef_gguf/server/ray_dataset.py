@@ -1,0 +1,343 @@
+"""`clef-gguf decide MODEL DATA.jsonl -o OUT --ray` and `clef-gguf eval MODEL DATA --ray`: the dataset mode on Ray Data.
+
+The driver (this process) reads the input once with the dataset mode's reader (runtime/reader.read_records: its
+line numbers, line cap and byte order mark rule), checks OUT for --resume exactly as the local mode does
+(runtime/dataset_file.answers_file: the same lock, the same checks, the same model_sha256), and cuts the rest of the
+file into parts of `part_records` requests: (byte offset, first line number, requests). The parts are a Ray Dataset
+(ray.data.from_items) mapped by a pool of actors (map_batches, ActorPoolStrategy), each holding one loaded ClefModel
+(the CLI's load options, --adapter included). An actor reads its part from its offset with the same reader and
+decides it as the local mode does (dataset_file.answered_records: the model's batches, its state cache, with
+--sort-by-state a part's requests grouped by state), into answer lines made by the local mode's answer_line. Ray
+Data gives the parts back in input order (preserve_order) and the driver writes their lines with the local mode's
+writer (write_line): the same bytes (but `cached_tokens`, which says what each actor's cache held), the same fsync
+rule, --resume either way.
+
+The model, --mmproj, --adapter, the input and its image files must be at the same path on every node that runs an
+actor: each actor opens them there. An actor that cannot load the model stops the run with its reason; one whose file
+is another model (another identity) than the driver's stops it too.
+
+Faults: Ray Data restarts an actor whose process dies and runs its part again (an actor pool's max_restarts=-1 and
+max_task_retries=-1): no request is lost, and none is written twice, since a part's lines are written once it comes
+back whole. A signal stops the run with OUT's lines whole (`--resume` continues it, with or without --ray); a local
+cluster is stopped with it. Memory: the driver holds an (offset, line, count) triple per part (4k for a million
+lines at 256 a part) and the parts Ray Data holds in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import ray
+from ray.exceptions import RayError
+
+from ..check.validate import open_validated
+from ..errors import ClefError, DeploymentError, ModelFileError, RequestError, SettingsError
+from ..format.header import GGUFFile
+from ..quality.labelled import BadLine, Labelled, labelled_records
+from ..quality.scoring import Progress as ScoreProgress
+from ..quality.scoring import Run, score_requests
+from ..runtime.catalog import adapter_identity
+from ..runtime.dataset_file import Progress, Summary, answer_line, answered_records, answers_file, tally, write_line
+from ..runtime.model import load as load_model
+from ..runtime.reader import Record, count_records, read_records
+from ..settings import MAX_LINE_BYTES
+
+PART_RECORDS = 256  # requests an actor decides at a time (the local mode's --sort-by-state window)
+IN_FLIGHT_PER_ACTOR = 2  # parts queued on an actor: the next one ready when it finishes one, few lost to a crash
+
+
+@dataclass(frozen=True)
+class RayData:
+    """Where and with what the dataset runs: `--ray`'s options, and the model's load options."""
+
+    address: str | None = None  # None: a local cluster, started and stopped here (on loopback: ray_local.py)
+    workers: int | None = None  # actors (None: the cluster's CPUs, each actor taking n_threads of them)
+    load: dict[str, Any] = field(default_factory=dict)  # runtime.model.load's keyword arguments
+    part_records: int = PART_RECORDS
+
+    @property
+    def threads(self) -> int:
+        return self.load.get("n_threads") or 1  # (as `serve --ray`'s replicas: one llama.cpp thread unless told)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What the driver knows of the model without loading it: what --resume checks (dataset_file.Decider)."""
+
+    path: Path
+    identity: str
+    header_digest: str
+
+
+def _model_identity(model: Path, adapter: str | Path | None) -> _Model:
+    validated = open_validated(model)  # a file that is no Clef model is refused here, with validate's message
+    try:
+        identity, digest = validated.file.identity(), validated.file.digest()
+    finally:
+        validated.close()
+    if adapter is not None:  # (checked against its base by each actor's load)
+        try:
+            file = GGUFFile.open(adapter)
+        except ClefError as e:
+            raise ModelFileError(f"--adapter {adapter}: {e}") from None
+        try:
+            identity = adapter_identity(identity, file)
+        finally:
+            file.close()
+    return _Model(model, identity, digest)
+
+
+class _PartDecider:
+    """A Ray Data actor: one loaded model, deciding parts of the input file (`mode` "decide": answer lines; "score":
+    eval's per-question probabilities)."""
+
+    def __init__(self, *, model: str, load: dict[str, Any], source: str, identity: str, mode: str, options: dict[str, Any]):
+        try:
+            self.model = load_model(model, **load)
+        except ClefError as e:
+            raise ModelFileError(f"a Ray worker on {ray.util.get_node_ip_address()} cannot load the model: {e}") from None
+        if self.model.identity != identity:
+            node = ray.util.get_node_ip_address()
+            raise ModelFileError(f"{model} on the Ray node {node} is another model than the driver's: put the same file there")
+        self.source, self.mode, self.options = source, mode, options
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        offset, first, count = (int(batch[k][0]) for k in ("offset", "line", "count"))
+        limit = self.options["max_line_bytes"]
+        with open(self.source, "rb") as file:
+            file.seek(offset)
+            records = islice(read_records(file, limit, first), count)
+            result = self._decide(records) if self.mode == "decide" else self._score(records)
+        return {"payload": np.array([pickle.dumps(result, protocol=5)], dtype=object)}
+
+    def _decide(self, records: Iterator[Any]) -> tuple[list[bytes], list[tuple[bool, int, bool]]]:
+        o = self.options
+        answered = answered_records(
+            self.model,
+            records,
+            max_line_bytes=o["max_line_bytes"],
+            sort_by_state=o["sort_by_state"],
+            base=Path(o["base"]),
+            anywhere=o["anywhere"],
+        )
+        lines, tallies = [], []
+        for record, outcome in answered:
+            lines.append(answer_line(record, outcome, self.model.identity))
+            tallies.append(tally(outcome))
+        return lines, tallies
+
+    def _score(self, records: Iterator[Any]) -> Run:
+        run, pending = Run("", ""), deque[Labelled]()
+
+        def requests() -> Iterator[dict[str, Any]]:
+            for item in labelled_records(records, max_line_bytes=self.options["max_line_bytes"]):
+                if isinstance(item, BadLine):
+                    run.bad.append(item)
+                    continue
+                pending.append(item)
+                yield item.request
+
+        score_requests(self.model, requests(), pending, run, base=Path(self.options["base"]))
+        return run
+
+
+@contextmanager
+def _cluster(address: str | None, cpus: int) -> Iterator[None]:
+    """Connected to the Ray cluster at `address`, or to a local one started here and stopped after (on loopback, as
+    `serve --ray`'s: ray_local.py); a process already connected (a test, a notebook) stays as it is."""
+    if ray.is_initialized():
+        yield
+        return
+    started_in = os.getcwd()
+    # Ray puts the driver's working directory first on its workers' sys.path (server/ray_cluster.py,
+    # _imported_from_here): from the folder holding this clef_gguf, they import the package the driver runs.
+    os.chdir(Path(__file__).resolve().parents[2])
+    try:
+        if address is None:
+            context = ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            session: Path | None = Path(context.address_info["session_dir"])
+        else:
+            session = None
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except ConnectionError as e:
+                raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
+    finally:
+        os.chdir(started_in)
+    try:
+        yield
+    finally:
+        ray.shutdown(wait_for_processes=session is not None)
+        if session is not None:
+            _remove_session(session)
+
+
+def _remove_session(session: Path) -> None:
+    """A stopped local cluster's session folder, and Ray's session_latest link to it (as `serve --ray` does)."""
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and latest.resolve() == session.resolve():
+        latest.unlink()
+    for _ in range(50):  # a worker that outlives the raylet by a moment may still write its log there
+        shutil.rmtree(session, ignore_errors=True)
+        if not session.exists():
+            return
+        time.sleep(0.1)
+
+
+def _parts(file: IO[bytes], records: Iterator[Record], first_line: int, size: int) -> list[dict[str, int]]:
+    """The rest of the input (`records`, read from `file`), in parts of `size` requests: where each starts (offset,
+    line) and its count."""
+    parts = []
+    offset, line, count = file.tell(), first_line, 0
+    for record in records:
+        count += 1
+        if count == size:
+            parts.append({"offset": offset, "line": line, "count": count})
+            offset, line, count = file.tell(), record.line + 1, 0  # (the reader stops right after a record's line)
+    if count:
+        parts.append({"offset": offset, "line": line, "count": count})
+    return parts
+
+
+def _workers(settings: RayData) -> int:
+    if settings.workers is not None:
+        return settings.workers
+    return max(1, int(ray.cluster_resources().get("CPU", 1) // settings.threads))
+
+
+def _mapped(parts: list[dict[str, int]], settings: RayData, workers: int, **constructor: Any) -> Iterator[Any]:
+    """Each part's result, in input order, from a pool of `workers` actors (_PartDecider(**constructor))."""
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False  # (the CLI's own bar says it)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+        _PartDecider,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=IN_FLIGHT_PER_ACTOR),
+        num_cpus=settings.threads,
+        fn_constructor_kwargs=constructor,
+    )
+    try:
+        for row in dataset.iter_rows():
+            yield pickle.loads(row["payload"])
+    except RayError as e:
+        raise DeploymentError(f"the run on Ray stopped: {_reason(e)}") from None
+
+
+def _reason(error: RayError) -> str:
+    """Ray's error in one line: a worker's own error (the last line of its traceback) when there is one."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    mine = [line for line in lines if "Error:" in line and "clef_gguf" not in line]
+    return (mine[-1] if mine else lines[-1] if lines else type(error).__name__).strip()
+
+
+def _paths(model: Path, source: str, settings: RayData) -> tuple[str, dict[str, Any]]:
+    """Absolute paths, as every node sees them; stdin refused (the actors read the file themselves)."""
+    if source == "-":
+        raise SettingsError("--ray reads the input file on every node: give a file, not - (stdin)")
+    if not Path(source).is_file():
+        raise SettingsError(f"--ray reads {source} on every node: it must be a regular file")
+    load = dict(settings.load)
+    for key in ("mmproj", "adapter"):
+        if load.get(key) is not None:
+            load[key] = str(Path(load[key]).resolve())
+    load["n_threads"] = settings.threads
+    return str(model.resolve()), load
+
+
+def decide_file_on_ray(
+    model: Path,
+    source: str,
+    out: str,
+    settings: RayData,
+    *,
+    resume: bool = False,
+    force: bool = False,
+    sort_by_state: bool = False,
+    images_anywhere: bool = False,
+    progress: Progress | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
+) -> Summary:
+    """runtime.dataset_file.decide_file on a Ray cluster: the same answers file (sort_by_state: each part's requests
+    decided grouped by state, in windows of 256 as the local mode's)."""
+    model_path, load = _paths(model, source, settings)
+    known = _model_identity(Path(model_path), load.get("adapter"))
+    with answers_file(known, source, out, resume=resume, force=force, max_line_bytes=max_line_bytes) as run:
+        summary = run.summary
+        parts = _parts(run.input, run.records, run.next_line, settings.part_records)
+        if progress:
+            progress(summary, run.total)
+        if not parts:
+            return summary
+        options = {"max_line_bytes": max_line_bytes, "base": str(Path(source).resolve().parent), "anywhere": images_anywhere}
+        options["sort_by_state"] = sort_by_state
+        with _cluster(settings.address, _local_cpus(settings)):
+            summary.workers = workers = min(_workers(settings), len(parts))  # (an actor with no part would load for nothing)
+            constructor = {"model": model_path, "load": load, "source": str(Path(source).resolve()), "identity": known.identity}
+            for lines, tallies in _mapped(parts, settings, workers, **constructor, mode="decide", options=options):
+                for line, counted in zip(lines, tallies, strict=True):
+                    write_line(run.output, out, line, counted, summary)
+                if progress:
+                    progress(summary, run.total)
+    return summary
+
+
+def _local_cpus(settings: RayData) -> int:
+    """A local cluster's CPUs: the machine's, or as many as the actors reserve (never a pool left waiting)."""
+    return max(os.cpu_count() or 1, (settings.workers or 1) * settings.threads)
+
+
+def score_on_ray(address: str | None, workers: int | None) -> Callable[..., Run]:
+    """quality.scoring.score_path on a Ray cluster (evaluate's `score`): the same Run, its records decided by actors."""
+
+    def score(
+        model: str | Path,
+        data: str | Path,
+        *,
+        stage: str,
+        progress: ScoreProgress | None = None,
+        max_line_bytes: int = MAX_LINE_BYTES,
+        **load: Any,
+    ) -> Run:
+        settings = RayData(address, workers, load)
+        return _score(Path(model), str(data), settings, stage, progress, max_line_bytes)
+
+    return score
+
+
+def _score(model: Path, data: str, settings: RayData, stage: str, progress: ScoreProgress | None, max_line_bytes: int) -> Run:
+    model_path, load = _paths(model, data, settings)
+    known = _model_identity(Path(model_path), load.get("adapter"))
+    run, total, started = Run(str(model), str(Path(data))), count_records(Path(data)), time.perf_counter()
+    try:
+        with open(data, "rb") as file:
+            parts = _parts(file, read_records(file, max_line_bytes), 1, settings.part_records)
+    except OSError as e:
+        raise RequestError(f"cannot read {data}: {e.strerror or e}") from None
+    options = {"max_line_bytes": max_line_bytes, "base": str(Path(data).resolve().parent)}
+    if not parts:  # (no request: evaluate says so)
+        return run
+    with _cluster(settings.address, _local_cpus(settings)):
+        constructor = {"model": model_path, "load": load, "source": str(Path(data).resolve()), "identity": known.identity}
+        workers = min(_workers(settings), len(parts))
+        for part in _mapped(parts, settings, workers, **constructor, mode="score", options=options):
+            run.bad += part.bad
+            run.decided += part.decided
+            run.tokens += part.tokens
+            if progress:
+                progress(stage, len(run.decided) + len(run.bad), total, "")
+    run.seconds = time.perf_counter() - started
+    return run

@@ -1,0 +1,250 @@
+"""`clef-gguf decide DATA.jsonl --ray` and `eval --ray`: the dataset mode on Ray Data, held to the local mode.
+
+One local Ray cluster on loopback for the module (testing/ray_cluster.py), this process its driver: the library runs
+in-process on it, and the CLI as a subprocess joins it (RAY_ADDRESS). The reference is the local mode's own answers
+file (runtime/dataset_file.decide_file) of the same input: byte for byte the same lines, but `cached_tokens` (what
+each actor's state cache held). Checked: a dataset with ids, error lines, a line over the limit, a byte order mark and
+blank lines, cut into several parts over two actors; --resume from a local run with --ray and the reverse; an actor
+killed mid-run (Ray Data restarts it and decides its part again) loses and repeats no line; images by path (read
+by the workers) and data URL; `eval --ray` gives
+`eval`'s result; Ctrl-C leaves OUT whole (exit 130) and `--resume` finishes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
+
+pytest.importorskip("ray.data", reason="Ray Data is in the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402  (Ray's own dependency)
+from PIL import Image  # noqa: E402
+
+import clef_gguf  # noqa: E402
+from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST  # noqa: E402
+from clef_gguf.errors import DeploymentError  # noqa: E402
+from clef_gguf.quality import evaluate as evaluating  # noqa: E402
+from clef_gguf.runtime.dataset_file import decide_file  # noqa: E402
+from clef_gguf.server.ray_dataset import RayData, decide_file_on_ray, score_on_ray  # noqa: E402
+from clef_gguf.testing.request_suite import mixed_request  # noqa: E402
+
+DEMO = json.loads(DEMO_REQUEST.read_text())
+LOAD = {"max_prompt_tokens": DEMO_CONTEXT}
+CLI = [sys.executable, "-m", "clef_gguf.cli", "decide", "--ctx", str(DEMO_CONTEXT)]
+CACHED = re.compile(rb'"cached_tokens":\d+')
+ACTOR = "_PartDecider"  # in the process title of Ray Data's actors: ray::MapWorker(MapBatches(_PartDecider))
+
+
+def _lines(n: int) -> list[str]:
+    """n requests about 5 states, every other one with an id of its own; a bad one, text that is no JSON, a blank line,
+    and a line over the limit (4096 bytes) among them."""
+    lines = [json.dumps({**DEMO, "state": {"ticket": f"ticket {i % 5}"}, **({"id": f"r{i}"} if i % 2 else {})}) for i in range(n)]
+    lines.insert(3, '{"state": "s", "questions": {"q": {"type": "maybe"}}}')
+    lines.insert(6, "not json")
+    lines.insert(8, "")
+    lines.insert(11, json.dumps({**DEMO, "id": "long", "state": {"ticket": "x" * 5000}}))
+    return lines
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(f"{line}\n" for line in lines).encode())  # a byte order mark on line 1
+    return path
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    return CACHED.sub(b"", a) == CACHED.sub(b"", b)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_cluster.local_cluster(num_cpus=4) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, bytes]:
+    """The requests and the local mode's answers to them."""
+    folder = tmp_path_factory.mktemp("data")
+    source = _write(folder / "requests.jsonl", _lines(40))
+    with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
+        summary = decide_file(model, str(source), str(folder / "local.jsonl"), max_line_bytes=4096)
+    assert (summary.records, summary.errors) == (43, 3)
+    return source, (folder / "local.jsonl").read_bytes()
+
+
+def _on_ray(source: Path, out: Path, workers: int = 2, part: int = 4, **options) -> object:
+    settings = RayData(None, workers, LOAD, part)
+    return decide_file_on_ray(DEMO_MODEL, str(source), str(out), settings, max_line_bytes=4096, **options)
+
+
+def test_the_answers_on_ray_are_the_local_modes_in_order(cluster, data, tmp_path):
+    source, local = data
+    summary = _on_ray(source, tmp_path / "ray.jsonl")  # 11 parts over 2 actors
+    written = (tmp_path / "ray.jsonl").read_bytes()
+    assert _same(written, local), "the answers on Ray differ from the local mode's"
+    assert (summary.records, summary.answered, summary.errors, summary.workers) == (43, 40, 3, 2)
+
+
+def test_the_command_on_ray_joins_the_cluster_and_says_what_the_local_mode_says(cluster, data, tmp_path):
+    source, local = data
+    out = tmp_path / "answers.jsonl"
+    args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--json"]
+    run = subprocess.run(
+        [*CLI, *args, "--ray", "--workers", "1"], env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, timeout=600
+    )
+    assert run.returncode == 8, run.stderr.decode()[-3000:]
+    assert _same(out.read_bytes(), local)
+    summary = json.loads(run.stdout)
+    assert {k: summary[k] for k in ("records", "skipped", "answered", "errors", "exit_code")} == {
+        "records": 43,
+        "skipped": 0,
+        "answered": 40,
+        "errors": 3,
+        "exit_code": 8,
+    }
+    assert b"decided 43 records: 40 answered, 3 errors" in run.stderr
+    again = subprocess.run([*CLI, *args, "--ray"], env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, timeout=600)
+    assert again.returncode == 2 and b"--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
+
+
+def test_resume_goes_across_modes_both_ways(cluster, data, tmp_path):
+    source, local = data
+    lines = local.splitlines(keepends=True)
+    started_here = tmp_path / "local-then-ray.jsonl"  # a local run stopped after 9 answers, mid-write of the 10th
+    started_here.write_bytes(b"".join(lines[:9]) + lines[9][:30])
+    summary = _on_ray(source, started_here, resume=True)
+    assert _same(started_here.read_bytes(), local) and summary.skipped == 9
+    ray_run = tmp_path / "ray.jsonl"
+    _on_ray(source, ray_run, part=8)
+    on_ray = ray_run.read_bytes().splitlines(keepends=True)
+    started_on_ray = tmp_path / "ray-then-local.jsonl"  # a run on Ray stopped after 17 answers
+    started_on_ray.write_bytes(b"".join(on_ray[:17]))
+    with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
+        again = decide_file(model, str(source), str(started_on_ray), resume=True, max_line_bytes=4096)
+    assert _same(started_on_ray.read_bytes(), local) and again.skipped == 17
+
+
+def _actor_pids() -> list[int]:
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if any(ACTOR in part for part in process.info["cmdline"] or []):
+            found.append(process.info["pid"])
+    return found
+
+
+def test_an_actor_killed_mid_run_loses_no_answer_and_repeats_none(cluster, data, tmp_path):
+    source, local = data
+    killed: list[int] = []
+
+    def kill_once(summary, _total) -> None:
+        if not killed and summary.records >= 4:  # (39 parts of 1 request still to come)
+            pids = _actor_pids()
+            assert pids, "no actor process found"
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+
+    summary = _on_ray(source, tmp_path / "ray.jsonl", workers=1, part=1, progress=kill_once)
+    assert killed and killed[0] not in _actor_pids()
+    assert _same((tmp_path / "ray.jsonl").read_bytes(), local)  # every line once, in order
+    assert summary.records == 43
+
+
+def _labelled(path: Path) -> Path:
+    intents = ("refund", "replacement", "information")
+    records = [
+        {
+            **DEMO,
+            "id": f"t{i}",
+            "state": {"ticket": f"ticket {i % 4}"},
+            "labels": {"is_complaint": i % 2 == 0, "intent": intents[i % 3], "urgency": i % 3},
+        }
+        for i in range(24)
+    ]
+    lines = [json.dumps(r) for r in records]
+    lines.insert(5, json.dumps({**DEMO, "labels": {"intent": "nope"}}))  # a bad line, reported and not counted
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return path
+
+
+def test_eval_on_ray_gives_evals_result(cluster, tmp_path):
+    data = _labelled(tmp_path / "labelled.jsonl")
+    local = json.loads(json.dumps(evaluating.evaluate(DEMO_MODEL, data, **LOAD)))
+    on_ray = json.loads(json.dumps(evaluating.evaluate(DEMO_MODEL, data, score=score_on_ray(None, 2), **LOAD)))
+    command = [sys.executable, "-m", "clef_gguf.cli", "eval", str(DEMO_MODEL), str(data), "--ctx", str(DEMO_CONTEXT)]
+    run = subprocess.run(
+        [*command, "--ray", "--workers", "1", "--json"],
+        env={**os.environ, "RAY_ADDRESS": cluster},
+        capture_output=True,
+        timeout=600,
+    )
+    assert run.returncode == 8, run.stderr.decode()[-3000:]  # (the bad line)
+    timing = ("seconds", "records_per_s")
+    want = {k: v for k, v in local.items() if k not in timing}
+    assert {k: v for k, v in on_ray.items() if k not in timing} == want
+    assert {k: v for k, v in json.loads(run.stdout).items() if k not in timing} == want
+    assert on_ray["rows"] == 72 and len(on_ray["errors"]) == 1
+
+
+def test_ctrl_c_leaves_out_whole_and_resume_finishes_it(cluster, tmp_path):
+    source = _write(tmp_path / "requests.jsonl", _lines(400))  # long enough to be stopped mid-run
+    with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
+        decide_file(model, str(source), str(tmp_path / "local.jsonl"), max_line_bytes=4096)
+    local = (tmp_path / "local.jsonl").read_bytes()
+    out = tmp_path / "answers.jsonl"
+    env = {**os.environ, "RAY_ADDRESS": cluster}
+    args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--ray", "--workers", "1"]
+    process = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while process.poll() is None and not _actor_pids():  # the run's actor started: the cluster at work
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr.decode()[-3000:]
+    assert b"--resume continues" in stderr
+    while _actor_pids():  # the driver gone, its actors are stopped
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    written = out.read_bytes()
+    assert _same(written, b"".join(local.splitlines(keepends=True)[: written.count(b"\n")]))  # whole answer lines
+    run = subprocess.run([*CLI, *args, "--resume"], env=env, capture_output=True, timeout=600)
+    assert run.returncode == 8, run.stderr.decode()[-3000:]
+    assert _same(out.read_bytes(), local)
+
+
+def test_a_worker_that_cannot_load_the_model_stops_the_run_and_says_why(cluster, data, tmp_path):
+    source, _ = data
+    settings = RayData(None, 1, {**LOAD, "mmproj": str(tmp_path / "missing.mmproj.gguf")})  # (the actors open it, not the driver)
+    with pytest.raises(DeploymentError, match=r"a Ray worker on \S+ cannot load the model: .*missing\.mmproj\.gguf"):
+        decide_file_on_ray(DEMO_MODEL, str(source), str(tmp_path / "out.jsonl"), settings, max_line_bytes=4096)
+    assert (tmp_path / "out.jsonl").read_bytes() == b""  # nothing decided, nothing written
+
+
+def test_images_by_path_and_data_url_give_the_local_answers(cluster, ws, tmp_path):
+    model, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
+    picture = io.BytesIO()
+    Image.fromarray(np.random.default_rng(7).integers(0, 256, (70, 130, 3), dtype=np.uint8)).save(picture, "WEBP")
+    (tmp_path / "data" / "img").mkdir(parents=True)
+    (tmp_path / "data" / "img" / "photo.webp").write_bytes(picture.getvalue())
+    url = "data:image/webp;base64," + base64.b64encode(picture.getvalue()).decode()
+    images = ("img/photo.webp", url, "img/none.png", "../outside.png", "img/photo.webp")  # (the workers read the paths)
+    source = _write(tmp_path / "data" / "requests.jsonl", [json.dumps({**mixed_request(), "images": [i]}) for i in images])
+    load = {"max_prompt_tokens": 4096, "mmproj": str(mmproj)}
+    with clef_gguf.load(model, **load) as loaded:
+        decide_file(loaded, str(source), str(tmp_path / "local.jsonl"))
+    decide_file_on_ray(model, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, load, 2))
+    assert _same((tmp_path / "ray.jsonl").read_bytes(), (tmp_path / "local.jsonl").read_bytes())
+    assert (tmp_path / "local.jsonl").read_bytes().count(b'"error"') == 2

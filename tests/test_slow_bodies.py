@@ -1,0 +1,137 @@
+"""Bodies still arriving hold no intake slot (issue 46, F15): on a real `clef-gguf serve` with the demo model.
+
+Connections trickling their bodies cost a connection and the bytes they sent, bounded by --max-body-readers and
+--max-body-buffer; an intake slot (--max-queue) is taken only by a whole body. Each case is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+from live_server import served
+
+from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
+from clef_gguf.testing.processes import free_port
+
+NORMAL: dict[str, Any] = json.loads(DEMO_REQUEST.read_text())
+
+
+def _head(length: int | None) -> bytes:
+    sized = f"content-length: {length}\r\n" if length is not None else "transfer-encoding: chunked\r\n"
+    return f"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{sized}\r\n".encode()
+
+
+@contextmanager
+def open_body(port: int, declared: int, sent: bytes = b" ") -> Iterator[socket.socket]:
+    """A connection that declared a body of `declared` bytes, sent `sent` of it and then waits (a trickler between
+    two bytes); closed on exit."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(_head(declared) + sent)
+        yield sock
+    finally:
+        sock.close()
+
+
+def answer_of(sock: socket.socket, limit_s: float) -> tuple[int, dict[str, str], bytes]:
+    """The answer on `sock` (status 0: none within limit_s, or closed without one), read until the server closes."""
+    received = bytearray()
+    deadline = time.monotonic() + limit_s
+    while select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        received += data
+    if not received:
+        return 0, {}, b""
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split()[1]), dict(line.lower().split(": ", 1) for line in lines[1:]), body
+
+
+def wait_reading(url: str, count: int) -> None:
+    """Until /health counts `count` bodies being read (at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while (reading := httpx.get(f"{url}/health").json()["reading"]) != count:
+        assert time.monotonic() < deadline, f"{reading} bodies being read, not {count}"
+        time.sleep(0.02)
+
+
+def assert_overloaded(response: httpx.Response, flag: str) -> None:
+    assert response.status_code == 503 and response.headers["retry-after"] == "1", (response.status_code, response.text)
+    detail = response.json()["detail"]
+    assert detail["error_type"] == "overloaded_error" and flag in detail["message"], detail
+
+
+def test_trickling_bodies_beyond_the_intake_slots_leave_normal_requests_answered():
+    """Three times as many connections trickling their bodies as there are intake slots: every normal request is
+    answered 200 (it was 503: each trickler held a slot for its whole grace period), and no trickler is refused."""
+    slots, tricklers = 4, 12
+    options = ["--max-queue", str(slots), "--body-grace", "30", "--body-timeout", "30"]
+    with served(DEMO_MODEL, *options) as (url, _), ExitStack() as stack:
+        port = int(url.rsplit(":", 1)[1])
+        open_bodies = [stack.enter_context(open_body(port, 1000)) for _ in range(tricklers)]
+        time.sleep(0.3)  # every head read; before this change, the tricklers past the slots got 503 by now
+        statuses = []
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for _ in range(10):
+                statuses.append(client.post("/v1/systemone", json=NORMAL).status_code)
+                for sock in open_bodies:
+                    sock.sendall(b" ")  # a byte each, as tricklers do
+        assert statuses == [200] * 10, statuses
+        assert httpx.get(f"{url}/health").json()["reading"] == tricklers
+        assert [answer_of(sock, 0.0)[0] for sock in open_bodies] == [0] * tricklers  # still reading, none refused
+
+
+def test_the_body_buffer_and_the_readers_cap_refuse_new_bodies_with_a_503():
+    """--max-body-buffer bounds the bytes of bodies still arriving (a body is charged what it has sent) and
+    --max-body-readers how many arrive at once: past either a new body gets 503 with Retry-After naming the option,
+    and a chunked body whose bytes do not fit gets it (and a closed connection) when they arrive. The slow bodies
+    keep their --body-timeout; once they end, the same requests are answered."""
+    buffer, readers = 100_000, 3  # --ctx 4096: a body cap of 64 KiB
+    options = ["--ctx", "4096", "--max-body-buffer", str(buffer), "--max-body-readers", str(readers)]
+    options += ["--min-body-rate", "0", "--body-timeout", "6"]
+    padded = json.dumps(NORMAL).encode() + b" " * 59_000  # JSON whitespace: a valid request of 60,000 bytes and more
+    with served(DEMO_MODEL, *options) as (url, _), ExitStack() as stack:
+        port = int(url.rsplit(":", 1)[1])
+        held = stack.enter_context(open_body(port, 60_000, b" " * 50_000))  # half the buffer, then stalls
+        wait_reading(url, 1)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 5
+            while (refused := client.post("/v1/systemone", content=padded)).status_code == 200:
+                assert time.monotonic() < deadline  # (answered while the 50,000 bytes were not all read yet)
+            assert_overloaded(refused, "--max-body-buffer")
+            assert client.post("/v1/systemone", json=NORMAL).status_code == 200  # a small body still fits
+        with socket.create_connection(("127.0.0.1", port)) as chunked:  # no declared length: refused as it arrives
+            piece = b" " * 10_000
+            chunked.sendall(_head(None) + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(6)))
+            status, headers, body = answer_of(chunked, 5.0)
+            assert status == 503 and headers["connection"] == "close", (status, body)
+            assert "--max-body-buffer" in json.loads(body)["detail"]["message"]
+        slow = [stack.enter_context(open_body(port, 1000)) for _ in range(readers - 1)]
+        wait_reading(url, readers)
+        assert_overloaded(httpx.post(f"{url}/v1/systemone", json=NORMAL, timeout=30), "--max-body-readers")
+        for sock in [held, *slow]:  # --body-timeout still ends them
+            assert answer_of(sock, 10.0)[0] == 408
+        wait_reading(url, 0)
+        assert httpx.post(f"{url}/v1/systemone", content=padded, timeout=30).status_code == 200
+
+
+def test_a_body_buffer_under_the_body_cap_is_refused_before_serving():
+    """A --max-body-buffer no largest body fits would refuse those bodies forever: serve says so and exits 2."""
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--port", str(free_port())]
+    done = subprocess.run([*command, "--threads", "1", "--max-body-buffer", "64KiB"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--max-body-buffer (65536 bytes) is under the body limit (1048576 bytes)" in done.stderr, done.stderr
