@@ -6,7 +6,7 @@ file (runtime/dataset_file.decide_file) of the same input: byte for byte the sam
 each actor's state cache held). Checked: a dataset with ids, error lines, a line over the limit, a byte order mark and
 blank lines, cut into several parts over two actors; --resume from a local run with --ray and the reverse; an actor
 killed mid-run (Ray Data restarts it and decides its part again) loses and repeats no line; images by path (read
-by the workers) and data URL; `eval --ray` gives
+by the workers) and data URL; an adapter (`--adapter`) on every actor; `eval --ray` gives
 `eval`'s result; Ctrl-C leaves OUT whole (exit 130) and `--resume` finishes it.
 """
 
@@ -248,3 +248,22 @@ def test_images_by_path_and_data_url_give_the_local_answers(cluster, ws, tmp_pat
     decide_file_on_ray(model, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, load, 2))
     assert _same((tmp_path / "ray.jsonl").read_bytes(), (tmp_path / "local.jsonl").read_bytes())
     assert (tmp_path / "local.jsonl").read_bytes().count(b'"error"') == 2
+
+
+def test_an_adapter_decides_on_ray_as_it_does_locally(cluster, ws, tmp_path):
+    """`decide --adapter FILE --ray`: every actor loads the base and the adapter; the answers and their model_sha256
+    (the base's and the adapter's identities together) are the local mode's."""
+    from peft_adapters import peft_adapter
+
+    base = ws.gguf("untied_f32", "f32")
+    adapter = peft_adapter(ws.release("untied_f32"), tmp_path, "tuned")
+    load = {**LOAD, "adapter": str(adapter)}
+    source = _write(tmp_path / "requests.jsonl", _lines(12))
+    with clef_gguf.load(base, **load) as model:
+        decide_file(model, str(source), str(tmp_path / "local.jsonl"), max_line_bytes=4096)
+        identity = model.identity
+    decide_file_on_ray(base, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, load, 4), max_line_bytes=4096)
+    local, on_ray = (tmp_path / "local.jsonl").read_bytes(), (tmp_path / "ray.jsonl").read_bytes()
+    assert _same(on_ray, local) and identity.encode() in on_ray
+    with clef_gguf.load(base, **LOAD) as plain:
+        assert plain.identity.encode() not in on_ray  # the fine-tune's answers, not the base's
