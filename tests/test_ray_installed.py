@@ -1,7 +1,7 @@
 """`clef-gguf serve --ray` after a non-editable install, started with the working directory at a checkout's root.
 
 Ray puts the driver's working directory on its workers' sys.path: replicas used to import the checkout's clef_gguf,
-which has no built libclef_head, and died at start-up (server/ray_serve.py, _imported_from_here). Here pip builds a
+which has no built libclef_head, and died at start-up (server/ray_local.py, imported_from_here). Here pip builds a
 real wheel of the checkout's files and installs it into a virtual environment of its own, which sees this one's
 dependencies through a .pth line (a line of a .pth is put on sys.path as it is: the .pth files in that folder, this
 environment's editable install of clef_gguf among them, are not run). The server then runs from a copy of the

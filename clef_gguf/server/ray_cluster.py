@@ -3,13 +3,10 @@ or the one at an address), serving until a signal, then draining the ingress and
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 import ray
@@ -19,6 +16,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.schema import DeploymentStatus
 
 from ..errors import DeploymentError
+from .ray_local import imported_from_here, remove_session
 from .ray_private import stop_proxies
 from .ray_serve import APP_NAME, RaySettings, build_app
 
@@ -48,23 +46,6 @@ def _why_not_deployed(error: RuntimeError) -> str:
     return "; ".join(reasons) or str(error)
 
 
-@contextmanager
-def _imported_from_here() -> Iterator[None]:
-    """The working directory, for the time of ray.init, the folder this process imported clef_gguf from.
-
-    Ray puts the driver's working directory first on every worker's sys.path (ray/_private/worker.py, the job's
-    py_driver_sys_path): run from a checkout, replicas imported its clef_gguf, which has no built libclef_head, not
-    the installed one. From here, they import the package the driver runs (the installed one, or an editable
-    install's checkout), whatever the directory `clef-gguf serve --ray` was started in. Every path Ray is given
-    is absolute (launch.py resolves them), so nothing else reads the working directory meanwhile."""
-    started_in = os.getcwd()
-    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_cluster.py -> the folder holding clef_gguf
-    try:
-        yield
-    finally:
-        os.chdir(started_in)
-
-
 def _drain(timeout_s: float) -> None:
     """The ingress refuses new requests (our 503) and lets those admitted finish, up to timeout_s (ClefIngress.drain)."""
     try:
@@ -77,19 +58,6 @@ def _drain(timeout_s: float) -> None:
         print(f"{left} requests still running after the drain timeout are cut off", file=sys.stderr, flush=True)
 
 
-def _remove_session(session: Path) -> None:
-    """A stopped local cluster's session folder (its logs, also shown on stderr, and sockets), and Ray's session_latest
-    link when it names it: else Ray's temporary folder keeps a folder per `serve --ray`."""
-    latest = session.parent / "session_latest"
-    if latest.is_symlink() and latest.resolve() == session.resolve():
-        latest.unlink()
-    for _ in range(50):  # a worker that outlives the raylet by a moment may still write its log there
-        shutil.rmtree(session, ignore_errors=True)
-        if not session.exists():
-            return
-        time.sleep(0.1)
-
-
 def run(settings: RaySettings, *, host: str, port: int, keep_alive: float, address: str | None) -> None:
     """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
     serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
@@ -99,7 +67,7 @@ def run(settings: RaySettings, *, host: str, port: int, keep_alive: float, addre
     cannot place wait for resources forever) stops it the same way, with nothing to drain."""
     local = address is None
     session: Path | None = None
-    with _imported_from_here():
+    with imported_from_here():
         if local:
             context = ray.init(address="local", include_dashboard=False, log_to_driver=True)
             session = Path(context.address_info["session_dir"])  # this run's, under Ray's temporary folder
@@ -139,4 +107,4 @@ def run(settings: RaySettings, *, host: str, port: int, keep_alive: float, addre
         finally:
             ray.shutdown(wait_for_processes=local)  # a local cluster's processes stopped before its folder goes
             if session is not None:
-                _remove_session(session)
+                remove_session(session)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -53,6 +52,7 @@ from ..runtime.dataset_file import Progress, Summary, answer_line, answered_reco
 from ..runtime.model import load as load_model
 from ..runtime.reader import Record, count_records, read_records
 from ..settings import MAX_LINE_BYTES
+from .ray_local import imported_from_here, remove_session
 
 PART_RECORDS = 256  # requests an actor decides at a time (the local mode's --sort-by-state window)
 IN_FLIGHT_PER_ACTOR = 2  # parts queued on an actor: the next one ready when it finishes one, few lost to a crash
@@ -160,11 +160,7 @@ def _cluster(address: str | None, cpus: int) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    started_in = os.getcwd()
-    # Ray puts the driver's working directory first on its workers' sys.path (server/ray_cluster.py,
-    # _imported_from_here): from the folder holding this clef_gguf, they import the package the driver runs.
-    os.chdir(Path(__file__).resolve().parents[2])
-    try:
+    with imported_from_here():  # (Ray puts the driver's working directory first on its workers' sys.path)
         if address is None:
             context = ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             session: Path | None = Path(context.address_info["session_dir"])
@@ -174,26 +170,12 @@ def _cluster(address: str | None, cpus: int) -> Iterator[None]:
                 ray.init(address=address, log_to_driver=False)
             except ConnectionError as e:
                 raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
-    finally:
-        os.chdir(started_in)
     try:
         yield
     finally:
         ray.shutdown(wait_for_processes=session is not None)
         if session is not None:
-            _remove_session(session)
-
-
-def _remove_session(session: Path) -> None:
-    """A stopped local cluster's session folder, and Ray's session_latest link to it (as `serve --ray` does)."""
-    latest = session.parent / "session_latest"
-    if latest.is_symlink() and latest.resolve() == session.resolve():
-        latest.unlink()
-    for _ in range(50):  # a worker that outlives the raylet by a moment may still write its log there
-        shutil.rmtree(session, ignore_errors=True)
-        if not session.exists():
-            return
-        time.sleep(0.1)
+            remove_session(session)
 
 
 def _parts(file: IO[bytes], records: Iterator[Record], first_line: int, size: int) -> list[dict[str, int]]:
