@@ -20,8 +20,10 @@ DEFAULT_UBATCH = 1024  # (docs/benchmarks.md, "Memory on an 8 GB card": what a u
 LogFormat = Literal["text", "json"]
 
 
-def _setting(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _setting(default: Any, help: str, **bounds: float) -> Any:
+    """A field with its help and its bounds (pydantic's names: ge, gt, le), which both the CLI and a Ray config's
+    `args` (server/ray_serve.py, validated by pydantic, which reads them from the metadata) hold it to."""
+    return field(default=default, metadata={"help": help, **bounds})
 
 
 def help_of(table: type, name: str) -> str:
@@ -29,35 +31,52 @@ def help_of(table: type, name: str) -> str:
     return next(f.metadata["help"] for f in fields(table) if f.name == name)
 
 
+def bounds_of(table: type, name: str) -> dict[str, float]:
+    """Setting `name`'s bounds in `table`, as typer's options take them (min, max)."""
+    metadata = next(f.metadata for f in fields(table) if f.name == name)
+    return {typer: metadata[key] for key, typer in (("ge", "min"), ("le", "max")) if key in metadata}
+
+
+# pydantic's configuration of each table, when a Ray config's `args` are validated into it: a mistyped name is refused.
+_STRICT = {"extra": "forbid"}
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """What `clef_gguf.load(path, ...)` takes besides the path."""
+
+    __pydantic_config__ = _STRICT
 
     n_gpu_layers: int = _setting(0, "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone).")
     # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
     # (docs/benchmarks.md, "Memory on an 8 GB card").
     max_prompt_tokens: int = _setting(
-        65536, "Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache."
+        65536, "Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache.", ge=1
     )
     ubatch: int | None = _setting(
         None,
         "Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
         f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
+        ge=1,
     )
     parallel: int = _setting(
         4,
         "Requests prefilled together when they wait at once (llama.cpp sequences; llama-server's -np), their tokens "
         "fitting one ubatch. Each takes a recurrent state of its own in the context.",
+        ge=1,
+        le=MAX_PARALLEL,
     )
     n_threads: int | None = _setting(
         None,
         "llama.cpp CPU threads (default: the physical cores this process may use, less those other processes keep busy "
         "when it loads; with --ray, 1 per replica).",
+        ge=1,
     )
     state_cache: int = _setting(
         1 << 30,  # two 8k-token states of Clef-flash
         "Host memory for the backbone states of recent requests' states (e.g. 512MiB; 0 turns it off): a request "
         "repeating a state prefills only its schema. Default: 1GiB.",
+        ge=0,
     )
     mmproj: str | Path | None = _setting(
         None,
@@ -71,9 +90,11 @@ class LoadOptions:
     adapter_dir: str | Path | None = _setting(
         None, "A folder of NAME.adapter.gguf files: an adapter is loaded when a request first names it."
     )
-    max_adapters: int = _setting(8, "At most this many adapters loaded at once (least recently used unloaded first).")
+    max_adapters: int = _setting(8, "At most this many adapters loaded at once (least recently used unloaded first).", ge=1)
     adapter_memory: int | None = _setting(
-        None, "At most this much memory for loaded adapters' LoRAs and heads (e.g. 2GiB). Default: no bound but --max-adapters."
+        None,
+        "At most this much memory for loaded adapters' LoRAs and heads (e.g. 2GiB). Default: no bound but --max-adapters.",
+        ge=1,
     )
 
     def kwargs(self) -> dict[str, Any]:
@@ -93,6 +114,18 @@ class DataFiles:
     )
 
 
+@dataclass(frozen=True)
+class FileOptions:
+    """How decide's dataset mode runs over a JSON Lines file, locally (runtime/dataset_file.decide_file) or on Ray
+    (server/ray_dataset.decide_file_on_ray): the same options, the same answers file."""
+
+    resume: bool = False  # continue the answers file, skipping the requests it answers
+    force: bool = False  # overwrite the answers file
+    sort_by_state: bool = False  # each window of requests decided grouped by state (the answers stay in order)
+    images_anywhere: bool = False  # image paths may leave the input's folder
+    max_line_bytes: int = MAX_LINE_BYTES  # a longer record gets the server's 413 error line, unread
+
+
 def default_ubatch(max_prompt_tokens: int) -> int:
     """The ubatch when none is given: DEFAULT_UBATCH, or the whole prompt when the limit is smaller."""
     return min(DEFAULT_UBATCH, max_prompt_tokens)
@@ -102,42 +135,47 @@ def default_ubatch(max_prompt_tokens: int) -> int:
 class HttpLimits:
     """What a connection may send, and how slowly (server/protocol.py and server/body.py enforce them)."""
 
+    __pydantic_config__ = _STRICT
+
     max_head_bytes: int = 16 * 1024  # request line and headers (Node's default; h11's too)
     max_url_bytes: int = 8 * 1024  # the request target (nginx's default line buffer)
-    header_timeout: float = _setting(10.0, "Seconds a connection has to send a request's headers; then 408.")
+    header_timeout: float = _setting(10.0, "Seconds a connection has to send a request's headers; then 408.", ge=0.1)
     # Long enough for a slow link to send the largest text body.
-    body_timeout: float = _setting(30.0, "Seconds a request has to send its whole body; then 408.")
+    body_timeout: float = _setting(30.0, "Seconds a request has to send its whole body; then 408.", ge=0.1)
     # Kestrel's MinRequestBodyDataRate: a client trickling its body holds its intake slot for the grace period,
     # not the whole body timeout. 240 B/s is 2 kbit/s: any real link sends faster.
     min_body_rate: float = _setting(
-        240.0, "Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none)."
+        240.0, "Bytes/s a body must average once --body-grace has passed, or 408 (Kestrel's rule; 0: none).", ge=0
     )
-    body_grace: float = _setting(5.0, "Seconds before --min-body-rate applies to a body.")
+    body_grace: float = _setting(5.0, "Seconds before --min-body-rate applies to a body.", ge=0)
     # A body takes an intake slot (--max-queue) only once whole: while it arrives it costs a connection and the bytes
     # it sent, bounded by these two. 64 MiB: 64 text bodies at the 1 MiB cap of the default --ctx, or 4 with images.
     max_body_buffer: int = _setting(
         64 << 20,
         "Bytes the request bodies still arriving may hold in all (e.g. 64MiB); a body that does not fit gets 503. "
         "Default: 64MiB.",
+        ge=1,
     )
     # nginx's default worker_connections: far above the --max-queue (64) bodies a server reads honestly at once.
     max_body_readers: int = _setting(
-        512, "Request bodies read at once (uvicorn's --limit-concurrency, for bodies); more get 503."
+        512, "Request bodies read at once (uvicorn's --limit-concurrency, for bodies); more get 503.", ge=1
     )
-    keep_alive: float = _setting(5.0, "Seconds an idle connection is kept after an answer.")  # uvicorn's default
+    keep_alive: float = _setting(5.0, "Seconds an idle connection is kept after an answer.", ge=0.1)  # uvicorn's default
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     """Where and how `clef-gguf serve` takes requests, whichever decides them (one process, or Ray replicas)."""
 
+    __pydantic_config__ = _STRICT
+
     host: str = _setting("127.0.0.1", "Interface to bind; the default keeps the server on this machine.")
-    port: int = _setting(8000, "TCP port.")
+    port: int = _setting(8000, "TCP port.", ge=1, le=65535)
     api_key: str | None = _setting(None, "Require Authorization: Bearer KEY on /v1 and /accounts (default: none; header ignored)")
     max_queue: int = _setting(
-        64, "Whole bodies prepared at once, and requests admitted to decide (running + waiting); more get 503."
+        64, "Whole bodies prepared at once, and requests admitted to decide (running + waiting); more get 503.", ge=1
     )
-    drain_timeout: float = _setting(60.0, "Seconds SIGTERM waits for admitted requests to finish.")
+    drain_timeout: float = _setting(60.0, "Seconds SIGTERM waits for admitted requests to finish.", ge=0)
     limits: HttpLimits = field(default_factory=HttpLimits)  # (on Ray, its proxy's own, but for the body and keep-alive)
     log_format: LogFormat = _setting(
         "text", "The access log's lines on stderr, one per request: text (key=value) or json (one object per line)."
@@ -151,9 +189,11 @@ API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `
 class RayScale:
     """How many replicas, on which cluster: `serve --ray`'s own options."""
 
-    replicas: int | None = _setting(None, "With --ray: model replicas (default 1).")
+    __pydantic_config__ = _STRICT
+
+    replicas: int | None = _setting(None, "With --ray: model replicas (default 1).", ge=1)
     autoscale: str | None = _setting(None, "With --ray: autoscale between MIN and MAX replicas.")  # "MIN:MAX"
-    gpus: float = _setting(0.0, "With --ray: GPUs Ray reserves per replica.")
+    gpus: float = _setting(0.0, "With --ray: GPUs Ray reserves per replica.", ge=0)
     address: str | None = _setting(
         None, "With --ray: the Ray cluster to deploy on (default: a local one, started here, on loopback)."
     )

@@ -14,9 +14,9 @@ import clef_gguf
 from clef_gguf.check.adapter_pair import validate_adapter_pair
 from clef_gguf.conversion.adapter import convert_adapter
 from clef_gguf.errors import AdapterBaseError, RequestError
-from clef_gguf.quality.labelled import BadLine, read_labelled
 from clef_gguf.testing import finetune
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
@@ -60,18 +60,6 @@ def served(tunes):
         yield model
 
 
-def _requests(n: int = 6) -> list[dict]:
-    with open(DATA, "rb") as file:
-        return [r.request for r in read_labelled(file) if not isinstance(r, BadLine)][:n]
-
-
-def _probabilities(answer: dict) -> list[float]:
-    out = []
-    for value in answer["answers"].values():
-        out += [value["noul"]] if "noul" in value else list(value["probabilities"].values())
-    return out
-
-
 def _as(name: str | None, request: dict) -> dict:
     return {**request, "model": name} if name is not None else request
 
@@ -80,13 +68,13 @@ def test_each_adapter_decides_as_its_merged_conversion(tunes, served):
     """Within 1e-4 at f32 (the LoRA unmerged in llama.cpp, the head the adapter's), and far from the base's."""
     for name, merged in tunes.merged.items():
         with clef_gguf.load(merged, max_prompt_tokens=CONTEXT) as alone:
-            for request in _requests():
+            for request in labelled_requests(6):
                 ours, theirs = served.decide(_as(name, request)), alone.decide(request)
                 assert ours["usage"]["input_tokens"] == theirs["usage"]["input_tokens"]
                 assert ours["model"] == name
-                assert np.abs(np.subtract(_probabilities(ours), _probabilities(theirs))).max() <= ROUNDED, name
-    base = [_probabilities(served.decide(r)) for r in _requests()]
-    tuned = [_probabilities(served.decide(_as("triage", r))) for r in _requests()]
+                assert np.abs(np.subtract(flat_probabilities(ours), flat_probabilities(theirs))).max() <= ROUNDED, name
+    base = [flat_probabilities(served.decide(r)) for r in labelled_requests(6)]
+    tuned = [flat_probabilities(served.decide(_as("triage", r))) for r in labelled_requests(6)]
     assert max(np.abs(np.subtract(a, b)).max() for a, b in zip(base, tuned, strict=True)) > 0.01
 
 
@@ -94,14 +82,14 @@ def test_requests_for_three_models_together_get_their_own_answers(served):
     """The same state under the base and two adapters, interleaved in one dataset run (batches never mix models,
     the state cache is keyed by model): each answer equals that model's answer alone."""
     names = [None, "triage", "urgency"]
-    alone = {(n, i): _probabilities(served.decide(_as(n, r))) for n in names for i, r in enumerate(_requests(3))}
-    mixed = [(n, i, _as(n, r)) for i, r in enumerate(_requests(3)) for n in names]
+    alone = {(n, i): flat_probabilities(served.decide(_as(n, r))) for n in names for i, r in enumerate(labelled_requests(3))}
+    mixed = [(n, i, _as(n, r)) for i, r in enumerate(labelled_requests(3)) for n in names]
     for (n, i, _), answer in zip(mixed, served.decide_many([m for *_, m in mixed]), strict=True):
-        assert np.abs(np.subtract(_probabilities(answer), alone[(n, i)])).max() <= ROUNDED, (n, i)
+        assert np.abs(np.subtract(flat_probabilities(answer), alone[(n, i)])).max() <= ROUNDED, (n, i)
 
 
 def test_a_state_cached_under_one_model_never_serves_another(served):
-    request = _requests(1)[0]
+    request = labelled_requests(1)[0]
     served.state_cache.clear()
     first = served.decide(_as("triage", request))
     again = served.decide(_as("triage", {**request, "questions": dict(list(request["questions"].items())[:1])}))
@@ -113,9 +101,9 @@ def test_a_state_cached_under_one_model_never_serves_another(served):
 
 def test_an_unknown_model_name_lists_the_names(served):
     with pytest.raises(RequestError, match="triage, urgency") as caught:
-        served.encode(_as("nope", _requests(1)[0]))
+        served.encode(_as("nope", labelled_requests(1)[0]))
     assert caught.value.field == "model"
-    assert served.decide(_as("clef-flash", _requests(1)[0]))["answers"]  # Clef's own names are the base's
+    assert served.decide(_as("clef-flash", labelled_requests(1)[0]))["answers"]  # Clef's own names are the base's
 
 
 def test_an_adapter_is_refused_on_another_base(tunes, tmp_path):
@@ -130,18 +118,18 @@ def test_the_lru_unloads_and_reloads_with_the_same_answers(tunes, tmp_path):
     folder.mkdir()
     for name, path in tunes.adapters.items():
         (folder / f"{name}.adapter.gguf").symlink_to(path)
-    request = _requests(1)[0]
+    request = labelled_requests(1)[0]
     with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapter_dir=folder, max_adapters=1, state_cache=0) as model:
-        first = {n: _probabilities(model.decide(_as(n, request))) for n in ("triage", "urgency", "pattern")}
+        first = {n: flat_probabilities(model.decide(_as(n, request))) for n in ("triage", "urgency", "pattern")}
         assert model.variants.loaded == ["pattern"]
         for name in ("triage", "urgency", "pattern"):
-            assert _probabilities(model.decide(_as(name, request))) == first[name]
+            assert flat_probabilities(model.decide(_as(name, request))) == first[name]
             assert model.variants.loaded == [name]
 
 
 def test_a_prompt_encoded_for_an_adapter_is_decided_by_it(served):
     """The prompt carries its model: decide_batch never mixes models, one batch a model."""
-    request = _requests(1)[0]
+    request = labelled_requests(1)[0]
     prompts = [served.encode(_as(n, request)) for n in ("triage", "urgency")]
     assert not served.batchable(prompts)
     assert prompts[0].model != prompts[1].model
@@ -154,16 +142,16 @@ def test_serve_answers_each_model_by_its_name(tunes, served):
     import httpx
     from live_server import served as serving
 
-    request = _requests(1)[0]
+    request = labelled_requests(1)[0]
     pairs = [f"{n}={tunes.adapters[n]}" for n in ("triage", "urgency")]
     args = ("--ctx", str(CONTEXT), "--adapter", pairs[0], "--adapter", pairs[1])
     with serving(tunes.base, *args) as (url, _), httpx.Client(base_url=url, timeout=120) as client:
         for name in (None, "triage", "urgency", "clef-flash"):
             body = client.post("/v1/systemone", json=_as(name, request)).json()
             expected = served.decide(_as(name if name != "clef-flash" else None, request))
-            assert np.abs(np.subtract(_probabilities(body), _probabilities(expected))).max() <= ROUNDED, name
+            assert np.abs(np.subtract(flat_probabilities(body), flat_probabilities(expected))).max() <= ROUNDED, name
         run = client.post("/accounts/x/ai/run/@cf/cloudflare/clef-flash", json={**request, "lora": "urgency"}).json()
-        assert run["success"] and _probabilities(run["result"]) == _probabilities(
+        assert run["success"] and flat_probabilities(run["result"]) == flat_probabilities(
             client.post("/v1/systemone", json=_as("urgency", request)).json()
         )
         unknown = client.post("/v1/systemone", json=_as("nope", request))

@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import typer
+from test_outputs import mounted_tmpfs, read_only_folder
 
 from clef_gguf.cli import errors as cli_errors
 from clef_gguf.conversion.convert import backbone_tensors, default_mmproj_path
@@ -33,18 +33,11 @@ from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.qwen35_view import write_backbone_gguf
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
-# Big enough (~300 MB of f32 weights) that each stage of a conversion lasts a while on a loaded machine.
+# Big enough (~300 MB of f32 weights) that each stage of a conversion lasts a while on a loaded machine: 8 layers
+# 1024 wide, attention heads 128 wide, linear-attention heads 64 wide (the tiny fixture's are 16).
+LINEAR_HEADS_64 = {"linear_key_head_dim": 64, "linear_value_head_dim": 64}
 SLOW = ReleaseSpec(
-    seed=3,
-    layers=8,
-    hidden=1024,
-    intermediate=2048,
-    heads=8,
-    kv_heads=2,
-    head_dim=128,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    head_width=64,
+    seed=3, layers=8, hidden=1024, intermediate=2048, heads=8, kv_heads=2, head_dim=128, head_width=64, **LINEAR_HEADS_64
 )
 KILL_WAIT_S = 120.0
 POLL_S = 0.002
@@ -231,34 +224,7 @@ def test_out_can_never_be_an_input_file(ws, tmp_path):
         graft(backbone, release, release / "joint_head.safetensors", force=True)
 
 
-# --- Outputs that cannot be written: one line each --------------------------------------------------------
-@contextmanager
-def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A real small or read-only file system (root only: skipped elsewhere)."""
-    path.mkdir()
-    run = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-@contextmanager
-def read_only_folder(path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:  # permissions bind everyone but root
-        path.mkdir()
-        path.chmod(0o555)
-        try:
-            yield path
-        finally:
-            path.chmod(0o755)
-        return
-    with mounted_tmpfs(path, "ro,size=1m") as folder:
-        yield folder
-
-
+# --- Outputs that cannot be written: one line each (a read-only folder, a small tmpfs: test_outputs.py's) ----
 def test_unwritable_outputs_are_one_line_errors(ws, tmp_path):
     release = str(ws.release("untied_f32"))
     folder = tmp_path / "a-folder"

@@ -21,6 +21,7 @@ from PIL import Image
 
 import clef_gguf
 from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
+from clef_gguf.runtime.dataset import Outcome, _windows, decide_outcomes
 from clef_gguf.runtime.dataset_file import LINE_FIELDS
 from clef_gguf.testing.request_suite import mixed_request
 
@@ -140,6 +141,32 @@ def test_sort_by_state_keeps_the_input_order_and_the_answers(demo_model):
     assert [a["answers"] for a in grouped] == [a["answers"] for a in plain]
     cached = [a["usage"]["input_tokens_details"]["cached_tokens"] for a in grouped]
     assert sum(c >= 256 for c in cached) == 6  # each state computed once, the other 6 restored
+
+
+def test_decide_outcomes_gives_each_tag_back_with_its_outcome_in_input_order(demo_model):
+    """What decide_file and eval read: each request's tag (its record) with its outcome; an Outcome given in a
+    request's place (a line over the limit, answered unread) comes back in its place; sort_by_state reorders nothing."""
+    over = Outcome(None, {"status": 413, "detail": "over the limit"}, None, reason="over the limit")
+    requests = [{**r, "state": {"ticket": f"ticket {i % 3}" * 150}} for i, r in enumerate(_requests(7))]
+    items = [("a", requests[0]), ("over 1", over), ("bad", b"{not json"), *((f"r{i}", r) for i, r in enumerate(requests[1:]))]
+    items.append(("over 2", over))
+    expected = [a["answers"] for a in demo_model.decide_many(requests)]
+    for sort_by_state in (False, True):
+        got = list(decide_outcomes(demo_model, items, sort_by_state=sort_by_state))
+        assert [tag for tag, _ in got] == [tag for tag, _ in items]
+        outcomes = dict(got)
+        assert outcomes["over 1"] is over and outcomes["over 2"] is over
+        assert outcomes["bad"].response is None and outcomes["bad"].error["status"] == 422  # (as the server answers it)
+        decided = [outcome.response["answers"] for tag, outcome in got if tag == "a" or tag.startswith("r")]
+        assert decided == expected
+
+
+def test_an_outcome_given_in_a_requests_place_counts_in_no_window():
+    """The windows (model.parallel requests, or SORT_WINDOW with sort_by_state) are of requests to decide, whatever
+    lines over the limit sit between them."""
+    over = Outcome(None, {"status": 413, "detail": "over the limit"}, None)
+    items = [(1, b"{}"), (2, over), (3, over), (4, b"{}"), (5, b"{}"), (6, over), (7, b"{}")]
+    assert [[tag for tag, _ in window] for window in _windows(items, 2)] == [[1, 2, 3, 4], [5, 6, 7]]
 
 
 def test_images_may_be_file_paths_relative_to_the_jsonl_file(ws, tmp_path):

@@ -74,30 +74,6 @@ def test_the_merged_tensors_are_peft_s(tuned):
     assert worst < 1e-6
 
 
-def _peft_adapter(base: Path, head_from: Path, out: Path, **lora) -> tuple[Path, Path]:
-    """A checkpoint with a PEFT LoRA of the given settings (random A and B), and PEFT's own merge of it."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(**lora))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.2)
-    checkpoint = out / "checkpoint"
-    peft_model.save_pretrained(checkpoint / "adapter")
-    shutil.copy(head_from / "joint_head.safetensors", checkpoint / "joint_head.safetensors")
-    merged = out / "merged"
-    peft_model.merge_and_unload().save_pretrained(merged)
-    for name in ("joint_head_config.json", "tokenizer.json", "tokenizer_config.json", "joint_schema_model.py"):
-        shutil.copy(base / name, merged / name)
-    shutil.copy(head_from / "joint_head.safetensors", merged / "joint_head.safetensors")
-    return checkpoint, merged
-
-
 @pytest.mark.parametrize(
     "lora",
     [
@@ -117,7 +93,8 @@ def _peft_adapter(base: Path, head_from: Path, out: Path, **lora) -> tuple[Path,
 )
 def test_adapter_settings_merge_as_peft_merges_them(ws, tmp_path, lora):
     base = ws.release("untied_f32")
-    checkpoint, merged = _peft_adapter(base, base, tmp_path, **lora)
+    merged = tmp_path / "merged"
+    checkpoint = finetune.peft_checkpoint(base, tmp_path, lora, merged=merged)
     ours = clef_gguf.convert(checkpoint, tmp_path / "ours.gguf", "f32", base=base, mmproj=False)
     theirs = clef_gguf.convert(merged, tmp_path / "theirs.gguf", "f32", mmproj=False)
     before = {t.name: np.array(t.data) for t in gguf.GGUFReader(ws.gguf("untied_f32", "f32")).tensors}

@@ -92,7 +92,10 @@ def seeds() -> dict[str, tuple[bytes, tuple[int, ...]]]:
 
 
 def damage(seed: str, edits: list[Edit]) -> bytes:
-    data = seeds()[seed][0]
+    return apply_edits(seeds()[seed][0], edits)
+
+
+def apply_edits(data: bytes, edits: list[Edit]) -> bytes:
     for edit in edits:
         kind, position = edit[0], min(edit[1], len(data))
         if kind == "poke":
@@ -118,18 +121,22 @@ def _values() -> st.SearchStrategy[bytes]:
 
 
 @st.composite
-def damaged_files(draw: st.DrawFn) -> tuple[str, list[Edit]]:
-    seed = draw(st.sampled_from(sorted(seeds())))
-    data, anchors = seeds()[seed]
-    header_end = anchors[-1]
-    positions = st.one_of(st.sampled_from(anchors), st.integers(0, header_end + 64), st.integers(0, len(data)))
+def edits_of(draw: st.DrawFn, data: bytes, anchors: tuple[int, ...]) -> list[Edit]:
+    """One to four edits of `data`: at one of its anchors, in its header (up to anchors[-1] + 64) or anywhere."""
+    positions = st.one_of(st.sampled_from(anchors), st.integers(0, anchors[-1] + 64), st.integers(0, len(data)))
     edit = st.one_of(
         st.tuples(st.just("poke"), positions, _values()),
         st.tuples(st.just("truncate"), positions),
         st.tuples(st.just("insert"), positions, st.binary(min_size=1, max_size=16)),
         st.tuples(st.just("delete"), positions, st.integers(1, 16)),
     )
-    return seed, draw(st.lists(edit, min_size=1, max_size=4))
+    return draw(st.lists(edit, min_size=1, max_size=4))
+
+
+@st.composite
+def damaged_files(draw: st.DrawFn) -> tuple[str, list[Edit]]:
+    seed = draw(st.sampled_from(sorted(seeds())))
+    return seed, draw(edits_of(*seeds()[seed]))
 
 
 # --- The property -------------------------------------------------------------------------------------

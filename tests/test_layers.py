@@ -90,10 +90,10 @@ def test_every_package_and_module_is_a_layer() -> None:
 
 
 def test_tools_import_only_the_package() -> None:
-    """tools/ uses clef_gguf (and its own scripts), never the test suite's files."""
+    """tools/ (tools/bench/ too) uses clef_gguf, never the test suite's files."""
     test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")}
     offenders = []
-    for path in sorted((ROOT / "tools").glob("*.py")):
+    for path in sorted((ROOT / "tools").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -106,6 +106,51 @@ def test_tools_import_only_the_package() -> None:
         if '"tests"' in path.read_text():
             offenders.append(f"{path.name} names the tests folder (sys.path?)")
     assert not offenders, offenders
+
+
+# `import x` / `from x import ...` at a line's start, in code or in a child's code held in a string.
+_IMPORT_LINE = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w., \t]+))", re.M)
+
+
+def script_imports(root: Path) -> list[str]:
+    """Where a script under tools/ imports another script of tools/, or puts a tools folder on sys.path: what scripts
+    share lives in clef_gguf/testing, which they import."""
+    paths = sorted((root / "tools").rglob("*.py"))
+    scripts = {p.stem for p in paths}
+    offenders = []
+    for path in paths:
+        text = path.read_text()
+        name = path.relative_to(root)
+        for m in _IMPORT_LINE.finditer(text):
+            modules = [m[1]] if m[1] else [part.split()[0] for part in m[2].split(",") if part.strip()]
+            line = text.count("\n", 0, m.start()) + 1
+            offenders += [f"{name}:{line} imports the script {n}" for n in modules if n.split(".")[0] in scripts]
+        if re.search(r"sys\.path\.(insert|append)\(", text):
+            offenders.append(f"{name}: changes sys.path (a script's folder on it lets it import scripts)")
+        if re.search(r"\b(run_path|spec_from_file_location)\(", text):
+            offenders.append(f"{name}: loads a file as a module (runpy.run_path, importlib's spec_from_file_location)")
+    return offenders
+
+
+def test_scripts_import_no_other_script() -> None:
+    offenders = script_imports(ROOT)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_check_reports_a_script_import(tmp_path: Path) -> None:
+    (tmp_path / "tools" / "bench").mkdir(parents=True)
+    (tmp_path / "tools" / "shared.py").write_text("X = 1\n")
+    (tmp_path / "tools" / "fine.py").write_text("import json\nfrom clef_gguf.testing import bench\n")
+    (tmp_path / "tools" / "bench" / "a.py").write_text('"""a."""\n\nimport os, shared\n')
+    child = 'CHILD = """\nimport sys\nsys.path.insert(0, sys.argv[1])\nfrom a import f\n"""\n'  # a child's code
+    (tmp_path / "tools" / "bench" / "b.py").write_text(child)
+    (tmp_path / "tools" / "c.py").write_text('import runpy\n\nrunpy.run_path("tools/shared.py")\n')
+    assert script_imports(tmp_path) == [
+        "tools/bench/a.py:3 imports the script shared",
+        "tools/bench/b.py:4 imports the script a",
+        "tools/bench/b.py: changes sys.path (a script's folder on it lets it import scripts)",
+        "tools/c.py: loads a file as a module (runpy.run_path, importlib's spec_from_file_location)",
+    ]
 
 
 def test_the_check_reports_an_upward_import(tmp_path: Path) -> None:
@@ -129,7 +174,7 @@ def test_the_plain_server_never_imports_ray():
 
 def test_tests_import_nothing_from_tools() -> None:
     """tools/ are scripts; what tests share with them lives in clef_gguf/testing."""
-    scripts = {p.stem for p in (ROOT / "tools").glob("*.py")}
+    scripts = {p.stem for p in (ROOT / "tools").rglob("*.py")}
     offenders = []
     for path in sorted((ROOT / "tests").glob("*.py")):
         text = path.read_text()
@@ -143,9 +188,10 @@ def test_tests_import_nothing_from_tools() -> None:
 
 
 def test_modules_and_functions_stay_short() -> None:
-    """No package module over 400 lines, no function over 60: a module per concern, a function per step."""
+    """No module of the package or script of tools/ over 400 lines, no function over 60: a module per concern, a
+    function per step."""
     long_modules, long_functions = [], []
-    for path in sorted((ROOT / "clef_gguf").rglob("*.py")):
+    for path in sorted([*(ROOT / "clef_gguf").rglob("*.py"), *(ROOT / "tools").rglob("*.py")]):
         text = path.read_text()
         if len(text.splitlines()) > 400:
             long_modules.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")

@@ -26,6 +26,7 @@ from clef_gguf.quality.calibrate import calibrate
 from clef_gguf.quality.labelled import duplicates, normalize_label, read_labelled
 from clef_gguf.runtime.dataset_file import decide_file, read_records
 from clef_gguf.runtime.reader import read_request
+from clef_gguf.settings import FileOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELLED = ROOT / "examples" / "labelled.jsonl"
@@ -85,7 +86,7 @@ def test_decide_answers_a_line_over_the_limit_with_the_servers_413_in_its_place(
     lines = [json.dumps(DEMO).encode(), _long_line(300_000), json.dumps({**DEMO, "id": "last"}).encode(), _long_line(5000)]
     source = tmp_path / "requests.jsonl"
     source.write_bytes(b"\n".join(lines) + b"\n")
-    summary = decide_file(demo_model, str(source), str(tmp_path / "answers.jsonl"), max_line_bytes=4096)
+    summary = decide_file(demo_model, str(source), str(tmp_path / "answers.jsonl"), FileOptions(max_line_bytes=4096))
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert [a["line"] for a in answers] == [1, 2, 3, 4] and (summary.answered, summary.errors) == (2, 2)
     for n in (1, 3):
@@ -94,7 +95,7 @@ def test_decide_answers_a_line_over_the_limit_with_the_servers_413_in_its_place(
         assert answers[n]["request_sha256"] == hashlib.sha256(lines[n]).hexdigest()
     assert answers[2]["id"] == "last" and "answers" in answers[2]
     # --resume checks the refused lines by their digest too: nothing is decided again
-    again = decide_file(demo_model, str(source), str(tmp_path / "answers.jsonl"), resume=True, max_line_bytes=4096)
+    again = decide_file(demo_model, str(source), str(tmp_path / "answers.jsonl"), FileOptions(resume=True, max_line_bytes=4096))
     assert (again.skipped, again.records) == (4, 4)
 
 
@@ -215,13 +216,13 @@ def test_resume_after_a_half_written_input_line_says_what_to_do(demo_model, tmp_
     decide_file(demo_model, str(source), str(out))
     source.write_bytes(whole + b"\n" + whole + b"\n" + whole + b"\n")
     with pytest.raises(AnswersFileError) as raised:
-        decide_file(demo_model, str(source), str(out), resume=True)
+        decide_file(demo_model, str(source), str(out), FileOptions(resume=True))
     message = str(raised.value)
     assert "answer 3 (line 3) is not the answer to this input's request 3" in message
     assert f"`head -n 2 {out} > kept.jsonl` keeps the 2 answers before it: resume into that file" in message
     kept = tmp_path / "kept.jsonl"
     kept.write_bytes(b"".join(out.read_bytes().splitlines(keepends=True)[:2]))
-    assert decide_file(demo_model, str(source), str(kept), resume=True).answered == 3  # what the message said works
+    assert decide_file(demo_model, str(source), str(kept), FileOptions(resume=True)).answered == 3  # what the message said works
 
 
 # --- F10, --base, the help ---------------------------------------------------------------------------

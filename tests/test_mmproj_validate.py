@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fuzz_validate import MemoryReader, _anchors, _values
+from test_fuzz_validate import MemoryReader, _anchors, apply_edits, edits_of
 
 import clef_gguf
 from clef_gguf.check.mmproj import describe_mmproj
@@ -219,37 +219,11 @@ def mmproj_seed(ws) -> tuple[bytes, tuple[int, ...]]:
     return data, _anchors(data)
 
 
-@st.composite
-def _edits(draw: st.DrawFn, data: bytes, anchors: tuple[int, ...]) -> list[tuple]:
-    positions = st.one_of(st.sampled_from(anchors), st.integers(0, anchors[-1] + 64), st.integers(0, len(data)))
-    edit = st.one_of(
-        st.tuples(st.just("poke"), positions, _values()),
-        st.tuples(st.just("truncate"), positions),
-        st.tuples(st.just("insert"), positions, st.binary(min_size=1, max_size=16)),
-        st.tuples(st.just("delete"), positions, st.integers(1, 16)),
-    )
-    return draw(st.lists(edit, min_size=1, max_size=4))
-
-
-def _apply(data: bytes, edits: list[tuple]) -> bytes:
-    for kind, position, *rest in edits:
-        position = min(position, len(data))
-        if kind == "poke":
-            data = data[:position] + rest[0] + data[position + len(rest[0]) :]
-        elif kind == "truncate":
-            data = data[:position]
-        elif kind == "insert":
-            data = data[:position] + rest[0] + data[position:]
-        else:
-            data = data[:position] + data[position + rest[0] :]
-    return data
-
-
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_any_damaged_mmproj_gets_a_one_line_report(mmproj_seed, tmp_path_factory, data):
     seed, anchors = mmproj_seed
-    damaged = _apply(seed, data.draw(_edits(seed, anchors)))
+    damaged = apply_edits(seed, data.draw(edits_of(seed, anchors)))
     path = tmp_path_factory.mktemp("fuzz") / "m.gguf"
     path.write_bytes(damaged)
     report = validate(path, deep=data.draw(st.booleans()))

@@ -51,23 +51,31 @@ def unopened_input(tmp_path: Path) -> Path:
 
 
 @contextmanager
-def read_only_folder(path: Path) -> Iterator[Path]:
-    """A folder nobody may write in: permissions, or for root (whom they do not bind) a read-only tmpfs."""
+def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A real small or read-only file system at `path`, a new folder (root only: skipped elsewhere)."""
     path.mkdir()
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        try:
-            yield path
-        finally:
-            path.chmod(0o755)
-        return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+@contextmanager
+def read_only_folder(path: Path) -> Iterator[Path]:
+    """A folder nobody may write in: permissions, or for root (whom they do not bind) a read-only tmpfs."""
+    if os.geteuid() == 0:
+        with mounted_tmpfs(path, "ro,size=1m") as folder:
+            yield folder
+        return
+    path.mkdir()
+    path.chmod(0o555)
+    try:
+        yield path
+    finally:
+        path.chmod(0o755)
 
 
 def char_device_link(tmp_path: Path, device: str = "/dev/full") -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -25,40 +24,26 @@ from live_server import served  # noqa: E402
 from peft_adapters import peft_adapter  # noqa: E402
 
 import clef_gguf  # noqa: E402
-from clef_gguf.quality.labelled import BadLine, read_labelled  # noqa: E402
 from clef_gguf.server.ray_serve import build_app, settings_from_args  # noqa: E402
+from clef_gguf.testing.request_suite import flat_probabilities as _probabilities  # noqa: E402
+from clef_gguf.testing.request_suite import labelled_requests as _requests  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "examples" / "labelled.jsonl"
 CONTEXT = 4096
 ROUNDED = 1e-4 + 1e-9  # answers are rounded to 4 decimals: float noise may move one by a unit
 TIMEOUT = 300.0
 DEPLOY_TIMEOUT_S = 300  # a Ray worker process per replica, on a 2-core machine shared with other jobs
 
 
-def _requests(n: int) -> list[dict]:
-    with open(DATA, "rb") as file:
-        return [r.request for r in read_labelled(file) if not isinstance(r, BadLine)][:n]
-
-
-def _probabilities(answer: dict) -> list[float]:
-    out = []
-    for value in answer["answers"].values():
-        out += [value["noul"]] if "noul" in value else list(value["probabilities"].values())
-    return out
-
-
 def test_every_replica_is_bound_with_the_adapter_settings():
     """What each ClefReplica's load() is called with (its deployment's arguments, the same for every replica), and
     the ingress's names."""
-    args = {"model": "/m.gguf", "replicas": 2, "adapters": {"a": "/a.adapter.gguf"}, "adapter_dir": "/tunes"}
-    settings = settings_from_args(args | {"max_adapters": 3, "adapter_memory": 1 << 30})
+    expected = {"adapters": {"a": "/a.adapter.gguf"}, "adapter_dir": "/tunes", "max_adapters": 3, "adapter_memory": 1 << 30}
+    settings = settings_from_args({"model": "/m.gguf", "scale": {"replicas": 2}, "load": expected})
     ingress = build_app(settings)._bound_deployment
     replicas = ingress.init_args[0]._bound_deployment
     assert replicas.num_replicas == 2
-    expected = {"adapters": {"a": "/a.adapter.gguf"}, "adapter_dir": "/tunes", "max_adapters": 3, "adapter_memory": 1 << 30}
-    assert {k: replicas.init_kwargs[k] for k in expected} == expected
-    assert (ingress.init_kwargs["adapters"], ingress.init_kwargs["adapter_dir"]) == ({"a": "/a.adapter.gguf"}, "/tunes")
+    for options in (replicas.init_args[1], ingress.init_args[3]):  # the replicas' LoadOptions, and the ingress's
+        assert {k: getattr(options, k) for k in expected} == expected
 
 
 def test_serve_on_ray_answers_each_model_by_its_name(ws, tmp_path):

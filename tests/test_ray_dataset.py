@@ -39,10 +39,12 @@ from clef_gguf.errors import DeploymentError  # noqa: E402
 from clef_gguf.quality import evaluate as evaluating  # noqa: E402
 from clef_gguf.runtime.dataset_file import decide_file  # noqa: E402
 from clef_gguf.server.ray_dataset import RayData, decide_file_on_ray, score_on_ray  # noqa: E402
+from clef_gguf.settings import FileOptions, LoadOptions  # noqa: E402
 from clef_gguf.testing.request_suite import mixed_request  # noqa: E402
 
 DEMO = json.loads(DEMO_REQUEST.read_text())
 LOAD = {"max_prompt_tokens": DEMO_CONTEXT}
+LINES = FileOptions(max_line_bytes=4096)
 CLI = [sys.executable, "-m", "clef_gguf.cli", "decide", "--ctx", str(DEMO_CONTEXT)]
 CACHED = re.compile(rb'"cached_tokens":\d+')
 ACTOR = "_PartDecider"  # in the process title of Ray Data's actors: ray::MapWorker(MapBatches(_PartDecider))
@@ -80,14 +82,14 @@ def data(tmp_path_factory) -> tuple[Path, bytes]:
     folder = tmp_path_factory.mktemp("data")
     source = _write(folder / "requests.jsonl", _lines(40))
     with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
-        summary = decide_file(model, str(source), str(folder / "local.jsonl"), max_line_bytes=4096)
+        summary = decide_file(model, str(source), str(folder / "local.jsonl"), LINES)
     assert (summary.records, summary.errors) == (43, 3)
     return source, (folder / "local.jsonl").read_bytes()
 
 
-def _on_ray(source: Path, out: Path, workers: int = 2, part: int = 4, **options) -> object:
-    settings = RayData(None, workers, LOAD, part)
-    return decide_file_on_ray(DEMO_MODEL, str(source), str(out), settings, max_line_bytes=4096, **options)
+def _on_ray(source: Path, out: Path, workers: int = 2, part: int = 4, progress=None, **options) -> object:
+    settings = RayData(None, workers, LoadOptions(**LOAD), part)
+    return decide_file_on_ray(DEMO_MODEL, str(source), str(out), settings, FileOptions(max_line_bytes=4096, **options), progress)
 
 
 def test_the_answers_on_ray_are_the_local_modes_in_order(cluster, data, tmp_path):
@@ -133,7 +135,7 @@ def test_resume_goes_across_modes_both_ways(cluster, data, tmp_path):
     started_on_ray = tmp_path / "ray-then-local.jsonl"  # a run on Ray stopped after 17 answers
     started_on_ray.write_bytes(b"".join(on_ray[:17]))
     with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
-        again = decide_file(model, str(source), str(started_on_ray), resume=True, max_line_bytes=4096)
+        again = decide_file(model, str(source), str(started_on_ray), FileOptions(resume=True, max_line_bytes=4096))
     assert _same(started_on_ray.read_bytes(), local) and again.skipped == 17
 
 
@@ -201,7 +203,7 @@ def test_eval_on_ray_gives_evals_result(cluster, tmp_path):
 def test_ctrl_c_leaves_out_whole_and_resume_finishes_it(cluster, tmp_path):
     source = _write(tmp_path / "requests.jsonl", _lines(400))  # long enough to be stopped mid-run
     with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
-        decide_file(model, str(source), str(tmp_path / "local.jsonl"), max_line_bytes=4096)
+        decide_file(model, str(source), str(tmp_path / "local.jsonl"), LINES)
     local = (tmp_path / "local.jsonl").read_bytes()
     out = tmp_path / "answers.jsonl"
     env = {**os.environ, "RAY_ADDRESS": cluster}
@@ -227,9 +229,9 @@ def test_ctrl_c_leaves_out_whole_and_resume_finishes_it(cluster, tmp_path):
 
 def test_a_worker_that_cannot_load_the_model_stops_the_run_and_says_why(cluster, data, tmp_path):
     source, _ = data
-    settings = RayData(None, 1, {**LOAD, "mmproj": str(tmp_path / "missing.mmproj.gguf")})  # (the actors open it, not the driver)
+    settings = RayData(None, 1, LoadOptions(**LOAD, mmproj=str(tmp_path / "missing.mmproj.gguf")))  # (the actors open it)
     with pytest.raises(DeploymentError, match=r"a Ray worker on \S+ cannot load the model: .*missing\.mmproj\.gguf"):
-        decide_file_on_ray(DEMO_MODEL, str(source), str(tmp_path / "out.jsonl"), settings, max_line_bytes=4096)
+        decide_file_on_ray(DEMO_MODEL, str(source), str(tmp_path / "out.jsonl"), settings, LINES)
     assert (tmp_path / "out.jsonl").read_bytes() == b""  # nothing decided, nothing written
 
 
@@ -245,7 +247,7 @@ def test_images_by_path_and_data_url_give_the_local_answers(cluster, ws, tmp_pat
     load = {"max_prompt_tokens": 4096, "mmproj": str(mmproj)}
     with clef_gguf.load(model, **load) as loaded:
         decide_file(loaded, str(source), str(tmp_path / "local.jsonl"))
-    decide_file_on_ray(model, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, load, 2))
+    decide_file_on_ray(model, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, LoadOptions(**load), 2))
     assert _same((tmp_path / "ray.jsonl").read_bytes(), (tmp_path / "local.jsonl").read_bytes())
     assert (tmp_path / "local.jsonl").read_bytes().count(b'"error"') == 2
 
@@ -260,9 +262,10 @@ def test_an_adapter_decides_on_ray_as_it_does_locally(cluster, ws, tmp_path):
     load = {**LOAD, "adapter": str(adapter)}
     source = _write(tmp_path / "requests.jsonl", _lines(12))
     with clef_gguf.load(base, **load) as model:
-        decide_file(model, str(source), str(tmp_path / "local.jsonl"), max_line_bytes=4096)
+        decide_file(model, str(source), str(tmp_path / "local.jsonl"), LINES)
         identity = model.identity
-    decide_file_on_ray(base, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, load, 4), max_line_bytes=4096)
+    settings = RayData(None, 2, LoadOptions(**LOAD), 4, adapter=str(adapter))
+    decide_file_on_ray(base, str(source), str(tmp_path / "ray.jsonl"), settings, LINES)
     local, on_ray = (tmp_path / "local.jsonl").read_bytes(), (tmp_path / "ray.jsonl").read_bytes()
     assert _same(on_ray, local) and identity.encode() in on_ray
     with clef_gguf.load(base, **LOAD) as plain:

@@ -30,7 +30,6 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
 
 from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
 
@@ -51,11 +50,13 @@ from test_clients import (  # noqa: E402, F401
     workers_ai_env,
 )
 from test_server import MALFORMED, WORKERS_AI_PATHS  # noqa: E402
+from test_slow_bodies import answer_of, open_body  # noqa: E402
 
 import clef_gguf  # noqa: E402
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
-from clef_gguf.errors import ModelFileError  # noqa: E402
-from clef_gguf.server.ray_serve import APP_NAME, settings_from_args  # noqa: E402
+from clef_gguf.errors import ModelFileError, SettingsError  # noqa: E402
+from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app, settings_from_args  # noqa: E402
+from clef_gguf.settings import HttpLimits, LoadOptions, RayScale, ServeSettings  # noqa: E402
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,8 +78,8 @@ def ray_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     # No state cache, here and in plain_url: which replica saw a state before would show in usage.cached_tokens,
     # and the bodies are compared byte for byte (the cache's own answers are tested in test_state_cache.py). One
     # request at a time (--parallel 1) for the same reason: which requests a batch holds moves the answers by float
-    # noise (tests/test_batching.py).
-    args = ("--ray", "--replicas", "2", "--state-cache", "0", "--parallel", "1")
+    # noise (tests/test_batching.py). A body rate of its own (the defaults are 5 s and 240 B/s), held at the ingress.
+    args = ("--ray", "--replicas", "2", "--state-cache", "0", "--parallel", "1", "--body-grace", "1", "--min-body-rate", "1000")
     with served(DEMO_MODEL, *args, env={"RAY_ADDRESS": cluster}, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, _):
         yield url
 
@@ -278,6 +279,14 @@ def test_a_bad_request_gets_the_plain_servers_4xx(ray_url, plain_url, name):
     same_response(ray, plain)
 
 
+def test_the_min_body_rate_given_holds_at_the_ingress(ray_url):
+    """ray_url's --body-grace 1 --min-body-rate 1000: a body stalled after 100 bytes gets the plain server's 408, at
+    that rate (the ingress's limits were the defaults but for --body-timeout)."""
+    with open_body(httpx.URL(ray_url).port, 5000, b"{" + b" " * 99) as sock:
+        status, _, body = answer_of(sock, 20)
+    assert status == 408 and b"under this server's minimum of 1000" in body, (status, body)
+
+
 # --- A replica lost under load ---------------------------------------------------------------------------------------
 def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
     # About 1,450 tokens, 120 ms a decision on the demo model: with 4 clients each replica holds one or two
@@ -342,8 +351,9 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(clu
     [application] = config["applications"]
     assert application["import_path"] == "clef_gguf.server.ray_serve:app_builder"
     args = application["args"]
-    args.pop("replicas")
-    args |= {"model": str(DEMO_MODEL), "autoscale": "1:2", "n_threads": 1, "gpus": 0, "n_gpu_layers": 0, "api_key": "s3cret"}
+    args |= {"model": str(DEMO_MODEL), "scale": {"autoscale": "1:2", "gpus": 0}}
+    args["load"] |= {"n_threads": 1, "n_gpu_layers": 0}
+    args["serve"]["api_key"] = "s3cret"
     path = tmp_path / "ray-serve.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", str(path)]
@@ -397,22 +407,39 @@ def test_serve_on_ray_refuses_a_file_that_is_not_a_clef_model(tmp_path):
 
 def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environment(monkeypatch):
     monkeypatch.delenv("CLEF_GGUF_API_KEY", raising=False)
-    settings = settings_from_args({"model": str(DEMO_MODEL), "autoscale": "1:4", "n_threads": 2, "gpus": 0.5})
-    assert (settings.autoscale, settings.n_threads, settings.gpus, settings.api_key) == ((1, 4), 2, 0.5, None)
+    args = {"model": str(DEMO_MODEL), "scale": {"autoscale": "1:4", "gpus": 0.5}, "load": {"n_threads": 2}}
+    settings = settings_from_args(args | {"serve": {"limits": {"min_body_rate": 1000}}})
+    assert (settings.scale, settings.load.n_threads, settings.serve.api_key) == (RayScale(autoscale="1:4", gpus=0.5), 2, None)
+    assert settings.serve.limits == HttpLimits(min_body_rate=1000)
     monkeypatch.setenv("CLEF_GGUF_API_KEY", "from-env")
-    assert settings_from_args({"model": "m.gguf"}).api_key == "from-env"
-    assert settings_from_args({"model": "m.gguf", "api_key": "given"}).api_key == "given"
+    assert settings_from_args({"model": "m.gguf"}).serve.api_key == "from-env"
+    assert settings_from_args({"model": "m.gguf", "serve": {"api_key": "given"}}).serve.api_key == "given"
     for bad, why in [
-        ({"model": "m.gguf", "replica": 2}, "Extra inputs are not permitted"),  # a typo is refused, not ignored
-        ({"model": "m.gguf", "autoscale": "4:1"}, "1 <= MIN <= MAX"),
-        ({"model": "m.gguf", "api_key": "has space"}, "visible ASCII"),
-        ({"model": "m.gguf", "n_threads": 0}, "greater than or equal to 1"),
+        ({"model": "m.gguf", "scale": {"replica": 2}}, "scale.replica: Unexpected keyword argument"),  # a typo is refused
+        ({"model": "m.gguf", "replicas": 2}, "replicas: Unexpected keyword argument"),  # a setting outside its table too
+        ({"model": "m.gguf", "scale": {"autoscale": "4:1"}}, "1 <= MIN <= MAX"),
+        ({"model": "m.gguf", "serve": {"api_key": "has space"}}, "visible ASCII"),
+        ({"model": "m.gguf", "load": {"n_threads": 0}}, "load.n_threads: Input should be greater than or equal to 1"),
+        ({"model": "m.gguf", "serve": {"limits": {"min_body_rate": -1}}}, "serve.limits.min_body_rate: Input should be greater"),
+        ({"model": "m.gguf", "serve": {"port": 9000}}, "set http_options.port instead"),
     ]:
-        with pytest.raises(ValidationError, match=why):
+        with pytest.raises(SettingsError, match=why):
             settings_from_args(bad)
     monkeypatch.setenv("CLEF_GGUF_API_KEY", "")
-    with pytest.raises(ValidationError, match="empty"):
+    with pytest.raises(SettingsError, match="empty"):
         settings_from_args({"model": "m.gguf"})
+
+
+def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they_are():
+    """Every HTTP limit reaches the ingress (its app is create_app's with them), the load options each replica."""
+    limits = HttpLimits(body_timeout=7, min_body_rate=1000, body_grace=1, max_body_buffer=1 << 21, max_body_readers=3)
+    served_with = ServeSettings(api_key="k", max_queue=5, limits=limits, log_format="json")
+    options = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0)
+    ingress = build_app(RaySettings(str(DEMO_MODEL), served_with, options, RayScale(replicas=3)))._bound_deployment
+    replicas = ingress.init_args[0]._bound_deployment
+    threaded = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0, n_threads=1)  # 1 thread a replica by default
+    assert ingress.init_args[1:] == (str(DEMO_MODEL), served_with, threaded)
+    assert (replicas.init_args, replicas.init_kwargs, replicas.num_replicas) == ((str(DEMO_MODEL), threaded), {"queue": 5}, 3)
 
 
 # --- Readiness (last: its failed deployment deletes the application) -----------------------------------------------

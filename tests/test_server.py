@@ -579,7 +579,7 @@ class BlockingModel:
         self.model = model
         self.name, self.path = model.name, model.path
         self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
-        self.image_limits = model.image_limits  # the Encoder protocol's (server/worker.py)
+        self.image_limits = model.image_limits  # the Encoder protocol's (runtime/protocols.py)
         self.release = threading.Event()
 
     def encode(self, request: Request) -> Any:

@@ -62,7 +62,8 @@ class Answer:
     seconds: float  # from the first byte sent to the connection's end
 
 
-def _parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+def parse_answer(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """An HTTP answer's status (0: none), headers (names in lower case) and body."""
     if not raw:
         return 0, {}, b""
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -71,13 +72,25 @@ def _parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
+def receive(sock: socket.socket, deadline: float) -> bytes:
+    """What the server sends on `sock` until it closes the connection or time.perf_counter() reaches `deadline`."""
+    received = bytearray()
+    while select.select([sock], [], [], max(0.0, deadline - time.perf_counter()))[0]:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        received += data
+    return bytes(received)
+
+
 def exchange(port: int, chunks: list[bytes], pause_s: float = 0.0, limit_s: float = 20.0) -> Answer:
     """Send `chunks` (pause_s apart) on one raw connection, reading whatever the server answers meanwhile,
     then read until the server closes (at most limit_s). Stops sending as soon as an answer arrives."""
     sock = socket.create_connection(("127.0.0.1", port))
-    received = bytearray()
     started = time.perf_counter()
-    deadline = started + limit_s
     try:
         for chunk in chunks:
             if select.select([sock], [], [], 0)[0]:
@@ -88,19 +101,10 @@ def exchange(port: int, chunks: list[bytes], pause_s: float = 0.0, limit_s: floa
                 break
             if pause_s:
                 time.sleep(pause_s)
-        while time.perf_counter() < deadline:
-            if not select.select([sock], [], [], deadline - time.perf_counter())[0]:
-                break
-            try:
-                data = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not data:
-                break
-            received += data
+        received = receive(sock, started + limit_s)
     finally:
         sock.close()
-    status, headers, body = _parse(bytes(received))
+    status, headers, body = parse_answer(received)
     return Answer(status, headers, body, time.perf_counter() - started)
 
 
@@ -254,7 +258,7 @@ def test_a_body_still_coming_after_an_early_answer_is_dropped_until_the_body_tim
     try:
         sock.sendall(post_head(declared))
         first = sock.recv(65536)
-        assert _parse(first)[0] == 413 and time.perf_counter() - started < 0.5
+        assert parse_answer(first)[0] == 413 and time.perf_counter() - started < 0.5
         closed_after = None
         while time.perf_counter() - started < BODY_TIMEOUT + 3:  # keep trickling, as a slowloris would
             try:

@@ -7,7 +7,6 @@ Connections trickling their bodies cost a connection and the bytes they sent, bo
 from __future__ import annotations
 
 import json
-import select
 import socket
 import subprocess
 import sys
@@ -18,16 +17,12 @@ from typing import Any
 
 import httpx
 from live_server import served
+from test_server_abuse import parse_answer, post_head, receive
 
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.testing.processes import free_port
 
 NORMAL: dict[str, Any] = json.loads(DEMO_REQUEST.read_text())
-
-
-def _head(length: int | None) -> bytes:
-    sized = f"content-length: {length}\r\n" if length is not None else "transfer-encoding: chunked\r\n"
-    return f"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{sized}\r\n".encode()
 
 
 @contextmanager
@@ -36,7 +31,7 @@ def open_body(port: int, declared: int, sent: bytes = b" ") -> Iterator[socket.s
     two bytes); closed on exit."""
     sock = socket.create_connection(("127.0.0.1", port))
     try:
-        sock.sendall(_head(declared) + sent)
+        sock.sendall(post_head(declared) + sent)
         yield sock
     finally:
         sock.close()
@@ -44,21 +39,7 @@ def open_body(port: int, declared: int, sent: bytes = b" ") -> Iterator[socket.s
 
 def answer_of(sock: socket.socket, limit_s: float) -> tuple[int, dict[str, str], bytes]:
     """The answer on `sock` (status 0: none within limit_s, or closed without one), read until the server closes."""
-    received = bytearray()
-    deadline = time.monotonic() + limit_s
-    while select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
-        try:
-            data = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not data:
-            break
-        received += data
-    if not received:
-        return 0, {}, b""
-    head, _, body = bytes(received).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    return int(lines[0].split()[1]), dict(line.lower().split(": ", 1) for line in lines[1:]), body
+    return parse_answer(receive(sock, time.perf_counter() + limit_s))
 
 
 def wait_reading(url: str, count: int) -> None:
@@ -116,7 +97,8 @@ def test_the_body_buffer_and_the_readers_cap_refuse_new_bodies_with_a_503():
             assert client.post("/v1/systemone", json=NORMAL).status_code == 200  # a small body still fits
         with socket.create_connection(("127.0.0.1", port)) as chunked:  # no declared length: refused as it arrives
             piece = b" " * 10_000
-            chunked.sendall(_head(None) + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(6)))
+            head = post_head(extra="transfer-encoding: chunked\r\n")
+            chunked.sendall(head + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(6)))
             status, headers, body = answer_of(chunked, 5.0)
             assert status == 503 and headers["connection"] == "close", (status, body)
             assert "--max-body-buffer" in json.loads(body)["detail"]["message"]

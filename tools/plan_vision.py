@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 import gguf
-from plan_reference import finish_sparse
 
 from clef_gguf.check.validate import open_validated
 from clef_gguf.conversion.mmproj import ImageProcessor, VisionTower, storage_type, write_mmproj_metadata
@@ -29,6 +28,7 @@ from clef_gguf.data import DEMO_MODEL
 from clef_gguf.format import vision as V
 from clef_gguf.llama.backbone import Vocabulary
 from clef_gguf.llama.mtmd import VisionEncoder
+from clef_gguf.testing.shaped import finish_sparse
 
 # Qwen3.5's vision_config (Qwen3.5-9B, the Clef-flash backbone): depth, hidden, intermediate, heads, patch,
 # num_position_embeddings; out_hidden_size is the text model's hidden size.

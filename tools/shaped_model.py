@@ -3,7 +3,7 @@
     python tools/shaped_model.py OUT_DIR [--f16] [--plan] [--time [--bin ~/.cache/clef-gguf/llama-build/bin]]
 
 Writes OUT_DIR/clef-flash-shaped-Q4_K_M.gguf: every backbone tensor in the type llama.cpp's quantizer gives it in a
-Q4_K_M (its dry run on a sparse bf16 file, tools/plan_reference.py), the head in F32 (what `clef-gguf convert`
+Q4_K_M (its dry run on a sparse bf16 file, clef_gguf/testing/shaped.py), the head in F32 (what `clef-gguf convert`
 writes under llama.cpp's quantizations). The quantized blocks are written directly, no release and no torch: random
 quants under fixed scales, chosen so that every weight is zero-mean with a standard deviation of 0.02 (checked by
 gguf-py's dequantizer as it writes); norms are 1, biases 0, the Gated DeltaNet's A is -1. Activations then stay
@@ -41,9 +41,7 @@ from clef_gguf.conversion.vocab import Vocab
 from clef_gguf.conversion.writer import GT, OutTensor, storage_type, write_gguf, write_metadata
 from clef_gguf.format import contract as C
 from clef_gguf.format.template import TEMPLATE_SPECIAL_TOKENS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_reference import HPARAMS, QWEN35_9B, byte_level_vocab, mixture, write_sparse  # noqa: E402
+from clef_gguf.testing.shaped import HPARAMS, QWEN35_9B, byte_level_vocab, mixture, write_sparse
 
 FLASH_HEAD = C.HeadConfig(hidden_size=4096, width=1024, routing_layers=6, layers=3, heads=16, feedforward=2048)
 STD = 0.02

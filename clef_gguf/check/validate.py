@@ -26,9 +26,10 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from gguf import Keys
 
@@ -48,6 +49,7 @@ from .tensors import check_backbone, check_head, check_types
 
 FIRST_FETCH = 2 << 20  # remote: the first range request; grown until the header parses
 MAX_FETCHES = 16
+T = TypeVar("T")
 
 
 def judge_header(h: Header, file_size: int) -> Findings:
@@ -61,7 +63,7 @@ def judge_header(h: Header, file_size: int) -> Findings:
     found = Findings(decision=arch == C.ARCH or C.KEY_DECISION_TYPE in h.fields or n_head > 0)
     found.problems += check_layout(h, file_size)
     tokens = h.get(Keys.Tokenizer.LIST)
-    counts = {"tensors": len(tensors), "backbone": len(tensors) - n_head, "head": n_head}
+    counts: dict[str, int | None] = {"tensors": len(tensors), "backbone": len(tensors) - n_head, "head": n_head}
     counts["vocab"] = len(tokens) if isinstance(tokens, list) else 0
     if arch not in (C.ARCH, C.BACKBONE_ARCH) and not found.decision:
         found.counts = Counts(**counts)
@@ -70,12 +72,9 @@ def judge_header(h: Header, file_size: int) -> Findings:
         found.problems.append(Problem("layout", OLD_LAYOUT_MESSAGE))
         found.counts = Counts(**counts)
         return found
-    shape, problems = read_backbone_shape(h, prefix_of(h))
-    found.problems += [Problem("metadata", m) for m in problems]
-    found.shape = shape
-    if shape is not None:
-        problems, counts["backbone_expected"] = check_backbone(h, shape)
-        found.problems += problems
+    backbone = read_backbone_shape(h, prefix_of(h))
+    found.shape, problems, counts["backbone_expected"] = _read_part(h, backbone, "metadata", check_backbone)
+    found.problems += problems
     found.problems += check_tokenizer(h)
     found.problems += check_types(h)
     if found.decision:
@@ -84,15 +83,25 @@ def judge_header(h: Header, file_size: int) -> Findings:
         problems, notes, found.temperatures = check_temperatures(h)
         found.problems += problems
         found.notes += notes
-        config, problems = read_head_config(h, shape.n_embd if shape else None)
-        found.problems += [Problem("head", m) for m in problems]
-        found.head = config
-        if config is not None:
-            problems, counts["head_expected"] = check_head(h, config)
-            found.problems += problems
+        config = read_head_config(h, found.shape.n_embd if found.shape else None)
+        found.head, problems, counts["head_expected"] = _read_part(h, config, "head", check_head)
+        found.problems += problems
         found.notes += _notes(h)
     found.counts = Counts(**counts)
     return found
+
+
+def _read_part(
+    h: Header, read: tuple[T | None, list[str]], kind: str, check: Callable[[Header, T], tuple[list[Problem], int]]
+) -> tuple[T | None, list[Problem], int | None]:
+    """The part `read` holds (the backbone's shape or the head's config, and what is wrong in it), the problems of
+    reading it (as `kind`) and of its tensors (`check`), and how many tensors it implies (None if it was not read)."""
+    part, messages = read
+    problems = [Problem(kind, m) for m in messages]
+    if part is None:
+        return None, problems, None
+    more, expected = check(h, part)
+    return part, problems + more, expected
 
 
 def _notes(h: Header) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -38,6 +38,22 @@ def progress_bars() -> Iterator[Callable[[str, int, int, str], None]]:
             bar.update(tasks[stage], completed=done, total=total, item=item)
 
         yield update
+
+
+T = TypeVar("T")
+
+
+def run_with_progress(action: Callable[..., T], *args: Any, bars: bool = True, **kwargs: Any) -> T:
+    """action(*args, **kwargs) with the CLI's signals and errors (errors.run); with `bars`, progress=progress_bars()."""
+
+    def work() -> T:
+        with signals_clean_up():
+            if not bars:
+                return action(*args, **kwargs)
+            with progress_bars() as progress:
+                return action(*args, progress=progress, **kwargs)
+
+    return run(work)
 
 
 SourceOption = Annotated[
@@ -127,24 +143,9 @@ def convert(
             fail("--adapter writes a LoRA and a head, no mmproj and no llama.cpp quantization: drop --mmproj and --imatrix")
         _convert_adapter(source, out, base, file_type, head_type, adapter, llama_server, force)
         return
-    file_type = file_type or DEFAULT_FILE_TYPE
-
-    def work() -> Converted:
-        with signals_clean_up(), progress_bars() as progress:
-            return convert_files(
-                source,
-                out,
-                file_type,
-                base=base,
-                head_type=head_type,
-                imatrix=imatrix,
-                mmproj=False if no_mmproj else (mmproj or True),
-                mmproj_type=mmproj_type,
-                force=force,
-                progress=progress,
-            )
-
-    made = run(work)
+    options = {"base": base, "head_type": head_type, "imatrix": imatrix, "mmproj_type": mmproj_type, "force": force}
+    vision = False if no_mmproj else (mmproj or True)
+    made: Converted = run_with_progress(convert_files, source, out, file_type or DEFAULT_FILE_TYPE, mmproj=vision, **options)
     say(f"wrote {made.model}")
     if made.mmproj is not None:
         say(f"wrote {made.mmproj} (the vision tower)")
@@ -166,21 +167,9 @@ def _convert_adapter(
         fail("--llama-server is a variant of --adapter: give both")
     if base is None:
         fail("--adapter converts a clef-finetune checkpoint over its base: give the release it was trained from with --base")
-
-    def work() -> Path:
-        with signals_clean_up(), progress_bars() as progress:
-            return convert_adapter(
-                source,
-                base,
-                out,
-                file_type or DEFAULT_ADAPTER_TYPE,
-                head_type=head_type,
-                llama_server=llama_server,
-                force=force,
-                progress=progress,
-            )
-
-    say(f"wrote {run(work)} (an adapter over {base}'s GGUF" + (", for llama-server's --lora)" if llama_server else ")"))
+    options = {"head_type": head_type, "llama_server": llama_server, "force": force}
+    written = run_with_progress(convert_adapter, source, base, out, file_type or DEFAULT_ADAPTER_TYPE, **options)
+    say(f"wrote {written} (an adapter over {base}'s GGUF" + (", for llama-server's --lora)" if llama_server else ")"))
 
 
 def graft(
@@ -193,9 +182,4 @@ def graft(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
-
-    def work() -> Path:
-        with signals_clean_up(), progress_bars() as progress:
-            return graft_head(backbone, source, out, head_type=head_type, force=force, progress=progress)
-
-    say(f"wrote {run(work)}")
+    say(f"wrote {run_with_progress(graft_head, backbone, source, out, head_type=head_type, force=force)}")

@@ -7,8 +7,9 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
@@ -18,7 +19,7 @@ from ..errors import SettingsError
 from ..runtime.dataset_file import Summary, decide_file
 from ..runtime.model import load
 from ..runtime.reader import read_request
-from ..settings import LoadOptions
+from ..settings import FileOptions, LoadOptions
 from .errors import err, fail, run, say, signals_clean_up
 from .options import (
     AdapterFile,
@@ -41,10 +42,15 @@ SOME_ERRORS = 8
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
-def _decide(model_path: Path, request_path: str, images: list[Path], **settings: Any) -> dict[str, Any]:
-    request = read_request(request_path, images)  # before loading: a bad request is refused at once
-    with load(model_path, **settings) as model:
-        return model.decide(request)
+def _decide_one(model_path: Path, request_path: str, images: list[Path], options: LoadOptions, adapter: Path | None) -> None:
+    """The one-request mode (and demo's): its answer on stdout."""
+
+    def decided() -> dict[str, Any]:
+        request = read_request(request_path, images)  # before loading: a bad request is refused at once
+        with load(model_path, adapter=adapter, **options.kwargs()) as model:
+            return model.decide(request)
+
+    typer.echo(json.dumps(run(decided), ensure_ascii=False, indent=2))
 
 
 @contextmanager
@@ -109,20 +115,22 @@ def _decide_jsonl(
     model_path: Path,
     source: str,
     out: str,
+    options: LoadOptions,
+    file: FileOptions,
     *,
+    adapter: Path | None,
     json_summary: bool,
-    options: dict[str, Any],
-    ray: tuple[str | None, int | None] | None = None,
-    **settings: Any,
-) -> None:
+    ray: tuple[str | None, int | None] | None,
+) -> NoReturn:
+    """The JSON Lines mode: the answers into `out`, a progress bar on a terminal, the summary; exits 0, or SOME_ERRORS."""
     bar = err.is_terminal and not (out == "-" and sys.stdout.isatty())  # (answers on this terminal would tear the bar)
 
     def decided(progress: Callable[[Summary, int | None], None] | None) -> Summary:
         if ray is not None:
             on = on_ray(ray[0])
-            return on.decide_file_on_ray(model_path, source, out, on.RayData(*ray, settings), progress=progress, **options)
-        with load(model_path, **settings) as model:
-            return decide_file(model, source, out, progress=progress, **options)
+            return on.decide_file_on_ray(model_path, source, out, on.RayData(*ray, options, adapter=adapter), file, progress)
+        with load(model_path, adapter=adapter, **options.kwargs()) as model:
+            return decide_file(model, source, out, file, progress)
 
     def work() -> Summary:
         with signals_clean_up():
@@ -230,31 +238,27 @@ def decide(
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     check_ubatch(ubatch, max_prompt_tokens)
-    settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": max_prompt_tokens, "ubatch": ubatch}
-    settings |= {"parallel": parallel, "n_threads": n_threads, "adapter": adapter}
+    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, mmproj=mmproj)
     if jsonl or request_path.lower().endswith(JSONL_SUFFIXES):
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")
-        options = {"resume": resume, "force": force, "sort_by_state": sort_by_state, "images_anywhere": images_anywhere}
-        options["max_line_bytes"] = line_limit(max_line_bytes, max_prompt_tokens, mmproj)
+        file = FileOptions(resume, force, sort_by_state, images_anywhere, line_limit(max_line_bytes, max_prompt_tokens, mmproj))
         if workers is not None and not ray:
             fail("--workers is for --ray")
-        settings |= {"state_cache": LoadOptions.state_cache if state_cache is None else state_cache, "mmproj": mmproj}
+        options = replace(options, state_cache=LoadOptions.state_cache if state_cache is None else state_cache)
         on = (address, workers) if ray else None
-        _decide_jsonl(model_path, request_path, out, json_summary=json_summary, options=options, ray=on, **settings)
+        _decide_jsonl(model_path, request_path, out, options, file, adapter=adapter, json_summary=json_summary, ray=on)  # exits
     jsonl_only = {"-o": out != "-", "--resume": resume, "--force": force, "--sort-by-state": sort_by_state, "--ray": ray}
-    jsonl_only |= {"--json": json_summary, "--allow-image-paths-anywhere": images_anywhere, "--max-line-bytes": max_line_bytes}
+    jsonl_only |= {"--json": json_summary, "--allow-image-paths-anywhere": images_anywhere}
+    jsonl_only |= {"--max-line-bytes": max_line_bytes}
     given = [name for name, on in jsonl_only.items() if on]
     if given:
         fail(f"{given[0]} is for JSON Lines requests (a *.jsonl file, or --jsonl)")
-    settings["state_cache"] = state_cache or 0
-    answer = run(lambda: _decide(model_path, request_path, image or [], mmproj=mmproj, **settings))
-    typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
+    _decide_one(model_path, request_path, image or [], replace(options, state_cache=state_cache or 0), adapter)
 
 
 def demo(n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers) -> None:
     """Run the bundled tiny demo model on a bundled request. Its weights are random: so are its answers."""
     err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
-    settings = {"n_gpu_layers": n_gpu_layers, "max_prompt_tokens": DEMO_CONTEXT, "state_cache": 0}
-    answer = run(lambda: _decide(DEMO_MODEL, str(DEMO_REQUEST), [], **settings))
-    typer.echo(json.dumps(answer, ensure_ascii=False, indent=2))
+    options = LoadOptions(n_gpu_layers=n_gpu_layers, max_prompt_tokens=DEMO_CONTEXT, state_cache=0)
+    _decide_one(DEMO_MODEL, str(DEMO_REQUEST), [], options, None)

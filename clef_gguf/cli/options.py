@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
 from ..llama.plan import parse_size
-from ..settings import MAX_PARALLEL, DataFiles, LoadOptions, LogFormat, ServeSettings, help_of
+from ..settings import DataFiles, LoadOptions, LogFormat, ServeSettings, bounds_of, help_of
 from .errors import fail
+
+
+def _load(name: str) -> Any:
+    """A load option's help and bounds, as its table (settings.LoadOptions) gives them."""
+    return {"help": help_of(LoadOptions, name), **bounds_of(LoadOptions, name)}
+
 
 GpuLayers = Annotated[
     int,
@@ -25,8 +35,7 @@ MaxPrompt = Annotated[
     typer.Option(
         "--max-prompt-tokens",
         "--ctx",
-        min=1,
-        help=help_of(LoadOptions, "max_prompt_tokens"),
+        **_load("max_prompt_tokens"),
     ),
 ]
 Mmproj = Annotated[
@@ -41,8 +50,7 @@ Ubatch = Annotated[
     int | None,
     typer.Option(
         "--ubatch",
-        min=1,
-        help=help_of(LoadOptions, "ubatch"),
+        **_load("ubatch"),
         show_default=False,
     ),
 ]
@@ -51,16 +59,14 @@ Parallel = Annotated[
     typer.Option(
         "--parallel",
         "-np",
-        min=1,
-        max=MAX_PARALLEL,
-        help=help_of(LoadOptions, "parallel"),
+        **_load("parallel"),
     ),
 ]
 
 
 Threads = Annotated[
     int | None,
-    typer.Option("--threads", min=1, help=help_of(LoadOptions, "n_threads"), show_default=False),
+    typer.Option("--threads", **_load("n_threads"), show_default=False),
 ]
 
 
@@ -126,7 +132,7 @@ AdapterPairs = Annotated[
 AdapterDir = Annotated[
     Path | None, typer.Option("--adapter-dir", help=help_of(LoadOptions, "adapter_dir"), show_default=False)
 ]
-MaxAdapters = Annotated[int, typer.Option("--max-adapters", min=1, help=help_of(LoadOptions, "max_adapters"))]
+MaxAdapters = Annotated[int, typer.Option("--max-adapters", **_load("max_adapters"))]
 AdapterMemory = Annotated[
     int | None,
     typer.Option(
@@ -157,3 +163,56 @@ def adapter_pairs(values: list[str] | None) -> dict[str, Path] | None:
             fail(f"--adapter names {name} twice")
         pairs[name] = Path(path)
     return pairs
+
+
+def flag_groups(command: Callable[..., None]) -> Callable[..., None]:
+    """Flags that several commands share, declared once: a keyword-only parameter of `command` whose type is a flag
+    group (a dataclass whose fields are typer options, as LoadFlags) stands for the group's flags, in that place of
+    --help. Typer reads the flags from inspect.signature, so the wrapper's signature lists them, and the wrapper hands
+    `command` their values as one instance of the group."""
+    signature = inspect.signature(command, eval_str=True)
+    params: list[inspect.Parameter] = []
+    groups: dict[str, tuple[type, list[str]]] = {}
+    for param in signature.parameters.values():
+        group = param.annotation
+        if not is_dataclass(group):
+            params.append(param)
+            continue
+        hints = get_type_hints(group, include_extras=True)
+        flags = [param.replace(name=f.name, annotation=hints[f.name], default=f.default) for f in fields(group)]
+        groups[param.name] = (group, [f.name for f in flags])
+        params += flags
+
+    @functools.wraps(command)
+    def with_groups(**values: Any) -> None:
+        for name, (group, flags) in groups.items():
+            values[name] = group(**{flag: values.pop(flag) for flag in flags})
+        command(**values)
+
+    with_groups.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    with_groups.__annotations__ = {p.name: p.annotation for p in params}
+    return with_groups
+
+
+@dataclass(frozen=True)
+class LoadFlags:
+    """How eval, compare and calibrate load a model and read DATA (a flag group: flag_groups)."""
+
+    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers
+    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens
+    mmproj: Mmproj = None
+    n_threads: Threads = LoadOptions.n_threads
+    max_line_bytes: MaxLineBytes = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """The quality functions' keyword arguments: load()'s, and the line limit (line_limit)."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        given["max_line_bytes"] = line_limit(self.max_line_bytes, self.max_prompt_tokens, self.mmproj)
+        return given
+
+
+@dataclass(frozen=True)
+class ModelFlags(LoadFlags):
+    """LoadFlags and --adapter, a fine-tune over the model (eval, calibrate; compare takes one for each side)."""
+
+    adapter: AdapterFile = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,11 +17,10 @@ from ..quality import compare as comparing
 from ..quality import evaluate as evaluating
 from ..quality.metrics import DEFAULT_TARGET_PRECISIONS
 from ..quality.report import metrics_table
-from ..settings import LoadOptions
-from .convert import progress_bars
+from .convert import run_with_progress
 from .decide import SOME_ERRORS, AddressOption, OnRayOption, WorkersOption, ray_scorer
-from .errors import err, fail, run, say, signals_clean_up
-from .options import AdapterFile, GpuLayers, MaxLineBytes, MaxPrompt, Mmproj, Threads, line_limit
+from .errors import err, fail, say
+from .options import LoadFlags, ModelFlags, flag_groups
 
 Data = Annotated[
     Path,
@@ -42,6 +42,25 @@ MAX_HOLDOUT = 0.9  # (a tenth of the data, at least, to fit on)
 TargetPrecision = Annotated[
     str, typer.Option("--target-precision", help="Auto-decide coverage at these precisions (comma-separated).")
 ]
+
+
+@dataclass(frozen=True)
+class Reports:
+    """What eval and compare report, and where (a flag group: options.flag_groups)."""
+
+    target_precision: TargetPrecision = DEFAULT_PRECISIONS
+    json_output: JsonOption = False
+    out: OutDir = None
+    force: ForceReports = False
+
+
+@dataclass(frozen=True)
+class RayFlags:
+    """eval on a Ray cluster, as decide's JSON Lines mode (a flag group: options.flag_groups)."""
+
+    ray: OnRayOption = False
+    workers: WorkersOption = None
+    address: AddressOption = None
 
 
 def _precisions(text: str) -> tuple[float, ...]:
@@ -78,72 +97,36 @@ def _finish(errors: list[str]) -> None:
 
 
 def _work(
-    action: Callable[..., dict[str, Any]],
-    args: tuple[Any, ...],
-    target_precision: str,
-    n_gpu_layers: int,
-    max_prompt_tokens: int,
-    mmproj: Path | None,
-    **kwargs: Any,
+    action: Callable[..., dict[str, Any]], args: tuple[Any, ...], target_precision: str, load: LoadFlags, **kwargs: Any
 ) -> dict[str, Any]:
-    """action(*args, **kwargs) with the options the three commands share (the precisions, the model's load), and a
+    """action(*args, **kwargs) with the options the three commands share (the precisions, the model's flags), and a
     progress bar per stage on a terminal; its errors and signals as the CLI's."""
-    kwargs |= {"target_precisions": _precisions(target_precision), "n_gpu_layers": n_gpu_layers}
-    kwargs |= {"max_prompt_tokens": max_prompt_tokens, "mmproj": mmproj}
-    kwargs["max_line_bytes"] = line_limit(kwargs.get("max_line_bytes"), max_prompt_tokens, mmproj)
-
-    def work() -> dict[str, Any]:
-        with signals_clean_up():
-            if not err.is_terminal:
-                return action(*args, **kwargs)
-            with progress_bars() as progress:
-                return action(*args, progress=progress, **kwargs)
-
-    result = run(work)
+    kwargs |= {"target_precisions": _precisions(target_precision), **load.kwargs()}
+    result = run_with_progress(action, *args, bars=err.is_terminal, **kwargs)
     for path in result.pop("written", []):
         say(f"wrote {path}")
     return result
 
 
+@flag_groups
 def eval_(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file.")],
     data: Data,
-    target_precision: TargetPrecision = DEFAULT_PRECISIONS,
-    json_output: JsonOption = False,
-    out: OutDir = None,
-    force: ForceReports = False,
-    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
-    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
-    mmproj: Mmproj = None,
-    n_threads: Threads = LoadOptions.n_threads,
-    max_line_bytes: MaxLineBytes = None,
-    adapter: AdapterFile = None,
-    ray: OnRayOption = False,
-    workers: WorkersOption = None,
-    address: AddressOption = None,
+    *,
+    reports: Reports,
+    load: ModelFlags,
+    cluster: RayFlags,
 ) -> None:
     """clef-finetune's metrics (accuracy, macro_f1, nll, brier, ece, auto-decide coverage) of MODEL on labelled data,
     per question and overall. -o DIR: metrics.json, predictions.jsonl, report.md, a reliability diagram per question
     type. A bad line is reported (exit 8 at the end) and the others are counted. --ray: decided on a Ray cluster, the
     same result (docs/dataset.md)."""
-    if workers is not None and not ray:
+    if cluster.workers is not None and not cluster.ray:
         fail("--workers is for --ray")
-    on = {"score": ray_scorer(address, workers)} if ray else {}
-    result = _work(
-        evaluating.evaluate,
-        (model_path, data),
-        target_precision,
-        n_gpu_layers,
-        max_prompt_tokens,
-        mmproj,
-        out_dir=out,
-        force=force,
-        n_threads=n_threads,
-        max_line_bytes=max_line_bytes,
-        adapter=adapter,
-        **on,
-    )
-    if json_output:
+    on = {"score": ray_scorer(cluster.address, cluster.workers)} if cluster.ray else {}
+    chosen = {"out_dir": reports.out, "force": reports.force, **on}
+    result = _work(evaluating.evaluate, (model_path, data), reports.target_precision, load, **chosen)
+    if reports.json_output:
         typer.echo(json.dumps(result, indent=2))
     else:
         typer.echo("\n".join(metrics_table({"value": result["metrics"]})))
@@ -153,21 +136,16 @@ def eval_(
     _finish(result["errors"])
 
 
+@flag_groups
 def compare(
     model_a: Annotated[Path, typer.Argument(metavar="MODEL_A", help="The Clef GGUF to compare from (e.g. f32).")],
     model_b: Annotated[Path, typer.Argument(metavar="MODEL_B", help="The Clef GGUF to compare with it (e.g. Q4_K_M).")],
     data: Annotated[
         Path, typer.Argument(metavar="DATA", help="JSON Lines requests; with `labels` (clef-finetune's format), metrics too.")
     ],
-    target_precision: TargetPrecision = DEFAULT_PRECISIONS,
-    json_output: JsonOption = False,
-    out: OutDir = None,
-    force: ForceReports = False,
-    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
-    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
-    mmproj: Mmproj = None,
-    n_threads: Threads = LoadOptions.n_threads,
-    max_line_bytes: MaxLineBytes = None,
+    *,
+    reports: Reports,
+    load: LoadFlags,
     adapter_a: AdapterA = None,
     adapter_b: AdapterB = None,
 ) -> None:
@@ -176,24 +154,13 @@ def compare(
     models are loaded one after the other, so that the two never take memory together."""
     if str(data) == "-":  # (each model reads DATA in turn)
         fail("compare reads DATA once per model: give a file, not - (stdin)")
-    result = _work(
-        comparing.compare,
-        (model_a, model_b, data),
-        target_precision,
-        n_gpu_layers,
-        max_prompt_tokens,
-        mmproj,
-        out_dir=out,
-        force=force,
-        n_threads=n_threads,
-        max_line_bytes=max_line_bytes,
-        adapter_a=adapter_a,
-        adapter_b=adapter_b,
-    )
-    typer.echo(json.dumps(result, indent=2) if json_output else comparing.report_markdown(result))
+    chosen = {"out_dir": reports.out, "force": reports.force, "adapter_a": adapter_a, "adapter_b": adapter_b}
+    result = _work(comparing.compare, (model_a, model_b, data), reports.target_precision, load, **chosen)
+    typer.echo(json.dumps(result, indent=2) if reports.json_output else comparing.report_markdown(result))
     _finish(sorted(set(result["errors"]["a"]) | set(result["errors"]["b"])))
 
 
+@flag_groups
 def calibrate(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file (never changed).")],
     data: Data,
@@ -207,30 +174,15 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
     target_precision: TargetPrecision = DEFAULT_PRECISIONS,
     json_output: JsonOption = False,
-    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
-    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
-    mmproj: Mmproj = None,
-    n_threads: Threads = LoadOptions.n_threads,
-    max_line_bytes: MaxLineBytes = None,
-    adapter: AdapterFile = None,
+    *,
+    load: ModelFlags,
 ) -> None:
     """Fit llama.cpp's softmax temperatures (clef.decision.temperature.<type>[.<bucket>]) on labelled data by NLL,
     and write MODEL with them as OUT: its tensor data byte for byte, llama-server and clef-gguf apply them alike.
     Prints the temperatures, and NLL, ECE and auto-decide coverage before and after (--holdout: on records kept
     out of the fit)."""
-    result = _work(
-        calibrating.calibrate,
-        (model_path, data, out),
-        target_precision,
-        n_gpu_layers,
-        max_prompt_tokens,
-        mmproj,
-        holdout_fraction=_holdout(holdout),
-        force=force,
-        n_threads=n_threads,
-        max_line_bytes=max_line_bytes,
-        adapter=adapter,
-    )
+    fit = {"holdout_fraction": _holdout(holdout), "force": force}
+    result = _work(calibrating.calibrate, (model_path, data, out), target_precision, load, **fit)
     typer.echo(json.dumps(result, indent=2) if json_output else calibrating.report_markdown(result))
     say(f"wrote {out}")
     _warn_duplicates(result)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ..settings import API_KEY_ENV, HttpLimits, LoadOptions, RayScale, ServeSettings, help_of
+from ..settings import API_KEY_ENV, HttpLimits, LoadOptions, RayScale, ServeSettings, bounds_of, help_of
 from .errors import fail, run
 from .options import (
     AdapterDir,
@@ -45,16 +45,17 @@ def _api_key(value: str | None) -> str | None:
         raise typer.BadParameter(str(e)) from None
 
 
+# Each option's help and bounds are its setting's (settings.py), as a Ray config's `args` are held to them.
 def _serve(name: str, **option: object) -> typer.models.OptionInfo:
-    return typer.Option(help=help_of(ServeSettings, name), **option)  # type: ignore[arg-type]
+    return typer.Option(help=help_of(ServeSettings, name), **bounds_of(ServeSettings, name), **option)  # type: ignore[arg-type]
 
 
-def _http(name: str, low: float = 0.1) -> typer.models.OptionInfo:
-    return typer.Option(min=low, help=help_of(HttpLimits, name))
+def _http(name: str) -> typer.models.OptionInfo:
+    return typer.Option(help=help_of(HttpLimits, name), **bounds_of(HttpLimits, name))  # type: ignore[arg-type]
 
 
 def _ray(name: str, **option: object) -> typer.models.OptionInfo:
-    return typer.Option(help=help_of(RayScale, name), show_default=False, **option)  # type: ignore[arg-type]
+    return typer.Option(help=help_of(RayScale, name), show_default=False, **bounds_of(RayScale, name), **option)  # type: ignore[arg-type]
 
 
 MaxBodyBuffer = Annotated[
@@ -84,22 +85,22 @@ def _http_limits(max_prompt_tokens: int, images: bool, limits: HttpLimits) -> Ht
 def serve(
     model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False)],
     host: Annotated[str, _serve("host")] = D.host,
-    port: Annotated[int, _serve("port", min=1, max=65535)] = D.port,
+    port: Annotated[int, _serve("port")] = D.port,
     n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
     max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
     ubatch: Ubatch = LoadOptions.ubatch,
     parallel: Parallel = LoadOptions.parallel,
     api_key: ApiKeyOption = D.api_key,
-    max_queue: Annotated[int, _serve("max_queue", min=1)] = D.max_queue,
+    max_queue: Annotated[int, _serve("max_queue")] = D.max_queue,
     drain_timeout: Annotated[float, _serve("drain_timeout")] = D.drain_timeout,
     n_threads: NThreadsOption = LoadOptions.n_threads,
     header_timeout: Annotated[float, _http("header_timeout")] = H.header_timeout,
     body_timeout: Annotated[float, _http("body_timeout")] = H.body_timeout,
-    min_body_rate: Annotated[float, _http("min_body_rate", 0)] = H.min_body_rate,
-    body_grace: Annotated[float, _http("body_grace", 0)] = H.body_grace,
+    min_body_rate: Annotated[float, _http("min_body_rate")] = H.min_body_rate,
+    body_grace: Annotated[float, _http("body_grace")] = H.body_grace,
     keep_alive: Annotated[float, _http("keep_alive")] = H.keep_alive,
     max_body_buffer: MaxBodyBuffer = H.max_body_buffer,
-    max_body_readers: Annotated[int, _http("max_body_readers", 1)] = H.max_body_readers,
+    max_body_readers: Annotated[int, _http("max_body_readers")] = H.max_body_readers,
     log_format: LogFormatOption = D.log_format,
     state_cache: Annotated[int, state_cache_option()] = LoadOptions.state_cache,
     mmproj: Mmproj = LoadOptions.mmproj,  # type: ignore[assignment]
@@ -108,9 +109,9 @@ def serve(
     max_adapters: MaxAdapters = LoadOptions.max_adapters,
     adapter_memory: AdapterMemory = LoadOptions.adapter_memory,
     on_ray: OnRayOption = False,
-    replicas: Annotated[int | None, _ray("replicas", min=1)] = RayScale.replicas,
+    replicas: Annotated[int | None, _ray("replicas")] = RayScale.replicas,
     autoscale: Annotated[str | None, _ray("autoscale", metavar="MIN:MAX")] = RayScale.autoscale,
-    gpus_per_replica: Annotated[float, _ray("gpus", min=0)] = RayScale.gpus,
+    gpus_per_replica: Annotated[float, _ray("gpus")] = RayScale.gpus,
     ray_address: Annotated[str | None, _ray("address", envvar="RAY_ADDRESS")] = RayScale.address,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's

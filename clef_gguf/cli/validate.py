@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
-from ..check.adapter_pair import validate_adapter_pair
-from ..check.pair import validate_pair
+from ..check.adapter_pair import AdapterPairReport, validate_adapter_pair
+from ..check.pair import PairReport, validate_pair
 from ..check.report import Report
 from ..check.validate import validate as validate_file
 from .errors import fail, line, run
@@ -31,15 +31,17 @@ def _print_report(report: Report) -> None:
         typer.echo(f"  read {read}{deep} of a {report.file_size}-byte file in {report.seconds:.3f} s")
 
 
-def _validate_adapter(base: str, adapter: str, deep: bool, as_json: bool) -> None:
-    pair = run(lambda: validate_adapter_pair(base, adapter, deep=deep))
+def _show(verdict: Report | PairReport | AdapterPairReport, as_json: bool, *reports: Report) -> NoReturn:
+    """The verdict as JSON, or in lines: a file's report, or a pair's two reports and the pairing; exits with its code."""
     if as_json:
-        typer.echo(json.dumps(pair.to_dict(), indent=2))
+        typer.echo(json.dumps(verdict.to_dict(), indent=2))
+    elif isinstance(verdict, Report):
+        _print_report(verdict)
     else:
-        _print_report(pair.base)
-        _print_report(pair.adapter)
-        typer.echo(f"pairing: {line(pair.summary)}")
-    raise typer.Exit(pair.exit_code)
+        for report in reports:
+            _print_report(report)
+        typer.echo(f"pairing: {line(verdict.summary)}")
+    raise typer.Exit(verdict.exit_code)
 
 
 AdapterOption = Annotated[
@@ -92,21 +94,11 @@ def validate(
     if adapter is not None:
         if mmproj is not None or sha256 is not None:
             fail("--adapter checks a base and an adapter: validate --mmproj and --sha256 separately")
-        _validate_adapter(source, adapter, deep, as_json)
+        adapted = run(lambda: validate_adapter_pair(source, adapter, deep=deep))
+        _show(adapted, as_json, adapted.base, adapted.adapter)
     if mmproj is None:
-        report = run(lambda: validate_file(source, deep=deep, sha256=sha256))
-        if as_json:
-            typer.echo(json.dumps(report.to_dict(), indent=2))
-        else:
-            _print_report(report)
-        raise typer.Exit(report.exit_code)
+        _show(run(lambda: validate_file(source, deep=deep, sha256=sha256)), as_json)
     if sha256 is not None:
         fail("--sha256 checks one file: validate the model and the mmproj separately")
     pair = run(lambda: validate_pair(source, mmproj, deep=deep))
-    if as_json:
-        typer.echo(json.dumps(pair.to_dict(), indent=2))
-    else:
-        _print_report(pair.model)
-        _print_report(pair.mmproj)
-        typer.echo(f"pairing: {line(pair.summary)}")
-    raise typer.Exit(pair.exit_code)
+    _show(pair, as_json, pair.model, pair.mmproj)

@@ -21,7 +21,7 @@ from ..format import adapter as A
 from ..format import contract as C
 from ..outputs import refuse_inputs
 from .convert import NUMPY_FILE_TYPES, apply_transform, backbone_tensors
-from .graft import head_qtype, head_tensors, release_files
+from .graft import head_qtype, head_tensors, release_files, write_file
 from .lora import (
     ADAPTER_CONFIG,
     ADAPTER_DIR,
@@ -33,18 +33,7 @@ from .lora import (
     read_adapter_config,
 )
 from .release import Release, open_release, reference_sha256
-from .writer import (
-    GT,
-    OutTensor,
-    Progress,
-    atomic_output,
-    check_free_space,
-    check_output,
-    data_bytes,
-    encode,
-    storage_type,
-    write_gguf,
-)
+from .writer import GT, OutTensor, Progress, check_output, encode, storage_type
 
 ADAPTER_FILE_TYPES = ("f32", "f16", "q8_0")
 DEFAULT_ADAPTER_TYPE = "f16"
@@ -184,12 +173,9 @@ def convert_adapter(
     if not llama_server:
         tensors += changed_head(tuned, base_release, head_qtype(head_type, qtype))
     kv = _metadata(tuned, base_release, path.name, alpha, ftype, max(p.rank for p in pairs), llama_server)
-    check_free_space(out.parent, data_bytes(tensors) + (1 << 20))
 
     def metadata(w: gguf.GGUFWriter) -> None:
         for key, (kind, value) in kv.items():
             getattr(w, f"add_{kind}")(key, value)
 
-    with atomic_output(out, force) as tmp:
-        write_gguf(tmp, C.ARCH, metadata, tensors, progress, "writing the adapter")
-    return out
+    return write_file(out, metadata, tensors, 1 << 20, force=force, progress=progress, stage="writing the adapter")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -232,7 +233,6 @@ def write_clef(
 ) -> Path:
     """Write a Clef file: its metadata (the release's head config and reference sha256 among them), then `tensors`."""
     refuse_inputs(out, release_files(release))
-    check_free_space(out.parent, header_bytes(vocab, tensors) + data_bytes(tensors))
     sha256 = reference_sha256(release)
 
     def metadata(w: gguf.GGUFWriter) -> None:
@@ -246,6 +246,22 @@ def write_clef(
             reference_sha256=sha256,
         )
 
+    return write_file(out, metadata, tensors, header_bytes(vocab, tensors), force=force, progress=progress, stage=stage)
+
+
+def write_file(
+    out: Path,
+    metadata: Callable[[gguf.GGUFWriter], None],
+    tensors: list[OutTensor],
+    header: int,
+    *,
+    force: bool,
+    progress: Progress | None,
+    stage: str,
+) -> Path:
+    """Write a GGUF of the Clef architecture (a model or an adapter file) as `out`, published only once complete,
+    after checking that the disk has room for the tensors and `header` bytes more."""
+    check_free_space(out.parent, header + data_bytes(tensors))
     with atomic_output(out, force) as tmp:
         write_gguf(tmp, C.ARCH, metadata, tensors, progress, stage)
     return out

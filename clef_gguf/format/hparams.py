@@ -155,25 +155,13 @@ def read_backbone_shape(h: Header, prefix: str) -> tuple[C.BackboneShape | None,
         _rope(r, head_dim)
     tokens = h.get(Keys.Tokenizer.LIST)
     n_vocab = len(tokens) if isinstance(tokens, list) else 0
-    values = (n_vocab, n_embd, n_ff, n_layer, n_head, n_head_kv, head_dim, recurrent, conv_kernel, k_heads, v_heads, state)
-    if any(not v for v in values):
+    # The shape's fields, each of which must be usable (none missing, none zero).
+    values = {"n_vocab": n_vocab, "n_embd": n_embd, "n_ff": n_ff, "n_layer": n_layer, "n_head": n_head, "n_head_kv": n_head_kv}
+    values |= {"head_dim": head_dim, "recurrent": recurrent, "conv_kernel": conv_kernel, "k_heads": k_heads, "v_heads": v_heads}
+    values["linear_head_dim"] = state
+    if any(not v for v in values.values()):
         return None, r.problems
-    shape = C.BackboneShape(
-        n_vocab=n_vocab,
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        recurrent=recurrent,
-        conv_kernel=conv_kernel,
-        k_heads=k_heads,
-        v_heads=v_heads,
-        linear_head_dim=state,
-        tied=C.OUTPUT not in h.tensors,
-    )
-    return shape, r.problems
+    return C.BackboneShape(**values, tied=C.OUTPUT not in h.tensors), r.problems
 
 
 def read_head_config(h: Header, n_embd: int | None) -> tuple[C.HeadConfig | None, list[str]]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,18 +117,12 @@ def score_file(
     except OSError as e:
         raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
     run = Run(str(model.path), str(path))
-    pending: deque[Labelled] = deque()
     started = time.perf_counter()
 
-    def requests() -> Iterator[dict[str, Any]]:
+    def items() -> Iterator[Labelled | BadLine]:
         with file as lines:
             try:
-                for item in read_labelled(lines, require_labels=require_labels, max_line_bytes=max_line_bytes):
-                    if isinstance(item, BadLine):
-                        run.bad.append(item)
-                        continue
-                    pending.append(item)
-                    yield item.request
+                yield from read_labelled(lines, require_labels=require_labels, max_line_bytes=max_line_bytes)
             except OSError as e:  # (the records read before are decided first: decide_outcomes)
                 raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
 
@@ -137,24 +130,30 @@ def score_file(
         if progress:
             progress(stage, len(run.decided) + len(run.bad), total, "")
 
-    score_requests(model, requests(), pending, run, base=Path.cwd() if stdin else path.resolve().parent, each=each)
+    score_records(model, items(), run, base=Path.cwd() if stdin else path.resolve().parent, each=each)
     run.seconds = time.perf_counter() - started
     return run
 
 
-def score_requests(
+def score_records(
     model: ClefModel,
-    requests: Iterator[dict[str, Any]],
-    pending: deque[Labelled],
+    items: Iterable[Labelled | BadLine],
     run: Run,
     *,
     base: Path,
     each: Callable[[], None] | None = None,
 ) -> None:
-    """Decide `requests` into `run.decided`, each with its record, which `requests` appends to `pending` as it gives
-    it (score_file, and a Ray worker's part of the file: server/ray_dataset.py)."""
-    for outcome in decide_outcomes(model, requests, base=base):
-        record = pending.popleft()
+    """Decide the labelled records of `items` into `run.decided`, each with its outcome, and keep the bad lines in
+    `run.bad` as they are read (score_file, and a Ray worker's part of the file: server/ray_dataset.py)."""
+
+    def requests() -> Iterator[tuple[Labelled, dict[str, Any]]]:
+        for item in items:
+            if isinstance(item, BadLine):
+                run.bad.append(item)
+            else:
+                yield item, item.request
+
+    for record, outcome in decide_outcomes(model, requests(), base=base):
         if outcome.scores is None:
             run.decided.append(Decided(record, {}, outcome.reason or "not decided"))
         else:

@@ -1,6 +1,6 @@
 """Which prompts are decided together, and what a batch's failure means for them.
 
-One scheduler for the two places that decide many prompts: the server's DecideWorker (requests as they wait)
+One scheduler for the two places that decide many prompts: the server's ComputeScheduler (requests as they wait)
 and decide_many (a dataset's window). Both take the oldest item and then the next ones in order while the model
 can decide them together (ClefModel.batchable: one backbone prefill), and both give a batch's own exception
 (a llama.cpp failure) to each of its prompts, the others going on.

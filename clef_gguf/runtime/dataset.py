@@ -13,43 +13,25 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 from ..errors import PromptTooLongError, RequestError
 from .answers import Scores, response
 from .batching import each, take
 from .problems import error_object, problem_of
 from .prompt import EncodedPrompt
+from .protocols import DecidingModel
 from .reader import parse_json, read_image
-from .state_cache import StateCache, prefix_key, split_at_prefix
-
-
-class Decider(Protocol):
-    """What deciding many requests needs of a model (ClefModel is one)."""
-
-    name: str
-    state_cache: StateCache
-
-    @property
-    def parallel(self) -> int: ...
-
-    @property
-    def max_prompt_tokens(self) -> int: ...
-
-    def encode(self, request: dict[str, Any]) -> EncodedPrompt: ...
-
-    def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool: ...
-
-    def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]: ...
-
+from .state_cache import prefix_key, split_at_prefix
 
 # Requests read ahead and reordered by state with sort_by_state: enough for a dataset's repeated states to meet,
 # few enough that their encoded prompts (images included) stay small and an interrupted run loses little.
 SORT_WINDOW = 256
+Tag = TypeVar("Tag")  # what a request carries through decide_outcomes back to its outcome: a file's record, say
 
 
 @dataclass(frozen=True)
@@ -128,14 +110,19 @@ def _cached_state(prompt: EncodedPrompt) -> bool:
 
 
 class _Window:
-    """Requests read and encoded, waiting for their batch; outcomes kept until they can be given in order."""
+    """Requests read and encoded, waiting for their batch; outcomes kept until they can be given in order, each with
+    its request's tag."""
 
-    def __init__(self, model: Decider, requests: list[Any], base: Path | None, anywhere: bool = False) -> None:
+    def __init__(self, model: DecidingModel, items: list[tuple[Any, Any]], base: Path | None, anywhere: bool = False) -> None:
         self.model = model
-        self.outcomes: list[Outcome | None] = [None] * len(requests)
+        self.tags = [tag for tag, _ in items]
+        self.outcomes: list[Outcome | None] = [None] * len(items)
         self.prompts: dict[int, EncodedPrompt] = {}
-        self.parsed: list[Any] = [None] * len(requests)
-        for i, request in enumerate(requests):
+        self.parsed: list[Any] = [None] * len(items)
+        for i, (_, request) in enumerate(items):
+            if isinstance(request, Outcome):  # answered before it came (a line over the limit): given in its place
+                self.outcomes[i] = request
+                continue
             try:
                 # Parsed first: a request whose images cannot be read keeps its own id in its error line.
                 self.parsed[i] = value = parse_json(request) if isinstance(request, bytes) else request
@@ -185,16 +172,19 @@ class _Window:
             self.outcomes[i] = Outcome(answer, None, self.parsed[i], len(prompt.tokens), hit, scores)
 
 
-def _windows(requests: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """The requests in windows of `size`. When the source raises, the requests taken before are still a window, and
-    the exception comes after it: every request taken is answered before the source's error passes on."""
-    window: list[Any] = []
+def _windows(items: Iterable[tuple[Any, Any]], size: int) -> Iterator[list[tuple[Any, Any]]]:
+    """The items in windows of `size` requests to decide (an Outcome given in a request's place counts in none).
+    When the source raises, the items taken before are still a window, and the exception comes after it: every
+    request taken is answered before the source's error passes on."""
+    window: list[tuple[Any, Any]] = []
+    undecided = 0
     try:
-        for request in requests:
-            window.append(request)
-            if len(window) == size:
+        for item in items:
+            window.append(item)
+            undecided += not isinstance(item[1], Outcome)
+            if undecided == size:
                 yield window
-                window = []
+                window, undecided = [], 0
     except Exception:
         if window:
             yield window
@@ -203,35 +193,37 @@ def _windows(requests: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield window
 
 
-def _decided(window: _Window, sort_by_state: bool) -> Iterator[Outcome]:
+def _decided(window: _Window, sort_by_state: bool) -> Iterator[tuple[Any, Outcome]]:
     given = 0
     for batch in window.batches(window.order(sort_by_state)):
         window.decide(batch)
         while given < len(window.outcomes) and window.outcomes[given] is not None:
-            yield window.outcomes[given]  # type: ignore[misc]
+            yield window.tags[given], window.outcomes[given]  # type: ignore[misc]
             given += 1
-    yield from window.outcomes[given:]  # type: ignore[misc]  # (the errors after the last batch)
+    yield from zip(window.tags[given:], window.outcomes[given:], strict=True)  # type: ignore[misc]  # (errors after the last batch)
 
 
 def decide_outcomes(
-    model: Decider,
-    requests: Iterable[Any],
+    model: DecidingModel,
+    items: Iterable[tuple[Tag, Any]],
     *,
     sort_by_state: bool = False,
     base: Path | None = None,
     anywhere: bool = False,
-) -> Iterator[Outcome]:
-    """The Outcome of each request, in order; see decide_many. Each is given as soon as it and those before it
-    are decided (with sort_by_state: its window's).
+) -> Iterator[tuple[Tag, Outcome]]:
+    """For each (tag, request) item, in order, its tag and its request's Outcome; see decide_many. The tag (a file's
+    record, a labelled record) comes back untouched with its outcome. A request given as an Outcome was answered before
+    it came (a line over the limit, unread): it comes back in its place and counts in no window. Each is given as
+    soon as it and those before it are decided (with sort_by_state: its window's).
 
     The next window is read, parsed and tokenized on a thread of its own while this one is decided, as the
     server's intake threads do (ClefModel.encode is thread-safe and computes nothing): the compute thread
     does not wait for the template and the tokenizer between batches."""
-    windows = _windows(requests, SORT_WINDOW if sort_by_state else model.parallel)
+    windows = _windows(items, SORT_WINDOW if sort_by_state else model.parallel)
 
     def read_next() -> _Window | None:
-        requests_now = next(windows, None)
-        return None if requests_now is None else _Window(model, requests_now, base, anywhere)
+        items_now = next(windows, None)
+        return None if items_now is None else _Window(model, items_now, base, anywhere)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-read") as reader:
         upcoming = reader.submit(read_next)
@@ -241,10 +233,10 @@ def decide_outcomes(
 
 
 def decide_many(
-    model: Decider, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
+    model: DecidingModel, requests: Iterable[Any], *, sort_by_state: bool = False, base: Path | None = None
 ) -> Iterator[dict[str, Any]]:
     """Decide requests (request bodies, or JSON texts as bytes, read as strictly as the server reads a body):
     for each, in order, its response body or {"error": {"status", "detail"}}, the error the server answers it
     with. `base`: a folder that image file paths in the requests' `images` are relative to (None: no paths)."""
-    for outcome in decide_outcomes(model, requests, sort_by_state=sort_by_state, base=base):
+    for _, outcome in decide_outcomes(model, ((None, request) for request in requests), sort_by_state=sort_by_state, base=base):
         yield outcome.answer()

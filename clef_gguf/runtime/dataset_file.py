@@ -26,26 +26,20 @@ import json
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from ..errors import AnswersFileError, OutputError, RequestError
 from ..outputs import check_in_place
-from ..settings import MAX_LINE_BYTES
-from . import dataset
+from ..settings import MAX_LINE_BYTES, FileOptions
 from .dataset import Outcome, decide_outcomes
+from .problem_table import REQUEST_TOO_LARGE
 from .problems import ApiError, error_object
+from .protocols import DecidingModel, FileModel
 from .reader import Record, count_records, over_limit, read_records
-
-
-class Decider(dataset.Decider, Protocol):
-    identity: str  # the model file's identity (GGUFFile.identity): what model_sha256 records
-    header_digest: str  # its header's SHA-256 (GGUFFile.digest): the model_sha256 of an older clef-gguf's answers
-
 
 FSYNC_EVERY = 64
 Tally = tuple[bool, int, bool]  # what an answer line counts in the summary: (an error, its tokens, a state cache hit)
@@ -104,7 +98,7 @@ Progress = Callable[[Summary, int | None], None]  # (the counts so far, the reco
 
 def _over_limit_outcome(record: Record, max_line_bytes: int) -> Outcome:
     """The server's answer to a body over its limit (413), for a line over the limit."""
-    problem = ApiError(413, "request_too_large", over_limit(record, max_line_bytes))
+    problem = ApiError(REQUEST_TOO_LARGE, over_limit(record, max_line_bytes))
     return Outcome(None, error_object(problem), None, reason=problem.text())
 
 
@@ -229,7 +223,7 @@ def _open_output(
 
 
 def _skip_answered(
-    records: Iterator[Record], done: list[tuple[int, str, bool, str | None]], model: Decider, out: str, summary: Summary
+    records: Iterator[Record], done: list[tuple[int, str, bool, str | None]], model: FileModel, out: str, summary: Summary
 ) -> None:
     """Take the requests OUT already answers off `records`, checking that they are its answers, by this model."""
     for number, (line, digest, failed, by) in enumerate(done, 1):
@@ -243,7 +237,7 @@ def _skip_answered(
     summary.records = summary.skipped = len(done)
 
 
-def _another_model(out: str, number: int, by: str, model: Decider) -> str:
+def _another_model(out: str, number: int, by: str, model: FileModel) -> str:
     """Why --resume refuses answer `number`, decided by the model whose model_sha256 is `by`."""
     if by == model.header_digest:  # an older clef-gguf's model_sha256: the header alone, which a fine-tune shares
         why = "was written by an older clef-gguf, whose model_sha256 covers the model's header only, not its weights"
@@ -279,7 +273,7 @@ def write_line(output: IO[bytes], out: str, line: bytes, counted: Tally, summary
 
 
 def answered_records(
-    model: dataset.Decider,
+    model: DecidingModel,
     records: Iterator[Record],
     *,
     max_line_bytes: int = MAX_LINE_BYTES,
@@ -289,22 +283,8 @@ def answered_records(
 ) -> Iterator[tuple[Record, Outcome]]:
     """Each record with its outcome, in order: a line over max_line_bytes the server's 413, unread. What decide_file
     writes, and what a Ray worker decides of its part of the file (server/ray_dataset.py)."""
-    pending: deque[Record] = deque()  # (appended by decide_outcomes' reading thread)
-
-    def raw_requests() -> Iterator[bytes]:
-        for record in records:
-            pending.append(record)
-            if not record.over:  # a line over the limit is answered here, unread
-                yield record.raw
-
-    for outcome in decide_outcomes(model, raw_requests(), sort_by_state=sort_by_state, base=base, anywhere=anywhere):
-        while pending[0].over:
-            over = pending.popleft()
-            yield over, _over_limit_outcome(over, max_line_bytes)
-        yield pending.popleft(), outcome
-    while pending:  # lines over the limit after the last request
-        over = pending.popleft()
-        yield over, _over_limit_outcome(over, max_line_bytes)
+    requests = ((r, _over_limit_outcome(r, max_line_bytes) if r.over else r.raw) for r in records)
+    return decide_outcomes(model, requests, sort_by_state=sort_by_state, base=base, anywhere=anywhere)
 
 
 def images_base(source: str, total: int | None) -> Path:
@@ -327,7 +307,7 @@ class AnswersRun:
 
 @contextmanager
 def answers_file(
-    model: Decider, source: str, out: str, *, resume: bool, force: bool, max_line_bytes: int = MAX_LINE_BYTES
+    model: FileModel, source: str, out: str, *, resume: bool, force: bool, max_line_bytes: int = MAX_LINE_BYTES
 ) -> Iterator[AnswersRun]:
     """decide_file's input and OUT, opened, locked and checked (--resume: OUT's answers are the input's first requests'
     by this model), closed and fsynced at the end and on the way out of an interrupted run."""
@@ -349,30 +329,22 @@ def answers_file(
 
 
 def decide_file(
-    model: Decider,
-    source: str,
-    out: str,
-    *,
-    resume: bool = False,
-    force: bool = False,
-    sort_by_state: bool = False,
-    images_anywhere: bool = False,
-    progress: Progress | None = None,
-    max_line_bytes: int = MAX_LINE_BYTES,
+    model: FileModel, source: str, out: str, options: FileOptions | None = None, progress: Progress | None = None
 ) -> Summary:
     """Decide the JSON Lines requests of `source` ("-": stdin; a pipe, a FIFO or a device streams as stdin does)
-    into the answers file `out` ("-": stdout). A line over max_line_bytes gets the server's 413 error line unread.
+    into the answers file `out` ("-": stdout), as `options` say (default: FileOptions()'s). A line over
+    max_line_bytes gets the server's 413 error line unread.
 
     Image paths in a request's `images` are relative to the input's folder (stdin, a pipe: the working directory)
     and must stay inside it unless `images_anywhere`. Each answer line carries the model's identity
     (model_sha256): --resume with another model is refused."""
-    with answers_file(model, source, out, resume=resume, force=force, max_line_bytes=max_line_bytes) as run:
+    o = options or FileOptions()
+    with answers_file(model, source, out, resume=o.resume, force=o.force, max_line_bytes=o.max_line_bytes) as run:
         summary, base = run.summary, images_base(source, run.total)
         if progress:
             progress(summary, run.total)
-        answered = answered_records(
-            model, run.records, max_line_bytes=max_line_bytes, sort_by_state=sort_by_state, base=base, anywhere=images_anywhere
-        )
+        grouped = {"sort_by_state": o.sort_by_state, "base": base, "anywhere": o.images_anywhere}
+        answered = answered_records(model, run.records, max_line_bytes=o.max_line_bytes, **grouped)
         for record, outcome in answered:
             write_line(run.output, out, answer_line(record, outcome, model.identity), tally(outcome), summary)
             if progress:

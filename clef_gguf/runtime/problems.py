@@ -1,27 +1,40 @@
-"""The runtime's errors as the server's problems: a status, a machine-readable type and a message, or FastAPI's
-{loc, msg, type} for a malformed request. Plain data, below the server, so that `clef-gguf decide` writes the very
-error objects `clef-gguf serve` answers with (server/problems.py renders them as HTTP).
+"""The runtime's errors as the server's problems: a row of the problem table (problem_table.py: its status, type,
+Workers AI code and headers) and a message, or FastAPI's {loc, msg, type} for a malformed request. Plain data, below
+the server, so that `clef-gguf decide` writes the very error objects `clef-gguf serve` answers with
+(server/problems.py renders them as HTTP). A new status goes in the table, never here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import PromptTooLongError, RequestError, RequestJsonError
+from .problem_table import INTERNAL, INVALID, OVERLOADED, PROMPT_TOO_LONG, HttpProblem
 
 Location = list[str | int]
 
 
 @dataclass(eq=False)  # exceptions stay hashable
 class ApiError(Exception):
-    """A non-validation error: its status, a machine-readable type and one line for a person."""
+    """A non-validation error: its row of the table (`kind`), one line for a person, and its headers: the row's,
+    with `headers` on top (ApiError(OVERLOADED, message, {"Connection": "close"}))."""
 
-    status: int
-    error_type: str
+    kind: HttpProblem
     message: str
     headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.headers = {**dict(self.kind.headers), **self.headers}
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    @property
+    def error_type(self) -> str:
+        return self.kind.error_type
 
     def body(self) -> dict[str, Any]:
         return {"detail": {"error_type": self.error_type, "message": self.message}}
@@ -32,11 +45,20 @@ class ApiError(Exception):
 
 @dataclass(eq=False)
 class Invalid(Exception):
-    """A malformed request (422): where, what, and a validation error code."""
+    """A malformed request (the table's INVALID): where, what, and a validation error code."""
 
+    kind: ClassVar[HttpProblem] = INVALID
     loc: Location
     msg: str
     type: str = "value_error"
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return dict(self.kind.headers)
 
     def body(self) -> dict[str, Any]:
         return {"detail": [{"loc": self.loc, "msg": self.msg, "type": self.type}]}
@@ -47,14 +69,13 @@ class Invalid(Exception):
 
 
 def overloaded(message: str, *, close: bool = False) -> ApiError:
-    """The one 503: the server is full (intake, queue, replicas); the client may retry in a second."""
-    headers = {"Retry-After": "1", **({"Connection": "close"} if close else {})}
-    return ApiError(503, "overloaded_error", message, headers)
+    """The one OVERLOADED: the server is full (intake, queue, replicas); the client may retry in a second."""
+    return ApiError(OVERLOADED, message, {"Connection": "close"} if close else {})
 
 
 def internal(error: BaseException) -> ApiError:
-    """The one 500: an error the server did not expect, named by its type."""
-    return ApiError(500, "api_error", f"internal error: {type(error).__name__}: {error}")
+    """The one INTERNAL: an error the server did not expect, named by its type."""
+    return ApiError(INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
 def location(field_path: str | None, body: Any) -> Location:
@@ -89,7 +110,7 @@ def location(field_path: str | None, body: Any) -> Location:
 def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
     """The HTTP form of the runtime's request errors (PromptTooLongError is one of them)."""
     if isinstance(error, PromptTooLongError):
-        return ApiError(413, "prompt_too_long", str(error))
+        return ApiError(PROMPT_TOO_LONG, str(error))
     if isinstance(error, RequestJsonError):  # FastAPI's loc of a syntax error is its offset in the body
         return Invalid(["body", *((error.offset,) if error.offset is not None else error.path)], error.reason, error.kind)
     return Invalid(location(error.field, body), error.reason, "missing" if error.reason == "is required" else "value_error")
@@ -97,7 +118,7 @@ def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
 
 def problem_of(error: Exception, body: Any) -> ApiError | Invalid:
     """The problem the server answers an error of deciding `body` with: a RequestError's 4xx (from_request_error),
-    and any other (ComputeError, a ModelOutputError's NaN) the server's 500 for an error it did not expect."""
+    and any other (ComputeError, a ModelOutputError's NaN) INTERNAL, for an error the server did not expect."""
     if isinstance(error, RequestError):
         return from_request_error(error, body)
     return internal(error)
@@ -105,4 +126,4 @@ def problem_of(error: Exception, body: Any) -> ApiError | Invalid:
 
 def error_object(problem: ApiError | Invalid) -> dict[str, Any]:
     """A problem as one JSON object: its HTTP status and the server's body ({detail: ...}) for it."""
-    return {"status": 422 if isinstance(problem, Invalid) else problem.status, **problem.body()}
+    return {"status": problem.status, **problem.body()}

@@ -14,14 +14,12 @@ switches the context's LoRA twice, which makes llama.cpp reserve its graphs agai
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import ComputeError
 from .prefill import Run
 from .prompt import EncodedPrompt
-
-if TYPE_CHECKING:
-    from .model import ClefModel
+from .protocols import StepsModel
 
 # A decode that writes a non-finite value makes the next clear wipe the whole memory (Backbone.clear), the
 # reserved sequence with it: the prompt is prefilled again from its start (or its cached cut), once.
@@ -32,7 +30,7 @@ T = TypeVar("T")
 class PromptSteps:
     """One prompt's decision in steps (ClefModel.begin): step() until it returns the answer (or the prompt's error)."""
 
-    def __init__(self, model: ClefModel, prompt: EncodedPrompt, call: Callable[[Callable[[], T]], T]) -> None:
+    def __init__(self, model: StepsModel, prompt: EncodedPrompt, call: Callable[[Callable[[], T]], T]) -> None:
         self.model, self.prompt, self._call = model, prompt, call  # call: fn() on the compute thread, the model open
         self.seq = model.parallel - 1  # the batches between its steps take the sequences before it
         self.run: Run | None = None

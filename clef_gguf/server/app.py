@@ -1,4 +1,7 @@
-"""The FastAPI application: routes, API key, and the mapping of every error to TypeSafe's (or Workers AI's) shapes."""
+"""The FastAPI application: routes, API key, and the mapping of every error to TypeSafe's (or Workers AI's) shapes.
+
+Every error it answers is a row of the problem table (runtime/problem_table.py), Starlette's own 404 and 405 too:
+a new status goes there."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import RequestError
+from ..runtime.problem_table import NOT_FOUND, UNAUTHORIZED, starlette_problem
+from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
 from ..settings import HttpLimits, LogFormat, ServeSettings
 from . import workers_ai
@@ -25,11 +30,10 @@ from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import Observed, note_decision
 from .problems import ApiError, Invalid, from_request_error, internal, overloaded, render_problem, response_headers
-from .worker import Decider, DecideWorker, Encoder, Model
+from .worker import ComputeScheduler, Scheduler
 
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
 _ROUTES = "this server answers POST /v1/systemone and POST [/client/v4]/accounts/ACCOUNT_ID/ai/run/@cf/cloudflare/clef"
-_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}
 
 
 def check_api_key(key: str) -> str:
@@ -51,7 +55,7 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
         # compare_digest: the time taken does not tell how much of a guess was right.
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected):
             message = "a valid API key is required: Authorization: Bearer KEY"
-            raise ApiError(401, "authentication_error", message, {"WWW-Authenticate": "Bearer"})
+            raise ApiError(UNAUTHORIZED, message)  # with its WWW-Authenticate: Bearer
 
     return check
 
@@ -125,9 +129,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:  # unknown path, wrong method
-        error_type = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
-        message = str(e.detail) if e.status_code != 404 else f"no route here for {request.method} {request.url.path}: {_ROUTES}"
-        return _problem(request, ApiError(e.status_code, error_type, message, dict(e.headers or {})))
+        message = str(e.detail)
+        if e.status_code == NOT_FOUND.status:
+            message = f"no route here for {request.method} {request.url.path}: {_ROUTES}"
+        return _problem(request, ApiError(starlette_problem(e.status_code), message, dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> Response:  # a bug, not the client's fault
@@ -140,7 +145,7 @@ class Service:
     intake that reads bodies, the metrics. create_app puts its methods on routes."""
 
     model: Encoder
-    worker: Decider
+    worker: Scheduler
     intake: Intake
     metrics: Metrics
 
@@ -204,7 +209,7 @@ def create_app(
     max_body_bytes: int | None = None,
     limits: HttpLimits | None = None,
     owns_model: bool = True,
-    decider: Decider | None = None,
+    scheduler: Scheduler | None = None,
     log_format: LogFormat = "text",
     behind_ray: bool = False,
 ) -> FastAPI:
@@ -213,28 +218,28 @@ def create_app(
     max_queue bounds the requests being read and the requests admitted to decide, each; max_body_bytes
     (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
     raw and decoded; a body must arrive as fast as `limits` say (body_timeout, body_grace, min_body_rate).
-    Decisions are model.decide_batch's on the model's compute thread (DecideWorker) unless a decider is
+    Decisions are model.decide_batch's on the model's compute thread (ComputeScheduler) unless a scheduler is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
     adds its own (the id it hands the app)."""
-    if decider is None:
+    if scheduler is None:
         if not isinstance(model, Model):
-            raise TypeError(f"{type(model).__name__} cannot decide: pass a decider")
-        decider = DecideWorker(model, max_queue)
+            raise TypeError(f"{type(model).__name__} cannot decide: pass a scheduler")
+        scheduler = ComputeScheduler(model, max_queue)
     limit = body_limit(model.max_prompt_tokens, model.image_limits is not None) if max_body_bytes is None else max_body_bytes
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
     intake = Intake(model, max_queue, limit, limits or HttpLimits(), text_limit)
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
-    metrics = create_metrics(model, decider, intake, cache if isinstance(cache, StateCache) else None)
-    service = Service(model, decider, intake, metrics)
+    metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None)
+    service = Service(model, scheduler, intake, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         # uvicorn has drained the connections (or timed out): finish the running decide, then free.
-        await decider.close()
+        await scheduler.close()
         await asyncio.to_thread(intake.close)
         if owns_model:
             model.close()

@@ -1,7 +1,8 @@
 """A request body: bounded in size, Content-Encoding undone, parsed as strict JSON.
 
-Everything a client can get wrong here is a 4xx: a body over the limit (413), an encoding or
-media type the server cannot read (415), bytes that are not strict UTF-8 JSON (422: the runtime's
+Everything a client can get wrong here is a 4xx, each a row of the problem table (runtime/problem_table.py): a
+body over the limit (REQUEST_TOO_LARGE), too slow (BODY_TIMEOUT) or cut off (BODY_CUT_OFF), an encoding or media
+type the server cannot read (UNSUPPORTED_MEDIA), bytes that are not strict UTF-8 JSON (INVALID: the runtime's
 reader, runtime/reader.py, which `clef-gguf decide` reads its files with too).
 
 While a body arrives it holds no intake slot (intake.py takes one once it is whole), only a connection and the
@@ -19,6 +20,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from ..errors import RequestJsonError
+from ..runtime.problem_table import BODY_CUT_OFF, BODY_TIMEOUT, REQUEST_TOO_LARGE, UNSUPPORTED_MEDIA
 from ..runtime.reader import parse_json
 from ..settings import HttpLimits
 from .problems import ApiError, Invalid, from_request_error, overloaded
@@ -72,7 +74,7 @@ if (_zstd := _zstd_decompressor()) is not None:
 
 
 def too_large(limit: int) -> ApiError:
-    return ApiError(413, "request_too_large", f"the request body is larger than this server's limit of {limit} bytes")
+    return ApiError(REQUEST_TOO_LARGE, f"the request body is larger than this server's limit of {limit} bytes")
 
 
 def _deadline(limits: HttpLimits, start: float, received: int) -> float:
@@ -90,7 +92,7 @@ def _late(limits: HttpLimits, start: float, received: int, now: float) -> ApiErr
     else:
         rate = received / max(now - start, 1e-9)
         message = f"the request body arrives at {rate:.0f} bytes/s, under this server's minimum of {limits.min_body_rate:g}"
-    return ApiError(408, "request_timeout", message, {"Connection": "close"})
+    return ApiError(BODY_TIMEOUT, message)
 
 
 class Bodies:
@@ -113,9 +115,9 @@ class Bodies:
 
     @contextmanager
     def reading(self, declared: int) -> Iterator[Callable[[int], None]]:
-        """A body of `declared` bytes (0: not declared) admitted to be read, or 503 at once: past the readers, or
-        when it does not fit the bytes left. Yields what charges its bytes as they come; a chunk that does not fit
-        gets 503 and a closed connection. All are given back when the body is whole, refused or abandoned."""
+        """A body of `declared` bytes (0: not declared) admitted to be read, or OVERLOADED at once: past the readers,
+        or when it does not fit the bytes left. Yields what charges its bytes as they come; a chunk that does not fit
+        gets OVERLOADED and a closed connection. All are given back when the body is whole, refused or abandoned."""
         if self.readers >= self.max_readers:
             message = f"{self.readers} request bodies are being read, this server's limit (--max-body-readers); retry shortly"
             raise overloaded(message)
@@ -140,7 +142,7 @@ class Bodies:
 
 async def read(request: Request, limit: int, limits: HttpLimits, bodies: Bodies) -> bytes:
     """The raw body, refused as soon as it passes `limit` bytes (never buffered whole first), and as slow as `limits`
-    allow: a client trickling its body (slowloris) gets 408 and a closed connection. It counts among `bodies` until
+    allow: a client trickling its body (slowloris) gets BODY_TIMEOUT and a closed connection. It counts among `bodies` until
     it is whole."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -164,14 +166,14 @@ async def read(request: Request, limit: int, limits: HttpLimits, bodies: Bodies)
                 take(len(chunk))
                 chunks.append(chunk)
         except ClientDisconnect:  # nobody reads the answer; typed so that it is not logged as a server fault
-            raise ApiError(400, "invalid_request_error", "the client closed the connection before its body ended") from None
+            raise ApiError(BODY_CUT_OFF, "the client closed the connection before its body ended") from None
 
 
 def check_media_type(content_type: str | None) -> None:
     # typesafe-sdk sends multipart/form-data to carry images (server/media.py); no client sends another multipart.
     media = (content_type or "").split(";")[0].strip().lower()
     if media.startswith("multipart/") and media != "multipart/form-data":
-        raise ApiError(415, "invalid_request_error", f"{media} is not read; images come in multipart/form-data (typesafe-sdk's)")
+        raise ApiError(UNSUPPORTED_MEDIA, f"{media} is not read; images come in multipart/form-data (typesafe-sdk's)")
 
 
 def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
@@ -183,7 +185,7 @@ def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
         decoder = DECODERS.get(coding)
         if decoder is None:
             supported = ", ".join(DECODERS)
-            raise ApiError(415, "invalid_request_error", f"unsupported Content-Encoding {coding!r} (supported: {supported})")
+            raise ApiError(UNSUPPORTED_MEDIA, f"unsupported Content-Encoding {coding!r} (supported: {supported})")
         try:
             raw, complete = decoder(raw, limit + 1)
         except Exception as e:  # zlib.error, ZstdError: the codecs share no base class but Exception
@@ -196,7 +198,7 @@ def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
 
 
 def parse(raw: bytes) -> Any:
-    """Strict JSON of a UTF-8 body (the runtime's reader, as `clef-gguf decide` reads a file): a 422 naming where."""
+    """Strict JSON of a UTF-8 body (the runtime's reader, as `clef-gguf decide` reads a file): INVALID, naming where."""
     try:
         return parse_json(raw)
     except RequestJsonError as e:

@@ -4,12 +4,12 @@ A body is read first (bounded in bytes and in time, body.py), holding no intake 
 costs a connection and the bytes it sent, which body.Bodies bounds across the server (--max-body-readers,
 --max-body-buffer). Once whole, it takes an intake slot until it is known to be a request that fits the
 model: decoded, parsed, validated and tokenized. At most `max_reading` requests hold one, bounded like
-decisions are (worker.py): past it, a whole body gets 503, and the memory of bodies being prepared is
+decisions are (worker.py): past it, a whole body gets OVERLOADED, and the memory of bodies being prepared is
 bounded by max_reading bodies of at most `limit` bytes. So clients trickling their bodies, however many,
 never take the slots of requests whose bodies are in (issue 46, F15).
 
 Tokenizing happens here, on intake threads, never on the decision worker: a prompt over the
-token limit gets its 413 without waiting for (or delaying) any decision. Bodies over LARGE_BODY
+token limit gets its PROMPT_TOO_LONG without waiting for (or delaying) any decision. Bodies over LARGE_BODY
 bytes go to a lane of their own, one thread, so that however many large bodies arrive, a small
 request is prepared at once on the other lane.
 """
@@ -27,10 +27,11 @@ from starlette.requests import Request
 
 from ..errors import PromptTooLongError, RequestError, SettingsError
 from ..runtime import images
+from ..runtime.problem_table import REQUEST_TOO_LARGE
+from ..runtime.protocols import Encoder
 from ..settings import HttpLimits
 from . import body, media
 from .problems import ApiError, from_request_error, overloaded
-from .worker import Encoder
 
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
 
@@ -109,7 +110,7 @@ class Intake:
         origins += media.chat_part_origins(value)
         if self.text_limit < self.limit and (text := _text_bytes(decoded, value)) > self.text_limit:
             message = f"the request's text is {text} bytes (its images aside), over this server's limit of {self.text_limit}"
-            raise ApiError(413, "request_too_large", message)
+            raise ApiError(REQUEST_TOO_LARGE, message)
         try:
             prompt = self.model.encode(value)
         except RequestError as e:  # (nesting was bounded by body.parse: the prompt renderer recurses per level)

@@ -9,6 +9,7 @@ refuse gets the same message and exit code, and never a listening server.
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..check.pair import open_vision
@@ -46,16 +47,17 @@ def check_files(model: Path, mmproj: Path | None, options: LoadOptions | None = 
         validated.close()
 
 
-def _resolved(options: LoadOptions) -> dict[str, object]:
-    """The adapters' paths as every node sees them (absolute), as RaySettings takes them."""
+def _placed(model: Path, options: LoadOptions) -> tuple[str, LoadOptions]:
+    """The paths as every node sees them (absolute): the model's, the vision tower's and the adapters'."""
     adapters = options.adapters and {name: str(Path(path).resolve()) for name, path in options.adapters.items()}
     folder = options.adapter_dir and str(Path(options.adapter_dir).resolve())
-    return {"adapters": adapters or None, "adapter_dir": folder}
+    mmproj = options.mmproj and str(Path(options.mmproj).resolve())
+    return str(model.resolve()), replace(options, mmproj=mmproj, adapters=adapters or None, adapter_dir=folder)
 
 
 def serve_on_ray(model: Path, settings: ServeSettings, options: LoadOptions, scale: RayScale) -> None:
     """`model` on Ray Serve (the ingress over model replicas, each loaded with `options`), until SIGTERM
-    or SIGINT. Without Ray Serve installed, or with settings RaySettings refuses, a SettingsError."""
+    or SIGINT. Without Ray Serve installed, or with settings that cannot work there, a SettingsError."""
     mmproj = options.mmproj
     check_files(model, mmproj and Path(mmproj), options)
     if scale.address is None:
@@ -68,18 +70,7 @@ def serve_on_ray(model: Path, settings: ServeSettings, options: LoadOptions, sca
         if (e.name or "").partition(".")[0] != "ray":
             raise
         raise SettingsError("serve --ray needs Ray Serve: pip install 'clef-gguf[ray]'") from None
-    from pydantic import ValidationError
-
-    scaling: dict[str, object] = {"replicas": scale.replicas or 1} if scale.autoscale is None else {"autoscale": scale.autoscale}
-    # Paths as every node sees them; llama.cpp's threads default to 1 per replica (Ray reserves a CPU for each).
-    placed = options.kwargs() | {"mmproj": mmproj and str(Path(mmproj).resolve()), "n_threads": options.n_threads or 1}
-    placed |= _resolved(options)
-    served = {"api_key": settings.api_key, "max_queue": settings.max_queue, "drain_timeout": settings.drain_timeout}
-    served |= {"log_format": settings.log_format, "body_timeout": settings.limits.body_timeout}
-    try:
-        ray_settings = ray_serve.RaySettings(model=str(model.resolve()), gpus=scale.gpus, **scaling, **placed, **served)
-    except ValidationError as e:
-        raise SettingsError("; ".join(error["msg"] for error in e.errors())) from None
-    ray_cluster.run(
-        ray_settings, host=settings.host, port=settings.port, keep_alive=settings.limits.keep_alive, address=scale.address
-    )
+    path, placed = _placed(model, options)
+    # Through the checks a config file's `args` get (the autoscale range among them).
+    checked = ray_serve.validated(asdict(ray_serve.RaySettings(path, settings, placed, scale)))
+    ray_cluster.run(checked)

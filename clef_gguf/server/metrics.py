@@ -2,7 +2,7 @@
 
 A registry per app, not prometheus_client's global one: several apps in one process (tests, an ingress and
 its tooling) would otherwise register the same series twice. Figures already counted elsewhere are read when
-scraped (the decider's and the intake's counts, the state cache's bytes and entries); only what no counter
+scraped (the scheduler's and the intake's counts, the state cache's bytes and entries); only what no counter
 holds yet is counted here, from each request's answer (observe.py) and each decision (app.py).
 
 State cache hits and misses are counted per decided request whose state prefix the cache keeps (one of
@@ -21,8 +21,10 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from ..runtime.problem_table import OVERLOADED
+from ..runtime.protocols import Encoder, Prompt
 from ..runtime.state_cache import StateCache, split_at_prefix
-from .worker import Decider, Decision, Encoder, Prompt
+from .worker import Decision, Scheduler
 
 # From a cached short prompt on the demo model (milliseconds) to a long prompt on a CPU (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -51,7 +53,7 @@ class Metrics:
     def answered(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
-        if status == 503:
+        if status == OVERLOADED.status:
             self.refused.inc()
 
     def decided(self, prompt: Prompt, decision: Decision) -> None:
@@ -73,7 +75,7 @@ def _gauge(registry: CollectorRegistry, name: str, help_text: str, read: Callabl
     Gauge(name, help_text, registry=registry).set_function(read)
 
 
-def create_metrics(model: Encoder, decider: Decider, reading: Reading, state_cache: StateCache | None) -> Metrics:
+def create_metrics(model: Encoder, scheduler: Scheduler, reading: Reading, state_cache: StateCache | None) -> Metrics:
     """The app's series. reading: the intake (its `reading` count); state_cache: the model's, when it decides here
     (under Ray the states are the replicas' own, out of the ingress's reach)."""
     r = CollectorRegistry()
@@ -85,7 +87,7 @@ def create_metrics(model: Encoder, decider: Decider, reading: Reading, state_cac
         r,
         "clef_decisions_queued",
         "Requests admitted to decide and not yet answered (running or waiting).",
-        lambda: decider.pending,
+        lambda: scheduler.pending,
     )
     _gauge(r, "clef_bodies_reading", "Request bodies being read, decoded and tokenized.", lambda: reading.reading)
     if state_cache is not None:

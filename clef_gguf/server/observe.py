@@ -22,10 +22,12 @@ from typing import TextIO
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..runtime.problem_table import INTERNAL
+from ..runtime.protocols import Prompt
 from ..settings import LogFormat
 from .metrics import Metrics
 from .problems import REQUEST_ID_HEADER, X_REQUEST_ID, accepted_request_id, current_request_id
-from .worker import Decision, Prompt
+from .worker import Decision
 
 ACCESS_LOGGER = "clef_gguf.access"
 UNMATCHED = "unmatched"  # the route label of a path no route has: one label, whatever paths clients try
@@ -172,7 +174,7 @@ class Observed:
         try:
             await self.app(scope, receive, tracked)
         except Exception:
-            status = status or 500  # what Starlette's error middleware answers it with
+            status = status or INTERNAL.status  # what Starlette's error middleware answers it with
             raise
         finally:
             self.metrics.in_flight.dec()

@@ -4,7 +4,8 @@ Two shapes, as TypeSafe's API answers: a malformed request gets 422 with `detail
 {loc, msg, type} (FastAPI's shape, which the typesafe-sdk reads); every other error gets
 `detail` = {error_type, message}. On Workers AI's routes (workers_ai.py) either keeps its status
 and headers (Retry-After included) and becomes `success: false` with `errors: [{code, message}]`,
-which is what its clients read.
+which is what its clients read. Status, type, code and headers all come from the error's row of the problem
+table (runtime/problem_table.py), where a new status goes.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ current_request_id: ContextVar[str | None] = ContextVar("clef_request_id", defau
 # Cloudflare's REST API answers everything under its root in the envelope, a path that names no route included:
 # so does this server for any path under /accounts or /client/v4, however its slashes are doubled.
 _WORKERS_AI_PATH = re.compile(r"^/+(?:accounts|client/+v4)(?:/|$)")
-# Workers AI's own internal codes where one fits (developers.cloudflare.com/workers-ai/platform/errors);
-# any other error carries its HTTP status as the code.
-_WORKERS_AI_CODES = {"no_such_model": 5007, "prompt_too_long": 3006, "request_too_large": 3006}
 
 
 def json_bytes(value: Any) -> bytes:
@@ -69,14 +67,13 @@ def is_workers_ai_path(path: str) -> bool:
 
 
 def workers_ai_failure(problem: ApiError | Invalid) -> dict[str, Any]:
-    code = 422 if isinstance(problem, Invalid) else _WORKERS_AI_CODES.get(problem.error_type, problem.status)
-    errors = [{"code": code, "message": problem.text()}]
+    """Workers AI's envelope of an error: its row's code (HttpProblem.workers_ai_code) and its one line."""
+    errors = [{"code": problem.kind.workers_ai_code, "message": problem.text()}]
     return {"result": None, "success": False, "errors": errors, "messages": []}
 
 
 def render_problem(path: str, problem: ApiError | Invalid) -> tuple[int, dict[str, str], bytes]:
     """The one rendering of an error: its status, headers and JSON, in TypeSafe's shape or, on its routes,
     the Workers AI envelope. The HTTP protocol (protocol.py) writes the same for what it refuses itself."""
-    status, headers = (422, {}) if isinstance(problem, Invalid) else (problem.status, dict(problem.headers))
     body = workers_ai_failure(problem) if is_workers_ai_path(path) else problem.body()
-    return status, response_headers(headers), json_bytes(body)
+    return problem.status, response_headers(problem.headers), json_bytes(body)

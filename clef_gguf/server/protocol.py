@@ -8,15 +8,17 @@ dropped for as long as the client sends it. Its h11 protocol has a head limit
 (h11_max_incomplete_event_size), but answers it with a plain-text 400, and has the same timers.
 This subclass adds, per connection:
 
-  * a head limit: past `max_head_bytes` the answer is 431 (past `max_url_bytes` of request line, 414);
+  * a head limit: past `max_head_bytes` the answer is HEAD_TOO_LARGE (past `max_url_bytes` of request line,
+    URL_TOO_LONG);
   * a head deadline: the head must be complete `header_timeout` after the connection opens or its
-    first byte arrives, however slowly it trickles; then 408 (or a plain close if nothing came); an
+    first byte arrives, however slowly it trickles; then HEAD_TIMEOUT (or a plain close if nothing came); an
     idle connection after an answer is uvicorn's keep-alive timeout's;
   * a body deadline after an early answer: the rest of the body is still read and dropped (closing
     at once would reset the connection before the client reads its answer) but only until
-    `body_timeout` after the head; the app itself answers a body slower than that with 408 (body.py).
+    `body_timeout` after the head; the app itself answers a body slower than that with BODY_TIMEOUT (body.py).
 
-Every answer it writes is the app's JSON error (problems.render_problem), never plain text.
+Every answer it writes is the app's JSON error (problems.render_problem) of a row of the problem table
+(runtime/problem_table.py), never plain text; uvicorn's own 400 for bytes it cannot parse is BAD_HTTP.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from ..runtime.problem_table import BAD_HTTP, HEAD_TIMEOUT, HEAD_TOO_LARGE, URL_TOO_LONG
 from ..settings import HttpLimits
 from .problems import ApiError, render_problem
 
@@ -70,7 +73,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
         if len(self.url) > self.limits.max_url_bytes:
             message = f"the request line is longer than this server's limit of {self.limits.max_url_bytes} bytes"
-            self._refuse(ApiError(414, "request_too_large", message))
+            self._refuse(ApiError(URL_TOO_LONG, message))
 
     def on_headers_complete(self) -> None:
         # The head's size as received: what a single chunk holding all of it would not have counted yet.
@@ -83,7 +86,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_too_large(self) -> ApiError:
         limit = self.limits.max_head_bytes
-        return ApiError(431, "request_too_large", f"the request headers are larger than this server's limit of {limit} bytes")
+        return ApiError(HEAD_TOO_LARGE, f"the request headers are larger than this server's limit of {limit} bytes")
 
     def _await_head(self) -> None:
         if self._head_timer is None and not self.transport.is_closing():
@@ -97,7 +100,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         message = f"the request headers did not arrive within {self.limits.header_timeout:g} s"
-        self._answer_and_close(ApiError(408, "request_timeout", message))
+        self._answer_and_close(ApiError(HEAD_TIMEOUT, message))
 
     # --- the body and the answer -------------------------------------------------------------------------------
     def on_message_complete(self) -> None:
@@ -112,7 +115,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
-        # Only an answered request: one still being read is answered 408 by the app at this same deadline.
+        # Only an answered request: one still being read is answered BODY_TIMEOUT by the app at this same deadline.
         if self.cycle is not None and self.cycle.response_complete and not self.transport.is_closing():
             self.transport.close()
 
@@ -123,7 +126,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a head it cannot parse, or that a callback here refused: JSON, then close."""
-        self._answer_and_close(self._refusal or ApiError(400, "invalid_request_error", "the request is not valid HTTP/1.1"))
+        self._answer_and_close(self._refusal or ApiError(BAD_HTTP, "the request is not valid HTTP/1.1"))
 
     def _answer_and_close(self, problem: ApiError) -> None:
         # The path picks the error's shape (Workers AI's envelope on its routes). A request line the parser refused

@@ -58,14 +58,17 @@ def _drain(timeout_s: float) -> None:
         print(f"{left} requests still running after the drain timeout are cut off", file=sys.stderr, flush=True)
 
 
-def run(settings: RaySettings, *, host: str, port: int, keep_alive: float, address: str | None) -> None:
-    """`clef-gguf serve --ray`: deploy on the Ray cluster at `address`, or on a local one started here, and
+def run(settings: RaySettings) -> None:
+    """`clef-gguf serve --ray`: deploy on the Ray cluster at settings.scale.address, or on a local one started here, and
     serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
     admitted finish (up to drain_timeout); then, on a local cluster, Serve's proxy stops (the port refuses
     connections) and the cluster with it, its session folder removed; on another cluster, the application is
     deleted (its proxy, the cluster's, then answers 404 for the routes). A signal while deploying (replicas Ray
-    cannot place wait for resources forever) stops it the same way, with nothing to drain."""
+    cannot place wait for resources forever) stops it the same way, with nothing to drain. Ray's HTTP proxy listens
+    on settings.serve's host and port, keeping idle connections its keep_alive."""
+    address = settings.scale.address
     local = address is None
+    host, port, keep_alive = settings.serve.host, settings.serve.port, settings.serve.limits.keep_alive
     session: Path | None = None
     with imported_from_here():
         if local:
@@ -98,7 +101,7 @@ def run(settings: RaySettings, *, host: str, port: int, keep_alive: float, addre
             signal.signal(sig, handler)
         try:
             if deployed:
-                _drain(settings.drain_timeout)
+                _drain(settings.serve.drain_timeout)
             if local:
                 stop_proxies()
             else:

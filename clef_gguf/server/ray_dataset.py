@@ -29,10 +29,9 @@ import logging
 import os
 import pickle
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import IO, Any
@@ -44,14 +43,14 @@ from ray.exceptions import RayError
 from ..check.validate import open_validated
 from ..errors import ClefError, DeploymentError, ModelFileError, RequestError, SettingsError
 from ..format.header import GGUFFile
-from ..quality.labelled import BadLine, Labelled, labelled_records
+from ..quality.labelled import labelled_records
 from ..quality.scoring import Progress as ScoreProgress
-from ..quality.scoring import Run, score_requests
+from ..quality.scoring import Run, score_records
 from ..runtime.catalog import adapter_identity
 from ..runtime.dataset_file import Progress, Summary, answer_line, answered_records, answers_file, tally, write_line
 from ..runtime.model import load as load_model
 from ..runtime.reader import Record, count_records, read_records
-from ..settings import MAX_LINE_BYTES
+from ..settings import MAX_LINE_BYTES, FileOptions, LoadOptions
 from .ray_local import imported_from_here, remove_session
 
 PART_RECORDS = 256  # requests an actor decides at a time (the local mode's --sort-by-state window)
@@ -60,21 +59,22 @@ IN_FLIGHT_PER_ACTOR = 2  # parts queued on an actor: the next one ready when it 
 
 @dataclass(frozen=True)
 class RayData:
-    """Where and with what the dataset runs: `--ray`'s options, and the model's load options."""
+    """Where and with what the dataset runs: `--ray`'s options, and how each actor loads the model."""
 
     address: str | None = None  # None: a local cluster, started and stopped here (on loopback: ray_local.py)
     workers: int | None = None  # actors (None: the cluster's CPUs, each actor taking n_threads of them)
-    load: dict[str, Any] = field(default_factory=dict)  # runtime.model.load's keyword arguments
+    load: LoadOptions = field(default_factory=LoadOptions)  # each actor's load()
     part_records: int = PART_RECORDS
+    adapter: str | Path | None = None  # the fine-tune that answers every request (decide's and eval's --adapter)
 
     @property
     def threads(self) -> int:
-        return self.load.get("n_threads") or 1  # (as `serve --ray`'s replicas: one llama.cpp thread unless told)
+        return self.load.n_threads or 1  # (as `serve --ray`'s replicas: one llama.cpp thread unless told)
 
 
 @dataclass(frozen=True)
 class _Model:
-    """What the driver knows of the model without loading it: what --resume checks (dataset_file.Decider)."""
+    """What the driver knows of the model without loading it: what --resume checks (protocols.FileModel)."""
 
     path: Path
     identity: str
@@ -103,9 +103,19 @@ class _PartDecider:
     """A Ray Data actor: one loaded model, deciding parts of the input file (`mode` "decide": answer lines; "score":
     eval's per-question probabilities)."""
 
-    def __init__(self, *, model: str, load: dict[str, Any], source: str, identity: str, mode: str, options: dict[str, Any]):
+    def __init__(
+        self,
+        *,
+        model: str,
+        load: LoadOptions,
+        adapter: str | None,
+        source: str,
+        identity: str,
+        mode: str,
+        options: dict[str, Any],
+    ) -> None:
         try:
-            self.model = load_model(model, **load)
+            self.model = load_model(model, adapter=adapter, **load.kwargs())
         except ClefError as e:
             raise ModelFileError(f"a Ray worker on {ray.util.get_node_ip_address()} cannot load the model: {e}") from None
         if self.model.identity != identity:
@@ -139,17 +149,9 @@ class _PartDecider:
         return lines, tallies
 
     def _score(self, records: Iterator[Any]) -> Run:
-        run, pending = Run("", ""), deque[Labelled]()
-
-        def requests() -> Iterator[dict[str, Any]]:
-            for item in labelled_records(records, max_line_bytes=self.options["max_line_bytes"]):
-                if isinstance(item, BadLine):
-                    run.bad.append(item)
-                    continue
-                pending.append(item)
-                yield item.request
-
-        score_requests(self.model, requests(), pending, run, base=Path(self.options["base"]))
+        run = Run("", "")
+        items = labelled_records(records, max_line_bytes=self.options["max_line_bytes"])
+        score_records(self.model, items, run, base=Path(self.options["base"]))
         return run
 
 
@@ -226,18 +228,16 @@ def _reason(error: RayError) -> str:
     return (mine[-1] if mine else lines[-1] if lines else type(error).__name__).strip()
 
 
-def _paths(model: Path, source: str, settings: RayData) -> tuple[str, dict[str, Any]]:
-    """Absolute paths, as every node sees them; stdin refused (the actors read the file themselves)."""
+def _paths(model: Path, source: str, settings: RayData) -> dict[str, Any]:
+    """The actors' model, load options, adapter and input, with absolute paths, as every node sees them; stdin
+    refused (the actors read the file themselves)."""
     if source == "-":
         raise SettingsError("--ray reads the input file on every node: give a file, not - (stdin)")
     if not Path(source).is_file():
         raise SettingsError(f"--ray reads {source} on every node: it must be a regular file")
-    load = dict(settings.load)
-    for key in ("mmproj", "adapter"):
-        if load.get(key) is not None:
-            load[key] = str(Path(load[key]).resolve())
-    load["n_threads"] = settings.threads
-    return str(model.resolve()), load
+    mmproj, adapter = (path and str(Path(path).resolve()) for path in (settings.load.mmproj, settings.adapter))
+    load = replace(settings.load, mmproj=mmproj, n_threads=settings.threads)
+    return {"model": str(model.resolve()), "load": load, "adapter": adapter, "source": str(Path(source).resolve())}
 
 
 def decide_file_on_ray(
@@ -245,31 +245,27 @@ def decide_file_on_ray(
     source: str,
     out: str,
     settings: RayData,
-    *,
-    resume: bool = False,
-    force: bool = False,
-    sort_by_state: bool = False,
-    images_anywhere: bool = False,
+    options: FileOptions | None = None,
     progress: Progress | None = None,
-    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Summary:
-    """runtime.dataset_file.decide_file on a Ray cluster: the same answers file (sort_by_state: each part's requests
-    decided grouped by state, in windows of 256 as the local mode's)."""
-    model_path, load = _paths(model, source, settings)
-    known = _model_identity(Path(model_path), load.get("adapter"))
-    with answers_file(known, source, out, resume=resume, force=force, max_line_bytes=max_line_bytes) as run:
+    """runtime.dataset_file.decide_file on a Ray cluster, with the same `options`: the same answers file (sort_by_state:
+    each part's requests decided grouped by state, in windows of 256 as the local mode's)."""
+    o = options or FileOptions()
+    constructor = _paths(model, source, settings)
+    known = _model_identity(Path(constructor["model"]), constructor["adapter"])
+    with answers_file(known, source, out, resume=o.resume, force=o.force, max_line_bytes=o.max_line_bytes) as run:
         summary = run.summary
         parts = _parts(run.input, run.records, run.next_line, settings.part_records)
         if progress:
             progress(summary, run.total)
         if not parts:
             return summary
-        options = {"max_line_bytes": max_line_bytes, "base": str(Path(source).resolve().parent), "anywhere": images_anywhere}
-        options["sort_by_state"] = sort_by_state
+        part = {"max_line_bytes": o.max_line_bytes, "base": str(Path(source).resolve().parent), "anywhere": o.images_anywhere}
+        part["sort_by_state"] = o.sort_by_state
         with _cluster(settings.address, _local_cpus(settings)):
             summary.workers = workers = min(_workers(settings), len(parts))  # (an actor with no part would load for nothing)
-            constructor = {"model": model_path, "load": load, "source": str(Path(source).resolve()), "identity": known.identity}
-            for lines, tallies in _mapped(parts, settings, workers, **constructor, mode="decide", options=options):
+            constructor["identity"] = known.identity
+            for lines, tallies in _mapped(parts, settings, workers, **constructor, mode="decide", options=part):
                 for line, counted in zip(lines, tallies, strict=True):
                     write_line(run.output, out, line, counted, summary)
                 if progress:
@@ -294,15 +290,16 @@ def score_on_ray(address: str | None, workers: int | None) -> Callable[..., Run]
         max_line_bytes: int = MAX_LINE_BYTES,
         **load: Any,
     ) -> Run:
-        settings = RayData(address, workers, load)
+        adapter = load.pop("adapter", None)
+        settings = RayData(address, workers, LoadOptions(**load), adapter=adapter)
         return _score(Path(model), str(data), settings, stage, progress, max_line_bytes)
 
     return score
 
 
 def _score(model: Path, data: str, settings: RayData, stage: str, progress: ScoreProgress | None, max_line_bytes: int) -> Run:
-    model_path, load = _paths(model, data, settings)
-    known = _model_identity(Path(model_path), load.get("adapter"))
+    constructor = _paths(model, data, settings)
+    known = _model_identity(Path(constructor["model"]), constructor["adapter"])
     run, total, started = Run(str(model), str(Path(data))), count_records(Path(data)), time.perf_counter()
     try:
         with open(data, "rb") as file:
@@ -313,7 +310,7 @@ def _score(model: Path, data: str, settings: RayData, stage: str, progress: Scor
     if not parts:  # (no request: evaluate says so)
         return run
     with _cluster(settings.address, _local_cpus(settings)):
-        constructor = {"model": model_path, "load": load, "source": str(Path(data).resolve()), "identity": known.identity}
+        constructor["identity"] = known.identity
         workers = min(_workers(settings), len(parts))
         for part in _mapped(parts, settings, workers, **constructor, mode="score", options=options):
             run.bad += part.bad

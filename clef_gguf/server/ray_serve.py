@@ -5,9 +5,12 @@ Two deployments, from the server's own code:
     vocabulary, no weights): bodies are read, validated and tokenized there exactly as `clef-gguf
     serve` does it (intake.py), so every refusal is the plain server's own (same statuses, same
     bodies, a prompt over the limit included) and no replica is ever busy with a request it would
-    refuse. Its decider hands each prompt to a replica through a DeploymentHandle.
+    refuse. Its scheduler hands each prompt to a replica through a DeploymentHandle.
   * ClefReplica holds one loaded ClefModel, with its own llama.cpp threads (= its num_cpus) and GPU
-    share (num_gpus), and decides one prompt at a time.
+    share (num_gpus), and decides on the plain server's ComputeScheduler: up to --parallel prompts prefilled
+    together, a long one in steps beside them, as `clef-gguf serve` decides.
+Both receive the settings tables as `clef-gguf serve` has them (settings.py): the ingress the ServeSettings, its
+HttpLimits included, so every limit of a body holds as on the plain server; each replica the LoadOptions.
 With adapters (fine-tunes over the model, runtime/adapters.py), every replica is loaded with the same set and the
 ingress's encoder resolves a request's model name from the same files (runtime/catalog.py), so a prompt carries
 the identity the replicas give that name.
@@ -27,11 +30,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import fields
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import TypeAdapter, ValidationError
 from ray import serve
 from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
@@ -39,14 +42,16 @@ from ray.serve.handle import DeploymentHandle
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..errors import SettingsError
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
-from ..settings import API_KEY_ENV, MAX_PARALLEL, HttpLimits, LoadOptions, LogFormat, ServeSettings
-from .app import check_api_key, create_app, send_shutting_down
+from ..settings import API_KEY_ENV, LoadOptions, RayScale, ServeSettings
+from .app import check_api_key, send_shutting_down
 from .observe import configure_access_log
 from .problems import overloaded
-from .worker import DecideWorker, Decision, Prompt, queue_full, render
+from .run import settings_app
+from .worker import ComputeScheduler, Decision, Prompt, queue_full, render
 
 APP_NAME = "clef-gguf"
 # Autoscaling aims at one decision running and one waiting per replica (Ray counts both): more requests in
@@ -63,60 +68,61 @@ class ReplicaNotReady(RuntimeError):
     """A replica's health check before its model answered its probe decision."""
 
 
-class RaySettings(BaseModel):
-    """The application's arguments: `clef-gguf serve --ray`'s options, or the `args` of a `serve run` config."""
+@dataclass(frozen=True)
+class RaySettings:
+    """The application's settings: `clef-gguf serve --ray`'s, or a `serve run` config's `args` (settings_from_args),
+    each table as `clef-gguf serve` has it, its bounds included (settings.py), and passed on as it is."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    __pydantic_config__ = {"extra": "forbid"}  # (a config's `args`: a mistyped name is refused)
 
     model: str  # the GGUF's path, the same on every node that runs a replica or the ingress
-    replicas: int = Field(1, ge=1)
-    autoscale: tuple[int, int] | None = None  # (MIN, MAX) replicas, from "MIN:MAX"; replaces replicas
-    n_threads: int = Field(1, ge=1)  # llama.cpp threads per replica, and the CPUs Ray reserves for it
-    gpus: float = Field(0.0, ge=0)  # GPUs Ray reserves per replica: 1 gives each a GPU of its own
-    n_gpu_layers: int = LoadOptions.n_gpu_layers
-    max_prompt_tokens: int = Field(LoadOptions.max_prompt_tokens, ge=1)
-    ubatch: int | None = Field(None, ge=1)
-    parallel: int = Field(LoadOptions.parallel, ge=1, le=MAX_PARALLEL)  # requests a replica prefills together
-    state_cache: int = Field(LoadOptions.state_cache, ge=0)  # bytes per replica: each replica keeps its own states
-    mmproj: str | None = None  # the vision tower's path, the same on every node (as the model's)
-    # Fine-tunes over the model (runtime/adapters.py), paths the same on every node: every replica holds the same set,
-    # each loading an adapter on its first request for it (its own LRU), and the ingress resolves names as they do.
-    adapters: dict[str, str] | None = None  # {name: adapter file}
-    adapter_dir: str | None = None  # a folder of NAME.adapter.gguf files
-    max_adapters: int = Field(LoadOptions.max_adapters, ge=1)  # per replica
-    adapter_memory: int | None = Field(LoadOptions.adapter_memory, ge=1)  # bytes per replica
-    api_key: str | None = None
-    max_queue: int = Field(ServeSettings.max_queue, ge=1)
-    body_timeout: float = Field(HttpLimits.body_timeout, gt=0)
-    drain_timeout: float = Field(ServeSettings.drain_timeout, ge=0)
-    log_format: LogFormat = ServeSettings.log_format  # the ingress's access log lines
-
-    def load_options(self) -> LoadOptions:
-        """What each replica's load() takes: the fields of the same names."""
-        return LoadOptions(**self.model_dump(include={f.name for f in fields(LoadOptions)}))
-
-    @field_validator("autoscale", mode="before")
-    @classmethod
-    def _min_max(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            low, sep, high = value.partition(":")
-            if not sep or not low.isdigit() or not high.isdigit():
-                raise ValueError(f"autoscale is MIN:MAX (two whole numbers), not {value!r}")
-            value = (int(low), int(high))
-        if value is not None and not 1 <= value[0] <= value[1]:
-            raise ValueError(f"autoscale needs 1 <= MIN <= MAX, not {value[0]}:{value[1]}")
-        return value
-
-    @field_validator("api_key")
-    @classmethod
-    def _key(cls, value: str | None) -> str | None:
-        return None if value is None else check_api_key(value)
+    serve: ServeSettings = field(default_factory=ServeSettings)  # the ingress's: its key, queue, HTTP limits, log format
+    # Each replica's load() (paths the same on every node; n_threads, default 1, also the CPUs Ray reserves for it).
+    # Fine-tunes (adapters, adapter_dir) are loaded by every replica, each keeping its own LRU, and the ingress
+    # resolves their names as the replicas do.
+    load: LoadOptions = field(default_factory=LoadOptions)
+    scale: RayScale = field(default_factory=RayScale)  # replicas, or autoscale "MIN:MAX"; GPUs per replica
 
 
-class ReplicaDecider:
-    """The ingress's decider (worker.Decider): each prompt to a model replica, as many at once as admitted.
+_SETTINGS = TypeAdapter(RaySettings)
+# What a config file sets elsewhere: Ray's HTTP proxy (the config's http_options) and cluster are not the application's.
+NOT_IN_ARGS = {
+    ("serve", "host"): "http_options.host",
+    ("serve", "port"): "http_options.port",
+    ("scale", "address"): "RAY_ADDRESS",
+}
 
-    The plain server's DecideWorker decides on the model's compute thread; here a decision is a remote call, and with
+
+def autoscale_range(text: str) -> tuple[int, int]:
+    """RayScale.autoscale's "MIN:MAX", or a ValueError."""
+    low, sep, high = text.partition(":")
+    if not sep or not low.isdigit() or not high.isdigit():
+        raise ValueError(f"autoscale is MIN:MAX (two whole numbers), not {text!r}")
+    if not 1 <= int(low) <= int(high):
+        raise ValueError(f"autoscale needs 1 <= MIN <= MAX, not {low}:{high}")
+    return int(low), int(high)
+
+
+def validated(args: dict[str, Any]) -> RaySettings:
+    """`args` (RaySettings' fields, each table as a dict) held to the tables' types and bounds, the autoscale range
+    and the API key checked; a SettingsError naming each setting refused (unknown ones too)."""
+    try:
+        settings = _SETTINGS.validate_python(args)
+        if settings.scale.autoscale is not None:
+            autoscale_range(settings.scale.autoscale)
+        if settings.serve.api_key is not None:
+            check_api_key(settings.serve.api_key)
+    except ValidationError as e:
+        raise SettingsError("; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in e.errors())) from None
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
+    return settings
+
+
+class ReplicaScheduler:
+    """The ingress's scheduler (worker.Scheduler): each prompt to a model replica, as many at once as admitted.
+
+    The plain server's ComputeScheduler decides on the model's compute thread; here a decision is a remote call, and with
     max_queue of them in flight every replica has work, the rest waiting in the replicas' own queues."""
 
     def __init__(self, replicas: DeploymentHandle, max_queue: int) -> None:
@@ -143,7 +149,7 @@ class ReplicaDecider:
         finally:
             self.pending -= 1
         finished = time.perf_counter()
-        # Queued: in the replica's DecideWorker, in Ray's router and on the way there and back.
+        # Queued: in the replica's ComputeScheduler, in Ray's router and on the way there and back.
         queued = max(decision.queued_s, finished - submitted - decision.decide_s)
         return Decision(decision.body, queued, decision.decide_s, finished, decision.cached_tokens, decision.batch)
 
@@ -153,11 +159,11 @@ class ReplicaDecider:
 
 @serve.deployment(name="ClefReplica")
 class ClefReplica:
-    """One loaded model, deciding on the plain server's DecideWorker; healthy once it has answered a decision."""
+    """One loaded model, deciding on the plain server's ComputeScheduler; healthy once it has answered a decision."""
 
-    def __init__(self, model: str, *, queue: int, **load_options: Any) -> None:
-        self.model: ClefModel = load(model, **load_options)  # (RaySettings.load_options)
-        self.worker = DecideWorker(self.model, queue)
+    def __init__(self, model: str, options: LoadOptions, *, queue: int) -> None:
+        self.model: ClefModel = load(model, **options.kwargs())
+        self.worker = ComputeScheduler(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
         self.probe_answer: bytes | None = None
@@ -215,29 +221,19 @@ class ShutdownGate:
 @serve.deployment(name="ClefIngress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class ClefIngress:
-    """create_app over the file's PromptEncoder, deciding on the replicas (ReplicaDecider)."""
+    """create_app over the file's PromptEncoder, deciding on the replicas (ReplicaScheduler)."""
 
-    def __init__(
-        self,
-        replicas: DeploymentHandle,
-        model: str,
-        *,
-        max_prompt_tokens: int,
-        ubatch: int | None,
-        mmproj: str | None,
-        adapters: dict[str, str] | None = None,
-        adapter_dir: str | None = None,
-        **app: Any,
-    ) -> None:
-        many = {"adapters": adapters, "adapter_dir": adapter_dir}  # the replicas' names and identities
-        self.encoder = PromptEncoder(model, max_prompt_tokens=max_prompt_tokens, ubatch=ubatch, mmproj=mmproj, **many)
+    def __init__(self, replicas: DeploymentHandle, model: str, settings: ServeSettings, options: LoadOptions) -> None:
+        o = options  # the replicas': their prompt limit, ubatch and vision tower, their adapters' names and identities
+        many = {"adapters": o.adapters, "adapter_dir": o.adapter_dir}
+        self.encoder = PromptEncoder(model, max_prompt_tokens=o.max_prompt_tokens, ubatch=o.ubatch, mmproj=o.mmproj, **many)
         configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
-        self.decider = ReplicaDecider(replicas, app["max_queue"])
-        self.app_options = app  # create_app's api_key, max_queue, limits and log_format (`app` is Ray's)
+        self.scheduler = ReplicaScheduler(replicas, settings.max_queue)
+        self.settings = settings
         self.doors = Doors()
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
-        app = create_app(self.encoder, decider=self.decider, behind_ray=True, **self.app_options)
+        app = settings_app(self.encoder, self.settings, scheduler=self.scheduler, behind_ray=True)  # as run.serve builds it
         app.user_middleware.append(Middleware(ShutdownGate, doors=self.doors))  # appended: innermost (add_middleware: outermost)
         return app
 
@@ -252,51 +248,54 @@ class ClefIngress:
         return self.doors.inside
 
 
+def _scaling(scale: RayScale) -> dict[str, Any]:
+    if scale.autoscale is None:
+        return {"num_replicas": scale.replicas or 1}
+    low, high = autoscale_range(scale.autoscale)
+    autoscaling = {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": AUTOSCALE_TARGET_ONGOING}
+    return {"autoscaling_config": autoscaling}
+
+
 def build_app(settings: RaySettings) -> serve.Application:
     """The application: the ingress over the model replicas, sized and scaled by `settings`."""
-    s = settings
-    if s.autoscale is None:
-        scaling: dict[str, Any] = {"num_replicas": s.replicas}
-    else:
-        low, high = s.autoscale
-        scaling = {
-            "autoscaling_config": {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": AUTOSCALE_TARGET_ONGOING}
-        }
+    s = settings.serve
+    options = replace(settings.load, n_threads=settings.load.n_threads or 1)  # llama.cpp's threads: Ray's CPUs
     # No access log line per request: at small models' decisions, Ray's logging is a visible share of a core.
     quiet = {"enable_access_log": False}
     # Each deployment is bound with only the settings it uses: a change of scale alone then changes no replica's
     # arguments, and Ray adds or removes replicas instead of replacing them all.
-    # max_ongoing_requests, the decisions Ray hands a replica at once: they wait there in a DecideWorker (the model's compute
+    # max_ongoing_requests, the decisions Ray hands a replica at once: they wait there in a ComputeScheduler (the model's compute
     # thread, first come first served, as in `clef-gguf serve`), the replica's queue length steering Ray's router (power of two
-    # choices). Not 1, though a model decides one at a time: requests the router cannot place wait in it, each
+    # choices). Not 1, though a replica decides one batch at a time: requests the router cannot place wait in it, each
     # probing the replicas' queue lengths again and again, and that probing took more CPU than the decisions
     # (docs/benchmarks.md, "Measurements behind the code"). At the ingress's own bound (max_queue), no request
     # waits in the router. A replica that dies takes its queue with it: each of those requests gets a 503 with
     # Retry-After.
     replicas = ClefReplica.options(
         max_ongoing_requests=s.max_queue,
-        ray_actor_options={"num_cpus": s.n_threads, "num_gpus": s.gpus},
+        ray_actor_options={"num_cpus": options.n_threads, "num_gpus": settings.scale.gpus},
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
-        **scaling,
-    ).bind(s.model, queue=s.max_queue, **s.load_options().kwargs())
+        **_scaling(settings.scale),
+    ).bind(settings.model, options, queue=s.max_queue)
     ingress = ClefIngress.options(
         max_ongoing_requests=2 * s.max_queue + INGRESS_HEADROOM,
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
     )
-    limits = HttpLimits(body_timeout=s.body_timeout)
-    app = {"api_key": s.api_key, "max_queue": s.max_queue, "limits": limits, "log_format": s.log_format}
-    app |= {"adapters": s.adapters, "adapter_dir": s.adapter_dir}
-    return ingress.bind(replicas, s.model, max_prompt_tokens=s.max_prompt_tokens, ubatch=s.ubatch, mmproj=s.mmproj, **app)
+    return ingress.bind(replicas, settings.model, s, options)
 
 
 def settings_from_args(args: dict[str, Any]) -> RaySettings:
-    """A config file's `args`: RaySettings' fields (others refused); without api_key, CLEF_GGUF_API_KEY in the
-    environment sets it, as for `clef-gguf serve` (an empty one is refused, not read as no key)."""
-    if "api_key" not in args and API_KEY_ENV in os.environ:
-        args = {**args, "api_key": os.environ[API_KEY_ENV]}
-    return RaySettings.model_validate(args)
+    """A config file's `args`: RaySettings' fields, each table a dict of its settings (others refused); without an
+    api_key, CLEF_GGUF_API_KEY in the environment sets it, as for `clef-gguf serve` (an empty one is refused)."""
+    for (table, name), where in NOT_IN_ARGS.items():
+        if isinstance(args.get(table), dict) and name in args[table]:
+            raise SettingsError(f"{table}.{name} is not the application's: set {where} instead")
+    served = args.get("serve", {})
+    if isinstance(served, dict) and "api_key" not in served and API_KEY_ENV in os.environ:
+        args = {**args, "serve": {**served, "api_key": os.environ[API_KEY_ENV]}}
+    return validated(args)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -9,11 +9,11 @@ from typing import Any
 
 import uvicorn
 
+from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
 from .app import create_app
 from .observe import configure_access_log
 from .protocol import protocol_class
-from .worker import Model
 
 ACCESS_LOG_DRAIN_S = 5.0  # at exit, for the access log's last lines (a stderr nobody reads never takes them)
 
@@ -27,13 +27,20 @@ def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Conf
     return uvicorn.Config(app, http=protocol_class(limits), timeout_keep_alive=limits.keep_alive, **options)  # type: ignore[arg-type]
 
 
+def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
+    """create_app held to `settings` (its key, queue, HTTP limits and log format): the plain server's app, and the Ray
+    ingress's (ray_serve.py), whose `options` give it its scheduler."""
+    s = settings
+    return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=s.limits, log_format=s.log_format, **options)
+
+
 def serve(model: Model, settings: ServeSettings | None = None) -> None:
     """Serve until SIGTERM/SIGINT. uvicorn then stops accepting connections, lets in-flight and
     queued requests finish (up to settings.drain_timeout), and the app closes the model; then this returns.
     One access log line per request on stderr, in settings.log_format (observe.py)."""
     access_lines = configure_access_log()
     s = settings or ServeSettings()
-    app = create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=s.limits, log_format=s.log_format)
+    app = settings_app(model, s)
     config = uvicorn_config(
         app,
         s.limits,

@@ -8,6 +8,9 @@ decide them together, in one backbone prefill), until nothing waits. There is no
 decides a request at once, and a busy one batches what arrived during the previous batch. Admission is bounded,
 so a burst gets a prompt 503 with Retry-After (which typesafe-sdk honours) instead of an unbounded queue and
 unbounded memory.
+
+ComputeScheduler is the app's Scheduler for a model in this process (runtime/protocols.py's Model); on Ray Serve,
+server/ray_serve.py's ReplicaScheduler hands each prompt to a replica, which decides on a ComputeScheduler of its own.
 """
 
 from __future__ import annotations
@@ -17,81 +20,13 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from ..runtime.batching import each, take
+from ..runtime.protocols import Model, Prompt, SteppingModel, Steps
 from .problems import ApiError, overloaded
-
-
-class Prompt(Protocol):
-    """What the server reads of an encoded prompt (runtime.prompt.EncodedPrompt): for its metrics and log line."""
-
-    @property
-    def tokens(self) -> list[int]: ...
-
-    @property
-    def images(self) -> Sequence[object]: ...
-
-    @property
-    def state_prefix(self) -> int: ...  # tokens up to and including the state
-
-    @property
-    def preamble(self) -> int: ...  # tokens before the request's own
-
-    @property
-    def model(self) -> str: ...  # the identity of the model it was encoded for: the base's or an adapter's
-
-
-class Encoder(Protocol):
-    """What the app and its intake use of a ClefModel: a runtime.encoder.PromptEncoder is one too."""
-
-    name: str
-    path: Path
-    ubatch: int  # tokens per physical batch of the prefill
-    image_limits: object | None  # None: no vision tower loaded, requests with images are refused
-
-    @property
-    def max_prompt_tokens(self) -> int: ...
-
-    def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
-
-    def adapter_names(self) -> list[str]: ...  # the fine-tunes a request may name besides the base
-
-    def model_name(self, prompt: Prompt) -> str: ...  # the name of the model it was encoded for (metrics' label)
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class Model(Encoder, Protocol):
-    """What the server uses of a ClefModel that decides in this process."""
-
-    def batchable(self, prompts: Sequence[Prompt]) -> bool: ...  # whether decide_batch takes them together
-
-    def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
-
-    def submit(self, fn: Callable[[], None]) -> Future[None]: ...  # fn on the model's compute thread, not waited for
-
-
-class Steps(Protocol):
-    """A prompt decided in steps (runtime/steps.py's PromptSteps)."""
-
-    def step(self) -> dict[str, Any] | Exception | None: ...  # one ubatch; then its answer (or its error)
-
-    def finish(self) -> None: ...  # give its sequence back, answered or not
-
-
-@runtime_checkable
-class SteppingModel(Model, Protocol):
-    """A Model that decides a long prompt a ubatch at a time, the batches waiting decided between its steps (ClefModel)."""
-
-    def stepped(self, prompt: Prompt) -> bool: ...  # whether this prompt is decided in steps
-
-    def begin(self, prompt: Prompt) -> Steps: ...  # on the compute thread; batchable then admits what fits beside it
 
 
 @dataclass(frozen=True)
@@ -122,8 +57,8 @@ def queue_full(pending: int) -> ApiError:
     return overloaded(f"{pending} requests are already waiting; retry shortly")
 
 
-class Decider(Protocol):
-    """How the app has prompts decided: DecideWorker here, or server/ray_serve.py's replicas."""
+class Scheduler(Protocol):
+    """How the app has prompts decided: ComputeScheduler here, or server/ray_serve.py's ReplicaScheduler."""
 
     @property
     def pending(self) -> int: ...  # admitted and not yet answered
@@ -157,7 +92,9 @@ class _Job:
         self.loop.call_soon_threadsafe(done)
 
 
-class DecideWorker:
+class ComputeScheduler:
+    """The Scheduler of a model in this process: its decisions batched on the model's compute thread."""
+
     def __init__(self, model: Model, max_queue: int) -> None:
         self.model = model
         self.max_queue = max_queue

@@ -9,6 +9,7 @@ envelope is rendered where every error is (problems.py).
 
 from __future__ import annotations
 
+from ..runtime.problem_table import NO_SUCH_MODEL
 from .problems import ApiError
 
 # Both names mean the loaded model: a client picks one, a server holds one file.
@@ -19,7 +20,7 @@ ROUTE = "/accounts/{account_id}/ai/run/{model_id:path}"
 
 def check_model(model_id: str) -> None:
     if model_id not in MODEL_IDS:
-        raise ApiError(400, "no_such_model", f"No such model {model_id}: this server runs {' or '.join(MODEL_IDS)}")
+        raise ApiError(NO_SUCH_MODEL, f"No such model {model_id}: this server runs {' or '.join(MODEL_IDS)}")
 
 
 def success(result: bytes) -> bytes:

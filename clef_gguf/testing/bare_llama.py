@@ -35,3 +35,30 @@ def bare_context(
         L.llama_model_free(model)
         raise RuntimeError("llama.cpp could not create the context")
     return model, ctx
+
+
+class BareLlama:
+    """The backbone alone, as plain llama.cpp runs it: a qwen35 GGUF by path, a token batch."""
+
+    def __init__(self, path: Path, n_ctx: int, n_gpu_layers: int, threads: int) -> None:
+        import llama_cpp as L
+
+        self.L = L
+        self.model, self.ctx = bare_context(path, n_ctx, n_gpu_layers=n_gpu_layers, threads=threads)
+        self.batch = L.llama_batch_init(n_ctx, 0, 1)
+
+    def prefill(self, tokens: list[int]) -> None:
+        L, b = self.L, self.batch
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        for i, token in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, i, 1, True
+            b.seq_id[i][0] = 0
+        b.n_tokens = len(tokens)
+        assert L.llama_decode(self.ctx, b) == 0
+        assert L.llama_get_embeddings(self.ctx)  # the hidden states, as a decision reads them
+        L.llama_synchronize(self.ctx)
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)

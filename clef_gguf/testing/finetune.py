@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,11 +74,17 @@ def merge(release: Path, checkpoint: Path, out_dir: Path) -> Path:
 
 
 def peft_checkpoint(
-    base: Path, out: Path, lora: dict[str, Any], head_shift: dict[str, float] | None = None, seed: int = 0
+    base: Path,
+    out: Path,
+    lora: dict[str, Any],
+    head_shift: dict[str, float] | None = None,
+    seed: int = 0,
+    merged: Path | None = None,
 ) -> Path:
     """A checkpoint in clef-finetune's layout made by PEFT itself (get_peft_model + save_pretrained) with random
     lora_A / lora_B, and the base's head with the tensors of `head_shift` moved by their values: any LoraConfig
-    (rank_pattern, rsLoRA, ...) in seconds, where `train` takes minutes and only its own settings."""
+    (rank_pattern, rsLoRA, ...) in seconds, where `train` takes minutes and only its own settings. With `merged`,
+    also PEFT's own merge of it (merge_and_unload) there: a release folder with the checkpoint's head."""
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model
@@ -97,6 +104,11 @@ def peft_checkpoint(
     for name, shift in (head_shift or {}).items():
         head[name] = np.asarray(head[name] + shift, dtype=head[name].dtype)
     save_file(head, checkpoint / "joint_head.safetensors")
+    if merged is not None:
+        peft_model.merge_and_unload().save_pretrained(merged)
+        for name in ("joint_head_config.json", "tokenizer.json", "tokenizer_config.json", "joint_schema_model.py"):
+            shutil.copy(base / name, merged / name)
+        shutil.copy(checkpoint / "joint_head.safetensors", merged / "joint_head.safetensors")
     return checkpoint
 
 

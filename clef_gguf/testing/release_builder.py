@@ -70,8 +70,8 @@ class ReleaseSpec:
 
 
 TINY = ReleaseSpec()
-# The benchmarks' fixture (tools/bench_*.py): hidden 256, 8 layers, a head 128 wide (6 + 3 layers);
-# rows of 256, so that the K-quants apply.
+# The benchmarks' fixture (tools/bench/, most through fixture_files.benchmark_files): hidden 256, 8 layers, a head
+# 128 wide (6 + 3 layers); rows of 256, so that the K-quants apply.
 BENCHMARK = ReleaseSpec(
     seed=4,
     hidden=256,
@@ -84,6 +84,8 @@ BENCHMARK = ReleaseSpec(
     routing_layers=6,
     head_layers=3,
 )
+# The Ray benchmarks' larger model (tools/bench/bench_ray.py, bench_ray_dataset.py): hidden 256, 8 layers, a small head.
+LARGER = ReleaseSpec(seed=5, hidden=256, intermediate=512, layers=8, head_width=64)
 # The released Clef-flash layout (32 layers, every 4th full attention, a
 # 6 + 3 layer head: 160 head tensors) at the tiny fixture's widths, small enough for CPU tests.
 CLEF_FLASH_LAYOUT = ReleaseSpec(layers=32, intermediate=96, routing_layers=6, head_layers=3)

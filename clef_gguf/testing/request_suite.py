@@ -6,9 +6,13 @@ Named request_suite, not requests, so that tests/ on sys.path never shadows the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from ..quality.labelled import BadLine, read_labelled
+
 MODEL = "jev-latest"
+LABELLED = Path(__file__).resolve().parents[2] / "examples" / "labelled.jsonl"  # the checkout's: for its tests
 Request = dict[str, Any]
 
 
@@ -143,6 +147,20 @@ def all_requests() -> dict[str, Request]:
         "ten_level_score": ten_level_score_request(),
         "long_state": long_state_request(),
     }
+
+
+def labelled_requests(n: int) -> list[Request]:
+    """The first n requests of examples/labelled.jsonl (of its lines that parse)."""
+    with open(LABELLED, "rb") as file:
+        return [r.request for r in read_labelled(file) if not isinstance(r, BadLine)][:n]
+
+
+def flat_probabilities(response: dict[str, Any]) -> list[float]:
+    """A SystemOne response's probabilities in one list, question after question (a noul's: its p(true))."""
+    out = []
+    for answer in response["answers"].values():
+        out += [answer["noul"]] if "noul" in answer else list(answer["probabilities"].values())
+    return out
 
 
 def response_probabilities(response: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_vs_llama_server import new_state, requests_by_size
+from clef_gguf.testing.servers import new_state, requests_by_size
 
 # Each way by its batch size; four tickets need the second model's ubatch of 2,048.
 WAYS = {"one at a time": 1, "two batches of two": 2, "one batch of four (ubatch 2048)": 4}

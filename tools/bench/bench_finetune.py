@@ -117,9 +117,16 @@ def main() -> None:
         calibrate = [*CLI, "calibrate", str(files["q4_k_m"]), str(data), "-o", str(work / "calibrated.gguf"), "--holdout", "0.3"]
         _, out = timed([*calibrate, "--json"])
         result["calibrate"] = json.loads(out)
+    print_tables(result, args.count)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def print_tables(result: dict, count: int) -> None:
+    """The run's tables: eval's records/s, compare's changes against f32, and calibrate's before and after."""
     base = result["eval"]["clef-finetune (torch, bfloat16)"]["records_per_s"]
     columns = "seconds | records/s | x clef-finetune bf16 (its default) | decide only, records/s | accuracy | nll"
-    print(f"| eval of {args.count} records | {columns} |")
+    print(f"| eval of {count} records | {columns} |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, e in result["eval"].items():
         print(
@@ -141,8 +148,6 @@ def main() -> None:
     for part, before in c["before"].items():
         after = c["after"][part]
         print(f"| {part} | {before['n']} | {before['nll']:.4f} | {after['nll']:.4f} | {before['ece']:.4f} | {after['ece']:.4f} |")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -29,11 +29,14 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from clef_gguf.testing.bench import cpu_name, interleaved
+
+if TYPE_CHECKING:
+    from clef_gguf.testing.bare_llama import BareLlama
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,36 +55,6 @@ class Results:
     questions: dict[str, float] = field(default_factory=dict)  # (b)
     oracle: list[dict[str, float]] = field(default_factory=list)  # (c)
     rss: dict[str, float] = field(default_factory=dict)  # (d)
-
-
-# --- Bare llama.cpp ------------------------------------------------------------------------------------
-class BareLlama:
-    """The backbone alone, as plain llama.cpp runs it: a qwen35 GGUF by path, a token batch."""
-
-    def __init__(self, path: Path, n_ctx: int, n_gpu_layers: int, threads: int) -> None:
-        import llama_cpp as L
-
-        from clef_gguf.testing.bare_llama import bare_context
-
-        self.L = L
-        self.model, self.ctx = bare_context(path, n_ctx, n_gpu_layers=n_gpu_layers, threads=threads)
-        self.batch = L.llama_batch_init(n_ctx, 0, 1)
-
-    def prefill(self, tokens: list[int]) -> None:
-        L, b = self.L, self.batch
-        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-        for i, token in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, i, 1, True
-            b.seq_id[i][0] = 0
-        b.n_tokens = len(tokens)
-        assert L.llama_decode(self.ctx, b) == 0
-        assert L.llama_get_embeddings(self.ctx)  # the hidden states, as a decision reads them
-        L.llama_synchronize(self.ctx)
-
-    def close(self) -> None:
-        self.L.llama_batch_free(self.batch)
-        self.L.llama_free(self.ctx)
-        self.L.llama_model_free(self.model)
 
 
 # --- Requests -------------------------------------------------------------------------------------------
@@ -118,22 +91,6 @@ def many_questions(count: int) -> dict[str, Any]:
 
 
 # --- Measuring ------------------------------------------------------------------------------------------
-def interleaved(actions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best seconds of each action, run in turn `repeats` times after one warm-up each.
-
-    The best of N, not the median: on a shared machine other processes only ever add time.
-    """
-    times: dict[str, list[float]] = {name: [] for name in actions}
-    for action in actions.values():
-        action()
-    for _ in range(repeats):
-        for name, action in actions.items():
-            start = time.perf_counter()
-            action()
-            times[name].append(time.perf_counter() - start)
-    return {name: min(values) for name, values in times.items()}
-
-
 def measure_prefill(model: Any, bare: BareLlama, sizes: list[int], repeats: int) -> list[dict[str, float]]:
     rows = []
     for size in sizes:
@@ -210,7 +167,6 @@ def measure_oracle(model: Any, release: Path, sizes: list[int], repeats: int, th
 # Peak RSS from VmHWM: ru_maxrss would carry the parent's peak over fork + exec.
 RSS_CHILD = r"""
 import json, sys
-sys.path.insert(0, sys.argv[6])
 mode, path, n_ctx, gpu, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 request = json.loads(sys.stdin.read())
 if mode == "clef":
@@ -219,7 +175,7 @@ if mode == "clef":
     model = clef_gguf.load(path, n_gpu_layers=gpu, max_prompt_tokens=n_ctx, n_threads=threads, ubatch=n_ctx)
     model.decide(request["request"])
 else:
-    from bench_head import BareLlama
+    from clef_gguf.testing.bare_llama import BareLlama
     BareLlama(path, n_ctx, gpu, threads).prefill(request["tokens"])
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"peak_rss_mib": int(hwm.split()[1]) / 1024}))
@@ -231,7 +187,7 @@ def measure_rss(model: Any, clef: Path, plain: Path, size: int, n_ctx: int, gpu:
     payload = json.dumps({"request": request, "tokens": model.encode(request).tokens})
 
     def child(mode: str, path: Path) -> float:
-        args = [sys.executable, "-c", RSS_CHILD, mode, str(path), str(n_ctx), str(gpu), str(threads), str(ROOT / "tools")]
+        args = [sys.executable, "-c", RSS_CHILD, mode, str(path), str(n_ctx), str(gpu), str(threads)]
         out = subprocess.run(args, input=payload, capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
 
@@ -243,14 +199,16 @@ def measure_rss(model: Any, clef: Path, plain: Path, size: int, n_ctx: int, gpu:
 
 # --- Report ---------------------------------------------------------------------------------------------
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-    cpu = names[0] if names else cpu
+    cpu = cpu_name() or platform.processor() or platform.machine()
     return f"{cpu}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at start"
 
 
 def markdown(r: Results) -> str:
+    return "\n".join(setting_and_prefill(r) + questions_and_oracle(r) + rss_section(r))
+
+
+def setting_and_prefill(r: Results) -> list[str]:
+    """The heading, the run's setting, and (a)."""
     lines = [
         f"# Native head benchmark: {r.device}",
         "",
@@ -277,8 +235,13 @@ def markdown(r: Results) -> str:
         "backbone view does not (README), which can make a decision cheaper than the bare prefill. The head's own cost",
         "is the *head / bare* column.",
     ]
+    return lines
+
+
+def questions_and_oracle(r: Results) -> list[str]:
+    """(b) and (c)."""
     q = r.questions
-    lines += [
+    lines = [
         "",
         "## (b) 64 questions over 1 question, same state",
         "",
@@ -300,8 +263,13 @@ def markdown(r: Results) -> str:
         lines += [f"| {o['tokens']:.0f} | {o['decide']:.1f} | {o['oracle']:.1f} | **{o['ratio']:.3f}** |" for o in r.oracle]
     else:
         lines.append("Not measured: torch / transformers are not installed on this machine.")
+    return lines
+
+
+def rss_section(r: Results) -> list[str]:
+    """(d)."""
     d = r.rss
-    lines += [
+    return [
         "",
         "## (d) Peak RSS, load + one decision, against bare llama.cpp (load + prefill)",
         "",
@@ -310,7 +278,6 @@ def markdown(r: Results) -> str:
         f"| {d['tokens']:.0f} | {d['clef_mib']:.1f} | {d['bare_mib']:.1f} | **{d['ratio']:.3f}** |",
         "",
     ]
-    return "\n".join(lines)
 
 
 def plot(r: Results, out: Path) -> None:
@@ -336,7 +303,7 @@ def plot(r: Results, out: Path) -> None:
 
 
 # --- Main -----------------------------------------------------------------------------------------------
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
@@ -350,16 +317,13 @@ def main() -> None:
     parser.add_argument("--rss-size", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     parser.add_argument("--from-json", type=Path, help="only write the table and plot again from a run's JSON")
-    args = parser.parse_args()
-    if args.from_json:
-        write(Results(**json.loads(args.from_json.read_text())), args.out)
-        return
+    return parser.parse_args()
 
-    import clef_gguf
-    from clef_gguf.testing.release_builder import ReleaseSpec, clef_and_backbone
 
-    # Room for the largest prompt: (a)'s, or (b)'s state plus 64 questions' schema (~7k tokens with the fixture's tokenizer).
-    n_ctx = max(max(args.sizes), args.questions_state + 8192) + 1024
+def fixture_release(args: argparse.Namespace) -> tuple[Any, str]:
+    """The fixture's ReleaseSpec for the hidden width and layers asked for, and its description in the report."""
+    from clef_gguf.testing.release_builder import ReleaseSpec
+
     width = args.hidden // 2
     spec = ReleaseSpec(
         hidden=args.hidden,
@@ -377,6 +341,22 @@ def main() -> None:
         f"FFN {2 * args.hidden}, {args.type}; head width {width}, 6 routing + 3 decoder layers (Clef-flash's layout), "
         f"4 heads, FFN {2 * width}"
     )
+    return spec, fixture
+
+
+def main() -> None:
+    args = parse_args()
+    if args.from_json:
+        write(Results(**json.loads(args.from_json.read_text())), args.out)
+        return
+
+    import clef_gguf
+    from clef_gguf.testing.bare_llama import BareLlama
+    from clef_gguf.testing.release_builder import clef_and_backbone
+
+    # Room for the largest prompt: (a)'s, or (b)'s state plus 64 questions' schema (~7k tokens with the fixture's tokenizer).
+    n_ctx = max(max(args.sizes), args.questions_state + 8192) + 1024
+    spec, fixture = fixture_release(args)
     with tempfile.TemporaryDirectory() as tmp:
         release, clef, plain = clef_and_backbone(Path(tmp), spec, args.type)
         # ubatch = n_ctx: one physical batch, the same context as the bare llama.cpp it is compared with.

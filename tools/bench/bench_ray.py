@@ -7,7 +7,7 @@ A local Ray cluster on loopback (Ray's single-node mode), started here, serves b
 one `clef-gguf serve --ray` and `serve run` deploy) on 127.0.0.1, each replica with one llama.cpp thread
 (and one CPU reserved by Ray). For each model, rounds alternate 1 and 2 replicas (a redeploy scales the
 same application); each round sends `requests` requests from 16 client threads, each on its own keep-alive
-connection (load_test.py's run_level), then `requests // 4` from 1 client. Cases: the demo request (397
+connection (testing/load.py's run_level, as load_test.py), then `requests // 4` from 1 client. Cases: the demo request (397
 tokens) on both models, and a 1,450-token request on the larger one (a quarter as many requests), where a
 decision outweighs what Ray adds to each request. Reported: medians over the
 rounds of throughput and p50/p99 latency, the ratio of 2 replicas' throughput to 1's (of the medians, and
@@ -36,19 +36,19 @@ from typing import Any
 from clef_gguf.testing import ray_cluster  # first: the cluster it starts listens on loopback only
 
 # isort: split
-from load_test import run_level, start_server
 from ray import serve
 
 import clef_gguf
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app
+from clef_gguf.settings import LoadOptions, RayScale
+from clef_gguf.testing.load import run_level, start_server
 from clef_gguf.testing.processes import HOST, free_port, memory_mib
-from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.release_builder import LARGER, build_release
 from clef_gguf.testing.request_suite import long_state_request
 
 CLIENTS = 16
 CTX = 4096  # the requests are a few hundred tokens: a small KV cache keeps replicas small and quick to start
-LARGER = ReleaseSpec(seed=5, hidden=256, intermediate=512, layers=8, head_width=64)
 
 
 # case -> model, request body, share of --requests (long decisions: fewer requests, a similar duration)
@@ -114,7 +114,8 @@ def bench_model(name: str, model: Path, port: int, body: bytes, rounds: int, req
     cluster_rss: list[float] = []
     for _ in range(rounds):
         for replicas in (1, 2):
-            settings = RaySettings(model=str(model), replicas=replicas, n_threads=1, max_prompt_tokens=CTX)
+            load, scale = LoadOptions(n_threads=1, max_prompt_tokens=CTX), RayScale(replicas=replicas)
+            settings = RaySettings(model=str(model), load=load, scale=scale)
             serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
             run_level(port, body, CLIENTS, 20, 30.0)  # warm: connections, the handle's router, first-call caches
             figures = measure(port, body, requests)

@@ -38,10 +38,10 @@ import clef_gguf
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.runtime.dataset_file import decide_file
 from clef_gguf.server.ray_dataset import RayData, decide_file_on_ray
-from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.settings import FileOptions, LoadOptions
+from clef_gguf.testing.release_builder import LARGER, build_release
 
 CTX = 4096
-LARGER = ReleaseSpec(seed=5, hidden=256, intermediate=512, layers=8, head_width=64)
 CACHED = re.compile(rb'"cached_tokens":\d+')
 RSS_CHILD = """
 import sys
@@ -67,14 +67,14 @@ def _requests(path: Path, n: int) -> Path:
 
 def _local(model: Path, source: Path, out: Path, threads: int | None) -> dict[str, Any]:
     with clef_gguf.load(model, max_prompt_tokens=CTX, n_threads=threads) as loaded:
-        summary = decide_file(loaded, str(source), str(out), force=True)
+        summary = decide_file(loaded, str(source), str(out), FileOptions(force=True))
     return {"seconds": round(summary.seconds, 3), "records_per_s": summary.as_dict()["records_per_s"]}
 
 
 def _on_ray(model: Path, source: Path, out: Path, workers: int) -> dict[str, Any]:
-    settings = RayData(None, workers, {"max_prompt_tokens": CTX, "n_threads": 1})
+    settings = RayData(None, workers, LoadOptions(max_prompt_tokens=CTX, n_threads=1))
     started = time.perf_counter()
-    summary = decide_file_on_ray(model, str(source), str(out), settings, force=True)
+    summary = decide_file_on_ray(model, str(source), str(out), settings, FileOptions(force=True))
     seconds = time.perf_counter() - started
     return {"seconds": round(seconds, 3), "records_per_s": round(summary.records / seconds, 2)}
 

@@ -47,81 +47,29 @@ ratios by size), and prints the table.
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from http.client import HTTPConnection, RemoteDisconnected
 from pathlib import Path
 from typing import Any
 
+from clef_gguf.testing.bench import cpu_name
+from clef_gguf.testing.llama_server import as_llama_server_accepts
+from clef_gguf.testing.processes import free_port, percentile, wait_healthy
+from clef_gguf.testing.servers import (
+    LLAMA_SERVER_MAX_BATCH,
+    Client,
+    new_state,
+    requests_by_size,
+    start_clef_gguf,
+    start_llama_server,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_SERVER_MAX_BATCH = 28672  # the largest -c = -b = -ub llama-server starts with for qwen35 (32768 aborts)
-
-from clef_gguf.testing.llama_server import as_llama_server_accepts, placement_flags  # noqa: E402
-from clef_gguf.testing.processes import free_port, percentile, wait_healthy  # noqa: E402
-
-
-class Client:
-    """A kept-alive HTTP connection to one server (reopened should the server close it)."""
-
-    def __init__(self, url: str) -> None:
-        self.host, _, port = url.removeprefix("http://").partition(":")
-        self.port = int(port)
-        self.connection = HTTPConnection(self.host, self.port, timeout=900)
-
-    def send(self, request: dict[str, Any]) -> tuple[float, int, bytes]:
-        body = json.dumps(request).encode()
-        for attempt in (1, 2):
-            started = time.perf_counter()
-            try:
-                self.connection.request("POST", "/v1/systemone", body, {"Content-Type": "application/json"})
-                response = self.connection.getresponse()
-                data = response.read()
-                break
-            except (ConnectionError, RemoteDisconnected):  # closed by the server since the last request
-                self.connection.close()
-                if attempt == 2:
-                    raise
-        seconds = time.perf_counter() - started
-        if response.getheader("connection", "").lower() == "close":
-            self.connection.close()
-        return seconds, response.status, data
-
-    def post(self, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-        seconds, status, data = self.send(request)
-        if status != 200:
-            raise SystemExit(f"HTTP {status} from {self.host}:{self.port}: {data[:300].decode('utf-8', 'replace')}")
-        return seconds, json.loads(data)
-
-    def status(self, request: dict[str, Any]) -> str:
-        """What the server answers a request it is expected to refuse: its status and message."""
-        _, status, data = self.send(request)
-        return "answered" if status == 200 else f"HTTP {status} {data.decode('utf-8', 'replace')[:160]}"
-
-
-def requests_by_size() -> dict[str, dict[str, Any]]:
-    from clef_gguf.testing.request_suite import long_state_text
-
-    demo = json.loads((ROOT / "clef_gguf" / "data" / "demo_request.json").read_text())
-    out = {"ticket": demo}
-    for label, paragraphs in (("~2k", 11), ("~8k", 46), ("~32k", 184)):
-        request = copy.deepcopy(demo)
-        request["state"] = {"ticket": long_state_text(paragraphs), "customer_tier": "gold"}
-        out[label] = request
-    return {name: as_llama_server_accepts(r) for name, r in out.items()}
-
-
-def new_state(request: dict[str, Any], round_: int) -> dict[str, Any]:
-    """The request about a state of its own (one more key, first in the prompt's sorted JSON), so that every
-    round is cold for clef-gguf's state cache too: the same body goes to both servers."""
-    return {**request, "state": {"case": round_, **request["state"]}}
 
 
 def repeated_state(request: dict[str, Any], round_: int) -> dict[str, Any]:
@@ -285,10 +233,10 @@ class Run:
         urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("clef-gguf", "llama-server -np 1", "llama-server -np 4")}
         if "clients" not in args.requests:  # (-np 4: its slots decode up to 4 requests together)
             del urls["llama-server -np 4"]
-        processes = [clef_serve(path, urls["clef-gguf"], args.threads, root / f"ours-{file_type}.log")]
+        processes = [start_clef_gguf(path, urls["clef-gguf"], args.threads, root / f"ours-{file_type}.log")]
         for slots in (1, 4)[: len(urls) - 1]:
             log = root / f"theirs-np{slots}-{file_type}.log"
-            processes.append(llama_server(args.bin, path, urls[f"llama-server -np {slots}"], args.threads, slots, log))
+            processes.append(start_llama_server(args.bin, path, urls[f"llama-server -np {slots}"], args.threads, slots, log))
         try:
             for url, process in zip(urls.values(), processes, strict=True):
                 wait_healthy(url, process)
@@ -317,7 +265,7 @@ class Run:
             + "`: fixture hidden 256,",
             "8 layers, head 128 wide (6 + 3 layers); HTTP round trips on loopback over one kept-alive connection",
             "to each server, interleaved, medians; ratio: the median of the rounds' ratios.",
-            f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
+            f"Machine: {cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs; {time.strftime('%Y-%m-%d')}.",
             "",
             "| type | request | tokens | clef-gguf | llama-server | ratio |",
             "|---|---|---:|---:|---:|---:|",
@@ -361,29 +309,6 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(run.raw, indent=1) + "\n")
     plot(run.rows, run.concurrency, args.out.with_suffix(".png"), args.threads)
     print("\n".join(lines))
-
-
-def clef_serve(model: Path, url: str, threads: int, log: Path) -> subprocess.Popen:
-    """`clef-gguf serve` on `model`, with this interpreter's clef_gguf."""
-    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(model), "--port", url.rsplit(":", 1)[1]]
-    return subprocess.Popen([*command, "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
-
-
-def llama_server(binary_dir: Path, model: Path, url: str, threads: int, slots: int, log: Path) -> subprocess.Popen:
-    """llama-server on `model` with `slots` parallel slots (-np), each able to take a prompt of LLAMA_SERVER_MAX_BATCH."""
-    ctx = str(LLAMA_SERVER_MAX_BATCH)
-    command = [str(binary_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
-    command += ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", str(threads), "-np", str(slots), *placement_flags()]
-    if slots > 1:
-        command.append("--kv-unified")  # every slot may take the whole context, as clef-gguf's sequences may
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def plot(rows: list[Row], concurrency: list[Concurrency], out: Path, threads: int) -> None:

@@ -18,13 +18,9 @@ resident memory (VmRSS) every 500 requests after a 200-request warm-up.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,31 +28,10 @@ from typing import Any
 
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.runtime.model import load
-from clef_gguf.testing.processes import HOST, free_port, memory_mib, percentile
+from clef_gguf.testing.load import Connection, Level, Sample, run_level, start_server
+from clef_gguf.testing.processes import memory_mib, percentile
 
 MALFORMED = {"model": "m", "state": "s", "questions": {"q": {"type": "score", "criteria": {"0": "a map is not a list"}}}}
-
-
-@dataclass
-class Sample:
-    latency_s: float
-    timing_ms: dict[str, float]  # the server's Server-Timing: read, queue, decide, back
-    status: int
-
-    @property
-    def decide_s(self) -> float:
-        return self.timing_ms.get("decide", 0.0) / 1e3
-
-
-@dataclass
-class Level:
-    clients: int
-    requests: int
-    seconds: float
-    p50_ms: float
-    p99_ms: float
-    throughput_rps: float
-    errors: int
 
 
 @dataclass
@@ -70,49 +45,6 @@ class Report:
     server_timing_p50_ms: dict[str, float] = field(default_factory=dict)  # at 1 client
     levels: list[Level] = field(default_factory=list)
     soak: dict[str, Any] = field(default_factory=dict)
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection; http.client sends a small body with its headers in one write."""
-
-    def __init__(self, port: int) -> None:
-        self.http = http.client.HTTPConnection(HOST, port, timeout=300)
-
-    def post(self, body: bytes) -> Sample:
-        started = time.perf_counter()
-        self.http.request("POST", "/v1/systemone", body=body, headers={"Content-Type": "application/json"})
-        response = self.http.getresponse()
-        response.read()
-        latency = time.perf_counter() - started
-        return Sample(latency, _server_timing(response.getheader("server-timing", "")), response.status)
-
-    def close(self) -> None:
-        self.http.close()
-
-
-def _server_timing(header: str) -> dict[str, float]:
-    metrics = (metric.strip().partition(";dur=") for metric in header.split(",") if ";dur=" in metric)
-    return {name: float(duration.partition(";")[0]) for name, _, duration in metrics}  # (dur, then desc=...)
-
-
-def start_server(model: Path, ctx: int, max_queue: int, threads: int | None) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(model), "--host", HOST, "--port", str(port)]
-    command += ["--ctx", str(ctx), "--max-queue", str(max_queue), *(["--threads", str(threads)] if threads else [])]
-    process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with status {process.returncode}")
-        try:
-            connection = http.client.HTTPConnection(HOST, port, timeout=2)
-            connection.request("GET", "/health")
-            if connection.getresponse().status == 200:
-                return process, port
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise SystemExit("the server did not answer /health in 120 s")
 
 
 def one_client_against_direct(
@@ -147,46 +79,6 @@ def one_client_against_direct(
         sum(s.status != 200 for s in server),
     )
     return level, server, direct
-
-
-def run_level(port: int, body: bytes, clients: int, count: int, seconds: float) -> Level:
-    """`clients` threads share `count` tickets; each thread stops when they run out or time is up."""
-    samples: list[Sample] = []
-    lock = threading.Lock()
-    tickets = iter(range(count))
-    connections = [Connection(port) for _ in range(clients)]
-    for connection in connections:  # open and warm every connection first
-        connection.post(body)
-    started = time.perf_counter()
-    deadline = started + seconds
-
-    def client(connection: Connection) -> None:
-        while time.perf_counter() < deadline:
-            with lock:
-                if next(tickets, None) is None:
-                    return
-            sample = connection.post(body)
-            with lock:
-                samples.append(sample)
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in connections]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
-    for connection in connections:
-        connection.close()
-    latencies = [s.latency_s for s in samples]
-    return Level(
-        clients,
-        len(samples),
-        wall,
-        percentile(latencies, 50) * 1e3,
-        percentile(latencies, 99) * 1e3,
-        len(samples) / wall,
-        sum(s.status != 200 for s in samples),
-    )
 
 
 def soak(pid: int, port: int, body: bytes, count: int, seconds: float) -> dict[str, Any]:

@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_vs_llama_server as bench
+from clef_gguf.testing.processes import free_port, wait_healthy
+from clef_gguf.testing.servers import Client, new_state, requests_by_size, start_clef_gguf, start_llama_server
 
 
 def top_samples(data: Path, top: int) -> list[str]:
@@ -50,23 +51,23 @@ def main() -> None:
     from clef_gguf.testing.fixture_files import benchmark_files
 
     threads = args.threads or default_threads()
-    request = bench.requests_by_size()[args.request]
+    request = requests_by_size()[args.request]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = benchmark_files(root, [args.type])[args.type]  # built in a child: no torch threads in the recording
         for who in ("clef-gguf", "llama-server"):
-            url = f"http://127.0.0.1:{bench.free_port()}"
+            url = f"http://127.0.0.1:{free_port()}"
             log = root / f"{who}.log"
             process = (
-                bench.clef_serve(path, url, threads, log)
+                start_clef_gguf(path, url, threads, log)
                 if who == "clef-gguf"
-                else bench.llama_server(args.bin, path, url, threads, 1, log)
+                else start_llama_server(args.bin, path, url, threads, 1, log)
             )
             try:
-                bench.wait_healthy(url, process)
-                client = bench.Client(url)
+                wait_healthy(url, process)
+                client = Client(url)
                 for r in range(3):  # warm-up, outside the recording
-                    client.post(bench.new_state(request, -1 - r))
+                    client.post(new_state(request, -1 - r))
                 data = root / f"{who}.data"
                 record = subprocess.Popen(
                     ["perf", "record", "-F", "999", "-g", "-p", str(process.pid), "-o", str(data)],
@@ -74,7 +75,7 @@ def main() -> None:
                     stderr=subprocess.DEVNULL,
                 )
                 time.sleep(1)  # perf attached
-                times = [client.post(bench.new_state(request, r))[0] for r in range(args.count)]
+                times = [client.post(new_state(request, r))[0] for r in range(args.count)]
                 record.send_signal(signal.SIGINT)  # perf writes its file at SIGINT
                 record.wait()
             finally:

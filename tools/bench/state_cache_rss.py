@@ -19,10 +19,10 @@ from clef_gguf.testing.processes import memory_mib
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--warmup", type=int, default=1_000)
-    parser.add_argument("--state-cache", default="64MiB")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=10_000, help="requests decided, each about a new state")
+    parser.add_argument("--warmup", type=int, default=1_000, help="requests before the first RSS reading")
+    parser.add_argument("--state-cache", default="64MiB", help="the cache's budget: small enough to fill in the warm-up")
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
     args = parser.parse_args()
 
     import clef_gguf
@@ -40,9 +40,11 @@ def main() -> None:
     with clef_gguf.load(DEMO_MODEL, max_prompt_tokens=4096, n_threads=args.threads, state_cache=budget) as model:
         cache = model.state_cache
         warm = None
+        # The template's preamble before the state is the same for every request (kept once); a state is never a hit.
+        preamble = model.encode({"state": "", "questions": questions}).preamble
         for i in range(args.requests):
             response = model.decide({"state": f"State number {i}. {text}", "questions": questions})
-            assert response["usage"]["input_tokens_details"]["cached_tokens"] == 0  # distinct: never a hit
+            assert response["usage"]["input_tokens_details"]["cached_tokens"] <= preamble  # distinct states
             done = i + 1
             if done == args.warmup:
                 warm = memory_mib()

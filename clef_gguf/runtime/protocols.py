@@ -1,0 +1,145 @@
+"""What a model is to those who use it: the protocols a model satisfies, beside the model (runtime/model.py's
+ClefModel is every one of them).
+
+- The server (server/worker.py, app.py, intake.py): `Prompt`, `Encoder` (runtime/encoder.py's PromptEncoder is one
+  too: the Ray ingress's), `Model`, and `SteppingModel` with its `Steps` (runtime/steps.py's PromptSteps).
+- The dataset mode: `DecidingModel` (runtime/dataset.py's decide_many) and `FileModel` (dataset_file.py's decide_file,
+  which records and checks the model's identity).
+- A prompt decided in steps: `StepsModel` (what runtime/steps.py's PromptSteps uses of its model).
+
+Only annotations name the concrete types, so importing this module loads neither llama.cpp nor the tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..llama.native_head import NativeHead
+    from .adapters import Variants
+    from .answers import Scores
+    from .catalog import Variant
+    from .prefill import Prefill
+    from .prompt import EncodedPrompt
+    from .state_cache import StateCache
+
+
+class Prompt(Protocol):
+    """What the server reads of an encoded prompt (runtime.prompt.EncodedPrompt): for its metrics and log line."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def images(self) -> Sequence[object]: ...
+
+    @property
+    def state_prefix(self) -> int: ...  # tokens up to and including the state
+
+    @property
+    def preamble(self) -> int: ...  # tokens before the request's own
+
+    @property
+    def model(self) -> str: ...  # the identity of the model it was encoded for: the base's or an adapter's
+
+
+class Encoder(Protocol):
+    """What the server's app and its intake use of a ClefModel: a runtime.encoder.PromptEncoder is one too."""
+
+    name: str
+    path: Path
+    ubatch: int  # tokens per physical batch of the prefill
+    image_limits: object | None  # None: no vision tower loaded, requests with images are refused
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
+
+    def adapter_names(self) -> list[str]: ...  # the fine-tunes a request may name besides the base
+
+    def model_name(self, prompt: Prompt) -> str: ...  # the name of the model it was encoded for (metrics' label)
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Model(Encoder, Protocol):
+    """What the server uses of a ClefModel that decides in this process."""
+
+    def batchable(self, prompts: Sequence[Prompt]) -> bool: ...  # whether decide_batch takes them together
+
+    def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]: ...  # fn on the model's compute thread, not waited for
+
+
+class Steps(Protocol):
+    """A prompt decided in steps (runtime/steps.py's PromptSteps)."""
+
+    def step(self) -> dict[str, Any] | Exception | None: ...  # one ubatch; then its answer (or its error)
+
+    def finish(self) -> None: ...  # give its sequence back, answered or not
+
+
+@runtime_checkable
+class SteppingModel(Model, Protocol):
+    """A Model that decides a long prompt a ubatch at a time, the batches waiting decided between its steps (ClefModel)."""
+
+    def stepped(self, prompt: Prompt) -> bool: ...  # whether this prompt is decided in steps
+
+    def begin(self, prompt: Prompt) -> Steps: ...  # on the compute thread; batchable then admits what fits beside it
+
+
+class DecidingModel(Protocol):
+    """What deciding many requests (runtime/dataset.py) needs of a model."""
+
+    name: str
+    state_cache: StateCache
+
+    @property
+    def parallel(self) -> int: ...
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    def encode(self, request: dict[str, Any]) -> EncodedPrompt: ...
+
+    def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool: ...
+
+    def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]: ...
+
+
+class FileModel(DecidingModel, Protocol):
+    """What deciding a file of requests into a file of answers (runtime/dataset_file.py) needs of a model."""
+
+    identity: str  # the model file's identity (GGUFFile.identity): what model_sha256 records
+    header_digest: str  # its header's SHA-256 (GGUFFile.digest): the model_sha256 of an older clef-gguf's answers
+
+
+class StepsModel(Protocol):
+    """What a prompt decided in steps (runtime/steps.py's PromptSteps) uses of its model, on the compute thread."""
+
+    variants: Variants
+
+    @property
+    def parallel(self) -> int: ...
+
+    def prefill(self) -> Prefill: ...
+
+    def score(
+        self,
+        variant: Variant,
+        head: NativeHead,
+        prompts: Sequence[EncodedPrompt],
+        hidden: Sequence[tuple[np.ndarray, int] | Exception],
+    ) -> list[Scores | Exception]: ...  # each prompt's Scores from its hidden states, by the variant's head
+
+    def answer(self, prompt: EncodedPrompt, scores: Scores) -> dict[str, Any]: ...
+
+    def end_steps(self, steps: Any) -> None: ...  # its sequence is free again
