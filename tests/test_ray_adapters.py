@@ -25,8 +25,7 @@ from peft_adapters import peft_adapter  # noqa: E402
 
 import clef_gguf  # noqa: E402
 from clef_gguf.server.ray_serve import build_app, settings_from_args  # noqa: E402
-from clef_gguf.testing.request_suite import flat_probabilities as _probabilities  # noqa: E402
-from clef_gguf.testing.request_suite import labelled_requests as _requests  # noqa: E402
+from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests  # noqa: E402
 
 CONTEXT = 4096
 ROUNDED = 1e-4 + 1e-9  # answers are rounded to 4 decimals: float noise may move one by a unit
@@ -52,12 +51,12 @@ def test_serve_on_ray_answers_each_model_by_its_name(ws, tmp_path):
     folder = tmp_path / "tunes"
     folder.mkdir()
     peft_adapter(release, folder, "urgency", seed=1)
-    requests = _requests(3)
+    requests = labelled_requests(3)
     names = [None, "triage", "urgency"]
     # The reference, in this process: the base loaded with the same adapters, one request at a time, no state cache.
     loading = {"max_prompt_tokens": CONTEXT, "state_cache": 0, "parallel": 1}
     with clef_gguf.load(base, adapters={"triage": named}, adapter_dir=folder, **loading) as model:
-        want = {(n, i): _probabilities(model.decide({**r, "model": n})) for n in names for i, r in enumerate(requests)}
+        want = {(n, i): flat_probabilities(model.decide({**r, "model": n})) for n in names for i, r in enumerate(requests)}
     assert max(np.abs(np.subtract(want["urgency", 0], want[None, 0]))) > 0.01  # the fine-tunes answer otherwise
     assert max(np.abs(np.subtract(want["triage", 0], want["urgency", 0]))) > 0.01
     args = ("--ray", "--replicas", "2", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
@@ -74,9 +73,9 @@ def test_serve_on_ray_answers_each_model_by_its_name(ws, tmp_path):
         for key, response in zip(sent, got, strict=True):
             assert response.status_code == 200, (key, response.text)
             assert response.json()["model"] == (key[0] or model.name)
-            assert np.abs(np.subtract(_probabilities(response.json()), want[key])).max() <= ROUNDED, key
+            assert np.abs(np.subtract(flat_probabilities(response.json()), want[key])).max() <= ROUNDED, key
         run = client.post("/accounts/a/ai/run/@cf/cloudflare/clef-flash", json={**requests[0], "lora": "urgency"}).json()
-        assert run["success"] and np.abs(np.subtract(_probabilities(run["result"]), want["urgency", 0])).max() <= ROUNDED
+        assert run["success"] and np.abs(np.subtract(flat_probabilities(run["result"]), want["urgency", 0])).max() <= ROUNDED
         unknown = client.post("/v1/systemone", json={**requests[0], "model": "nope"})
         assert unknown.status_code == 422, unknown.text
         detail = json.dumps(unknown.json())

@@ -21,7 +21,7 @@ from ..format import adapter as A
 from ..format import contract as C
 from ..outputs import refuse_inputs
 from .convert import NUMPY_FILE_TYPES, apply_transform, backbone_tensors
-from .graft import head_qtype, head_tensors, release_files, write_file
+from .graft import head_qtype, head_tensors, release_files
 from .lora import (
     ADAPTER_CONFIG,
     ADAPTER_DIR,
@@ -33,7 +33,7 @@ from .lora import (
     read_adapter_config,
 )
 from .release import Release, open_release, reference_sha256
-from .writer import GT, OutTensor, Progress, check_output, encode, storage_type
+from .writer import GT, OutTensor, Progress, check_output, encode, storage_type, write_file
 
 ADAPTER_FILE_TYPES = ("f32", "f16", "q8_0")
 DEFAULT_ADAPTER_TYPE = "f16"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -29,14 +28,11 @@ from .writer import (
     GT,
     OutTensor,
     Progress,
-    atomic_output,
-    check_free_space,
     check_output,
-    data_bytes,
     encode,
     header_bytes,
     storage_type,
-    write_gguf,
+    write_file,
     write_metadata,
 )
 
@@ -247,24 +243,6 @@ def write_clef(
         )
 
     return write_file(out, metadata, tensors, header_bytes(vocab, tensors), force=force, progress=progress, stage=stage)
-
-
-def write_file(
-    out: Path,
-    metadata: Callable[[gguf.GGUFWriter], None],
-    tensors: list[OutTensor],
-    header: int,
-    *,
-    force: bool,
-    progress: Progress | None,
-    stage: str,
-) -> Path:
-    """Write a GGUF of the Clef architecture (a model or an adapter file) as `out`, published only once complete,
-    after checking that the disk has room for the tensors and `header` bytes more."""
-    check_free_space(out.parent, header + data_bytes(tensors))
-    with atomic_output(out, force) as tmp:
-        write_gguf(tmp, C.ARCH, metadata, tensors, progress, stage)
-    return out
 
 
 def graft(

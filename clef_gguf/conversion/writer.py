@@ -289,3 +289,21 @@ def write_gguf(
     finally:
         with writing(path):
             writer.close()
+
+
+def write_file(
+    out: Path,
+    metadata: Callable[[gguf.GGUFWriter], None],
+    tensors: list[OutTensor],
+    header: int,
+    *,
+    force: bool,
+    progress: Progress | None,
+    stage: str,
+) -> Path:
+    """Write a GGUF of the Clef architecture (a model or an adapter file) as `out`, published only once complete,
+    after checking that the disk has room for the tensors and `header` bytes more."""
+    check_free_space(out.parent, header + data_bytes(tensors))
+    with atomic_output(out, force) as tmp:
+        write_gguf(tmp, C.ARCH, metadata, tensors, progress, stage)
+    return out

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -46,7 +46,7 @@ from ..errors import SettingsError
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
-from ..settings import API_KEY_ENV, LoadOptions, RayScale, ServeSettings
+from ..settings import API_KEY_ENV, HttpLimits, LoadOptions, RayScale, ServeSettings
 from .app import check_api_key, send_shutting_down
 from .observe import configure_access_log
 from .problems import overloaded
@@ -103,6 +103,24 @@ def autoscale_range(text: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
+# Where each setting lives in a config's `args` (flat before 0.2.0): named when one is found in another table.
+_HOMES = {
+    f.name: f"{table}.{f.name}"
+    for table, cls in (("serve", ServeSettings), ("serve.limits", HttpLimits), ("load", LoadOptions), ("scale", RayScale))
+    for f in fields(cls)
+    if f.name != "limits"
+}
+
+
+def _refusal(error: Any) -> str:
+    """One pydantic error as `where: why`, saying where a setting found in the wrong table belongs."""
+    where = ".".join(map(str, error["loc"]))
+    home = _HOMES.get(str(error["loc"][-1]))
+    if error["type"] == "unexpected_keyword_argument" and home is not None and home != where:
+        return f"{where}: not a setting here; it is {home} (args are nested by table: docs/serving.md)"
+    return f"{where}: {error['msg']}"
+
+
 def validated(args: dict[str, Any]) -> RaySettings:
     """`args` (RaySettings' fields, each table as a dict) held to the tables' types and bounds, the autoscale range
     and the API key checked; a SettingsError naming each setting refused (unknown ones too)."""
@@ -113,7 +131,7 @@ def validated(args: dict[str, Any]) -> RaySettings:
         if settings.serve.api_key is not None:
             check_api_key(settings.serve.api_key)
     except ValidationError as e:
-        raise SettingsError("; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in e.errors())) from None
+        raise SettingsError("; ".join(map(_refusal, e.errors()))) from None
     except ValueError as e:
         raise SettingsError(str(e)) from None
     return settings
