@@ -416,9 +416,10 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
     assert settings_from_args({"model": "m.gguf", "serve": {"api_key": "given"}}).serve.api_key == "given"
     for bad, why in [
         ({"model": "m.gguf", "scale": {"replica": 2}}, "scale.replica: Unexpected keyword argument"),  # a typo is refused
-        # a setting outside its table (clef-gguf 0.1's flat args) is refused, saying where it lives now
+        # a setting outside its table (the flat args before 0.2.0) is refused, saying where it lives now
         ({"model": "m.gguf", "replicas": 2}, r"replicas: not a setting here; it is scale\.replicas"),
         ({"model": "m.gguf", "serve": {"min_body_rate": 1}}, r"serve\.min_body_rate: .* it is serve\.limits\.min_body_rate"),
+        ({"model": "m.gguf", "host": "0.0.0.0"}, r"host: not a setting here; it is http_options\.host"),
         ({"model": "m.gguf", "scale": {"autoscale": "4:1"}}, "1 <= MIN <= MAX"),
         ({"model": "m.gguf", "serve": {"api_key": "has space"}}, "visible ASCII"),
         ({"model": "m.gguf", "load": {"n_threads": 0}}, "load.n_threads: Input should be greater than or equal to 1"),

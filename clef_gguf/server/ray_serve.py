@@ -105,7 +105,7 @@ def autoscale_range(text: str) -> tuple[int, int]:
 
 # Where each setting lives in a config's `args` (flat before 0.2.0): named when one is found in another table.
 _HOMES = {
-    f.name: f"{table}.{f.name}"
+    f.name: NOT_IN_ARGS.get((table, f.name), f"{table}.{f.name}")  # host, port, address: Ray's own, not a table's
     for table, cls in (("serve", ServeSettings), ("serve.limits", HttpLimits), ("load", LoadOptions), ("scale", RayScale))
     for f in fields(cls)
     if f.name != "limits"
