@@ -70,23 +70,36 @@ def local_cluster(num_cpus: int) -> Iterator[str]:
 
 
 def replica_pids(app: str | None = None) -> dict[str, list[int]]:
-    """The processes of an application's replicas (`clef-gguf serve --ray`'s by default), by deployment, from
-    the actors Serve names for them. (ray.util.state would say so too, but it asks the dashboard, which a
-    loopback test cluster does not run.)"""
+    """The processes of an application's replicas (`clef-gguf serve --ray`'s by default), by deployment."""
+    pids: dict[str, list[int]] = {}
+    for deployment, pid, _ in _replicas(app):
+        pids.setdefault(deployment, []).append(pid)
+    return pids
+
+
+def held_requests(deployment: str, app: str | None = None) -> dict[int, int]:
+    """The requests each replica of a deployment holds now, by process: the count Ray's router probes
+    (a method of Serve's replica actor, answered on a thread of its own while the user code computes)."""
+    import ray
+
+    replicas = [(pid, actor) for name, pid, actor in _replicas(app) if name == deployment]
+    return {pid: ray.get(actor.get_num_ongoing_requests.remote(), timeout=30) for pid, actor in replicas}
+
+
+def _replicas(app: str | None) -> Iterator[tuple[str, int, object]]:
+    """(deployment, pid, actor) of each live replica of an application, from the actors Serve names for them.
+    (ray.util.state would list them too, but it asks the dashboard, which a loopback test cluster does not run.)"""
     import ray
 
     from ..server.ray_serve import APP_NAME
 
     app = app or APP_NAME
-    pids: dict[str, list[int]] = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]  # SERVE_REPLICA::APP#DEPLOYMENT#ID
         if name.startswith(f"SERVE_REPLICA::{app}#"):
-            deployment = name.split("#")[1]
             try:
                 handle = ray.get_actor(name, namespace=actor["namespace"])
                 pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
             except (ValueError, ray.exceptions.RayError):  # gone between the listing and the call
                 continue
-            pids.setdefault(deployment, []).append(pid)
-    return pids
+            yield name.split("#")[1], pid, handle
