@@ -1,5 +1,5 @@
-"""A local Ray cluster on loopback, and the processes of a Serve application's replicas: for
-tests/test_ray_serve.py and tools/bench/bench_ray.py.
+"""A local Ray cluster on loopback, and the processes of a Serve application's replicas and the requests
+each holds: for tests/test_ray_serve.py and tools/bench/bench_ray.py.
 
 Importing this module prepares the process for the cluster it starts (Ray reads both variables when it is
 imported: import this first); it imports ray itself only when called, so that a test module can import it
