@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from ..server.ray_local import LOOPBACK_ENV, loopback_only
 
@@ -86,7 +87,7 @@ def held_requests(deployment: str, app: str | None = None) -> dict[int, int]:
     return {pid: ray.get(actor.get_num_ongoing_requests.remote(), timeout=30) for pid, actor in replicas}
 
 
-def _replicas(app: str | None) -> Iterator[tuple[str, int, object]]:
+def _replicas(app: str | None) -> Iterator[tuple[str, int, Any]]:
     """(deployment, pid, actor) of each live replica of an application, from the actors Serve names for them.
     (ray.util.state would list them too, but it asks the dashboard, which a loopback test cluster does not run.)"""
     import ray
