@@ -53,6 +53,14 @@ class AdapterBaseError(IncompleteModelError):
     """An adapter file and a base that do not belong together: trained over another base, or shapes that differ."""
 
 
+class AdapterUnavailableError(ClefError):
+    """A request's adapter cannot be used now, though its name is served: its file vanished, shrank, changed while
+    the request waited, or no longer validates. Another request may find it again (a file being replaced): the
+    server answers 503 with Retry-After, not 500; the CLI exits 7."""
+
+    exit_code = 7
+
+
 class NonFiniteWeightsError(CorruptModelError):
     """A tensor about to be written, or a head read, holds NaN or Inf values (a diverged fine-tune, a bad
     lora_alpha, or a value beyond the range of the type it is stored in): no such file is written."""

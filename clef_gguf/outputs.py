@@ -19,21 +19,42 @@ from __future__ import annotations
 import errno
 import fnmatch
 import os
+import shutil
 import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputError
+from .inputs import file_kind
 
 # link(2) is not supported on every file system (FAT, exFAT, some FUSE and network ones answer these).
 NO_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK})
 
 
+# Every temporary path this process made, until its block removes it: what a command stopped by a signal, and stuck
+# past its cleanups, removes before it ends (cli/errors.py's watchdog: remove_temporaries).
+_temporaries: set[Path] = set()
+
+
 def temporary(out: Path, kind: str) -> Path:
     """`.OUT.PID.kind` beside OUT (same file system: renamed or linked into place); the PID tells a dead run's
     leftovers from a running one's (conversion/writer.remove_stale)."""
-    return out.with_name(f".{out.name}.{os.getpid()}.{kind}")
+    path = out.with_name(f".{out.name}.{os.getpid()}.{kind}")
+    _temporaries.add(path)
+    return path
+
+
+def remove_temporaries() -> None:
+    """Remove every temporary file or folder this process made and has not removed (a process about to end at once)."""
+    for path in list(_temporaries):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass  # (ending anyway: what is left, writer.remove_stale removes on the next run)
 
 
 def _stat(path: Path) -> os.stat_result | None:
@@ -51,20 +72,6 @@ def _stat(path: Path) -> os.stat_result | None:
         raise OutputError(f"cannot use {path} as an output: {e.strerror or e}") from None
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (a named pipe)"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device (a disk)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
-
-
 def is_stream(path: Path) -> bool:
     """A FIFO or a character device (/dev/null, a terminal, a pipe's /dev/fd/N): what decide may stream into."""
     st = _stat(path)
@@ -76,7 +83,7 @@ def refuse_special(path: Path) -> None:
     st = _stat(path)
     if st is None or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
         return
-    kind = _kind(st.st_mode)
+    kind = file_kind(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
         raise OutputError(f"{path} is a folder; give the path of a file to write")
     raise OutputError(f"{path} is {kind}, not a regular file: it is never replaced, --force or not; give a file path")
@@ -141,7 +148,7 @@ def check_folder(
         check_writable_folder(parent)
         return
     if not stat.S_ISDIR(st.st_mode):
-        raise OutputError(f"{folder} is {_kind(st.st_mode)}, not a folder: -o takes the folder to write the reports into")
+        raise OutputError(f"{folder} is {file_kind(st.st_mode)}, not a folder: -o takes the folder to write the reports into")
     patterns = list(patterns)
     try:
         names = sorted(name for name in os.listdir(folder) if any(fnmatch.fnmatchcase(name, p) for p in patterns))
@@ -197,3 +204,4 @@ def atomic_file(out: Path, force: bool, kind: str = "partial") -> Iterator[Path]
         publish(tmp, out, force)
     finally:
         tmp.unlink(missing_ok=True)
+        _temporaries.discard(tmp)

@@ -97,6 +97,12 @@ class LoadOptions:
         ge=1,
     )
 
+    base_head: bool = _setting(
+        False,
+        "Let an adapter without a head of its own (llama-server's variant: convert --adapter --llama-server) decide with "
+        "the base's head. Without it such an adapter is refused: its answers would not be the fine-tune's.",
+    )
+
     def kwargs(self) -> dict[str, Any]:
         """load()'s keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -180,6 +186,7 @@ class ServeSettings:
     log_format: LogFormat = _setting(
         "text", "The access log's lines on stderr, one per request: text (key=value) or json (one object per line)."
     )
+    ui: bool = _setting(True, "Serve the page at / that asks the model and shows each option's probability (--no-ui: none).")
 
 
 API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `serve` and a Ray config alike

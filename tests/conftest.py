@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -32,6 +33,7 @@ from clef_gguf.testing.oracle import Oracle  # noqa: E402
 from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402
 
 MAX_PROMPT_TOKENS = 8192  # the long-state request has several thousand tokens
+MODELS_KEPT = 2  # Workspace.model's loaded models (test_api_safety compares two at once)
 NO_DEVICE = "--on-device: this llama-cpp-python has no device backend (a CPU build); tools/vulkan_env.sh builds one with Vulkan"
 
 
@@ -150,8 +152,7 @@ class Workspace:
         self.release = cache(self._release)
         self._gguf_cached = cache(self._gguf)
         self.oracle = cache(self._oracle)
-        self._model_cached = cache(self._model)
-        self._models: list[clef_gguf.ClefModel] = []
+        self._models: OrderedDict[tuple[str, str, str], clef_gguf.ClefModel] = OrderedDict()  # least recently used first
 
     def _release(self, name: str) -> Path:
         return build_release(self.root / name, RELEASES[name])
@@ -165,7 +166,17 @@ class Workspace:
         return default_mmproj_path(self.gguf(name, file_type))
 
     def model(self, name: str, file_type: str, head_type: str = "auto") -> clef_gguf.ClefModel:
-        return self._model_cached(name, file_type, head_type)
+        """The session's loaded model of a fixture file. At most MODELS_KEPT stay loaded, the least recently used
+        closed first: each reserves 8.7 GB of address space (its one 8192-token ubatch), and with more alive the
+        test process's forks (subprocess, pty) fail with ENOMEM under the kernel's overcommit heuristic."""
+        key = (name, file_type, head_type)
+        model = self._models.get(key)
+        if model is None:
+            while len(self._models) >= MODELS_KEPT:
+                self._models.popitem(last=False)[1].close()
+            model = self._models[key] = self._model(name, file_type, head_type)
+        self._models.move_to_end(key)
+        return model
 
     def _gguf(self, name: str, file_type: str, head_type: str) -> Path:
         out = self.root / f"{name}-{file_type}-{head_type}.gguf"
@@ -176,14 +187,12 @@ class Workspace:
 
     def _model(self, name: str, file_type: str, head_type: str) -> clef_gguf.ClefModel:
         # One physical batch (ubatch = n_ctx): the reference the ubatch tests compare the default prefill with.
-        model = clef_gguf.load(
+        return clef_gguf.load(
             self.gguf(name, file_type, head_type), max_prompt_tokens=MAX_PROMPT_TOKENS, ubatch=MAX_PROMPT_TOKENS
         )
-        self._models.append(model)
-        return model
 
     def close(self) -> None:
-        for model in self._models:
+        for model in self._models.values():
             model.close()
 
 

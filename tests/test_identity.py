@@ -1,5 +1,6 @@
 """A model's identity covers its weights (issue 46, F5): a base and its fine-tunes converted to the same type share
-their header, not their identity, so their prompts and answers files never mix; a copy of a file is the same model."""
+their header (but for the release digest clef-gguf records, absent from llama.cpp's conversions), not their identity,
+so their prompts and answers files never mix; a copy of a file is the same model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from clef_gguf.conversion.rekey import rekey
 from clef_gguf.data import DEMO_CONTEXT, DEMO_REQUEST
 from clef_gguf.errors import RequestError
 from clef_gguf.format.header import IDENTITY_WINDOW, GGUFFile
+from clef_gguf.format.lineage import KEY_SOURCE_BASE_DIGEST, KEY_SOURCE_DIGEST, KEY_SOURCE_MERGED
+from clef_gguf.testing.gguf_bytes import rebuild
 
 BASE = "k256"  # its MLP matrices (512 KiB in f32) are over the sample's 64 KiB: the identity samples them
 ADAPTED = "model.language_model.layers.1.mlp.down_proj.weight"
@@ -61,18 +64,26 @@ def tunes(ws, tmp_path_factory) -> tuple[Path, Path]:
     )
 
 
-def test_a_base_and_its_fine_tunes_share_the_header_not_the_identity(ws, tunes):
+def _as_foreign(path: Path, out_dir: Path) -> Path:
+    """The file without clef-gguf's lineage keys (clef.source.*: its release's weights digest, in the header), as
+    llama.cpp's converter writes one: then the header alone cannot tell a base from its fine-tunes."""
+    return rebuild(
+        path, out_dir / f"foreign-{path.name}", drop_keys={KEY_SOURCE_DIGEST, KEY_SOURCE_MERGED, KEY_SOURCE_BASE_DIGEST}
+    )
+
+
+def test_a_base_and_its_fine_tunes_share_the_header_not_the_identity(ws, tunes, tmp_path):
     base = ws.gguf(BASE, "f32")
-    (base_header, base_id), (header_1, id_1), (header_2, id_2) = _identities(base, *tunes)
+    (base_header, base_id), (header_1, id_1), (header_2, id_2) = _identities(*(_as_foreign(p, tmp_path) for p in (base, *tunes)))
     assert base_header == header_1 == header_2  # the same layout and type: only the weights tell them apart
     assert len({base_id, id_1, id_2}) == 3
 
 
 def test_a_calibrated_base_and_fine_tune_differ_and_each_differs_from_its_source(ws, tunes, tmp_path):
     keys = {"clef.decision.temperature.choice": 1.5}
-    base = ws.gguf(BASE, "f32")
-    calibrated = [rekey(source, tmp_path / f"calibrated{i}.gguf", keys) for i, source in enumerate((base, tunes[0]))]
-    (_, base_id), (_, tune_id), (base_header, cal_base), (tune_header, cal_tune) = _identities(base, tunes[0], *calibrated)
+    base, tune = (_as_foreign(p, tmp_path) for p in (ws.gguf(BASE, "f32"), tunes[0]))
+    calibrated = [rekey(source, tmp_path / f"calibrated{i}.gguf", keys) for i, source in enumerate((base, tune))]
+    (_, base_id), (_, tune_id), (base_header, cal_base), (tune_header, cal_tune) = _identities(base, tune, *calibrated)
     assert base_header == tune_header  # the same keys on the same layout
     assert len({base_id, tune_id, cal_base, cal_tune}) == 4
 

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = (
     "errors",
     "settings",
+    "inputs",
     "outputs",
     "data",
     "format",

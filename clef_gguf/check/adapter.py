@@ -4,6 +4,11 @@ Recognized by `general.type = adapter`. Checked from the header alone: llama.cpp
 205-221), every tensor a `.lora_a` / `.lora_b` of a layer matrix llama.cpp applies LoRA to, paired, with one rank
 per pair (:323-371), or a head tensor of the shape the adapter's head keys imply; clef-gguf's keys. Whether it fits
 a given base is check/adapter_pair.py's. Verdicts and exit codes are validate's: 0 complete, 5 corrupt, 7 incomplete.
+
+The LoRA tensors' values are read too (lora_values: they are small beside a model), as a model's head is: NaN or
+Inf in one, or a scale alpha / rank that lets a pair's product overflow, would make every decision of the fine-tune
+NaN. llama-server's variant (no head keys, no head tensors) is a sound adapter for llama-server, and validates; the
+runtime refuses it unless asked to decide with the base's head (refuse_headless).
 """
 
 from __future__ import annotations
@@ -11,15 +16,19 @@ from __future__ import annotations
 import math
 import re
 
+import gguf
+import numpy as np
 from gguf import GGUFValueType as VT
 from gguf import Keys
 
+from ..errors import IncompleteModelError
 from ..format import adapter as A
 from ..format import contract as C
-from ..format.header import Header
+from ..format.header import GGUFFile, Header
 from ..format.hparams import MAX_HEAD_COUNT, MAX_HEAD_LAYERS, MAX_WIDTH
+from .finite import count_nonfinite
 from .layout import check_layout
-from .report import Counts, Findings, Problem, Verdict
+from .report import Counts, Findings, Problem, Verdict, corrupt
 
 CHECK = "adapter"
 MAX_RANK = 1 << 16
@@ -32,6 +41,10 @@ _TARGETS = frozenset(
 )
 _UINT_KEYS = (A.KEY_EMBEDDING_LENGTH, A.KEY_HEAD_WIDTH, A.KEY_HEAD_FEEDFORWARD, A.KEY_RANK)
 _HEAD_COUNTS = {"routing_layers": C.KEY_ROUTING_BLOCKS, "layers": C.KEY_JOINT_BLOCKS, "heads": C.KEY_HEAD_COUNT}
+# The most a LoRA pair may multiply an activation by (its scale times the row sums of |B| and |A|: a bound on
+# max |scale B A x| / max |x|): float16's largest value. Trained pairs stay in the single digits; past this the
+# product is Inf where a backend computes in float16, and a few layers of it overflow float32 too (alpha 1e6 did).
+MAX_LORA_GAIN = float(np.finfo(np.float16).max)
 
 
 def is_adapter(h: Header) -> bool:
@@ -159,6 +172,73 @@ def judge_adapter(h: Header, file_size: int) -> Findings:
     found.counts = Counts(tensors=len(h.tensors), backbone=2 * len(pairs), head=n_head)
     found.notes.append(f"trained over {h.get(A.KEY_BASE_NAME)!r} (base fingerprint {h.get(A.KEY_BASE_FINGERPRINT)})")
     return found
+
+
+def _matrix(f: GGUFFile, name: str) -> np.ndarray:
+    """A LoRA tensor's values as float32, numpy shape (its types: C.WEIGHT_TYPES, which gguf-py decodes)."""
+    t = f.header.tensors[name]
+    with np.errstate(all="ignore"):
+        return gguf.quants.dequantize(f.tensor_bytes(name), t.type).reshape(t.shape).astype(np.float32, copy=False)
+
+
+def _gain(f: GGUFFile, target: str, scale: float) -> float:
+    """A bound on how much the pair of `target` multiplies an activation: scale * ||B||_inf * ||A||_inf (row sums)."""
+    with np.errstate(all="ignore"):
+        a = np.abs(_matrix(f, target + A.LORA_A)).sum(axis=1, dtype=np.float64).max(initial=0.0)
+        b = np.abs(_matrix(f, target + A.LORA_B)).sum(axis=1, dtype=np.float64).max(initial=0.0)
+        # NaN or Inf values are their own problem (lora_values, --deep): no gain is told of them
+        return float(scale * a * b) if math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+def lora_values(f: GGUFFile, nonfinite: bool = True) -> list[Problem]:
+    """The LoRA pairs of an adapter file read: NaN or Inf values (corrupt: exit 5; `nonfinite` False when --deep
+    reads every tensor already), and an alpha whose scale lets a pair overflow (the adapter check: exit 7). Each names
+    the tensor, or the alpha and the pair."""
+    h = f.header
+    if not is_adapter(h):
+        return []
+    pairs, _ = lora_pairs(h)
+    names = [target + suffix for target in pairs for suffix in (A.LORA_A, A.LORA_B)]
+    bad = [(n, count_nonfinite(f.tensor_bytes(n), h.tensors[n].type)) for n in names] if nonfinite else []
+    bad = [(n, k) for n, k in bad if k]
+    if bad:
+        name, n = bad[0]
+        more = f" (and {len(bad) - 1} more LoRA tensors)" if len(bad) > 1 else ""
+        message = f"LoRA tensor {name} holds {n} NaN or Inf values of {h.tensors[name].n_elements}{more}: every decision"
+        return [corrupt("lora values", f"{message} of this fine-tune would be NaN (a diverged fine-tune?); convert it again")]
+    alpha = h.get(A.KEY_ALPHA)
+    if not isinstance(alpha, float) or not math.isfinite(alpha) or alpha <= 0:
+        return []  # (_keys says so)
+    gains = [(target, a[0], _gain(f, target, alpha / a[0])) for target, (a, _) in pairs.items()]
+    over = [g for g in gains if g[2] > MAX_LORA_GAIN]  # (an Inf gain too: alpha times finite values overflowed)
+    if not over:
+        return []
+    target, rank, gain = max(over, key=lambda g: g[2])
+    more = f" (and {len(over) - 1} more pairs)" if len(over) > 1 else ""
+    return [
+        Problem(
+            CHECK,
+            f"{A.KEY_ALPHA} = {alpha:g} over rank {rank} (scale {alpha / rank:g}) lets the LoRA of {target} multiply an "
+            f"activation by up to {gain:.3g}{more}, beyond {MAX_LORA_GAIN:g}: every decision would overflow to NaN; "
+            "the alpha is wrong (PEFT's lora_alpha): convert the checkpoint again with its own",
+        )
+    ]
+
+
+def is_headless(h: Header) -> bool:
+    """llama-server's variant of an adapter (convert --adapter --llama-server): its LoRA, no head keys or tensors."""
+    return is_adapter(h) and C.KEY_DECISION_TYPE not in h.fields and not any(C.is_head_tensor(n) for n in h.tensors)
+
+
+def refuse_headless(h: Header, name: str) -> None:
+    """IncompleteModelError (exit 7) for llama-server's variant: clef-gguf would answer with the base's head, not the
+    fine-tune's, unnoticed. What decide and serve call, unless asked for the base's head (--base-head, base_head)."""
+    if is_headless(h):
+        raise IncompleteModelError(
+            f"{name} is llama-server's variant of an adapter (convert --adapter --llama-server: a LoRA, no head), so the "
+            "fine-tune's head is not in it: convert the checkpoint with --adapter alone, or pass --base-head "
+            "(base_head=True) to decide with the base's head"
+        )
 
 
 def summary(verdict: Verdict, found: Findings, h: Header | None) -> str:

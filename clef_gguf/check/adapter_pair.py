@@ -1,20 +1,23 @@
 """validate BASE --adapter FILE: both files validated, then whether the adapter was trained over this base.
 
-The base's identity is format/adapter.model_fingerprint (its norms, the same in every quantization of one release);
-then what llama.cpp's adapter loader checks (src/llama-adapter.cpp:333-371: every pair's model tensor exists, lora_a's
-ne[0] is the weight's ne[0], lora_b's ne[1] its ne[1]) and what clef-gguf's head needs (the head's shapes).
+The base's identity is format/adapter.model_fingerprint (its norms, the same in every quantization of one release),
+which tells one release from another but not a base from its fine-tunes (a LoRA changes no norm): format/lineage.py
+does, by the keys conversions write (the release's weights digest, merged files marked) or, for a file without them
+(llama.cpp's converter), by the content check of the adapter's base sample. Then what llama.cpp's adapter loader
+checks (src/llama-adapter.cpp:333-371: every pair's model tensor exists, lora_a's ne[0] is the weight's ne[0],
+lora_b's ne[1] its ne[1]) and what clef-gguf's head needs (the head's shapes).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from ..errors import AdapterBaseError, SettingsError
 from ..format import adapter as A
 from ..format import contract as C
+from ..format import lineage as L
 from ..format.header import GGUFFile, Header
 from .adapter import adapter_head_config, is_adapter, lora_pairs
 from .report import Problem, Report, Verdict
@@ -23,11 +26,88 @@ from .validate import judge_source
 CHECK = "pairing"
 
 
-def adapter_problems(base: GGUFFile, adapter: Header) -> list[Problem]:
-    """Why `adapter` (a header that validates) cannot be applied to `base` (a model file that validates); [] if it can."""
+def _by_keys(base: Header, adapter: Header) -> tuple[list[Problem], str] | None:
+    """The pairing the lineage keys decide (format/lineage.py); None where they do not (a file without them)."""
+    theirs, ours = adapter.get(L.KEY_BASE_DIGEST), base.get(L.KEY_SOURCE_DIGEST)
+    merged, parent = base.get(L.KEY_SOURCE_MERGED) is True, base.get(L.KEY_SOURCE_BASE_DIGEST)
+    if L.is_digest(theirs) and L.is_digest(ours):
+        if theirs == ours:
+            return [], f"the release it was trained over ({L.KEY_SOURCE_DIGEST} {_short(ours)})"
+        if merged and parent == theirs:
+            why = (
+                f"the base is a fine-tune merged into the release this adapter was trained over ({L.KEY_SOURCE_MERGED}): "
+                "the adapter would apply over another fine-tune (its own LoRA twice, if the file is its merged "
+                "conversion); give the release's own conversion"
+            )
+        elif merged and L.is_digest(parent):
+            why = f"the base is a merged fine-tune ({L.KEY_SOURCE_MERGED}) of another release than the adapter's"
+        elif merged:
+            why = (
+                f"the base is a merged fine-tune ({L.KEY_SOURCE_MERGED}: a folder clef-finetune merge wrote), not the "
+                "release the adapter was trained over; give the release's own conversion"
+            )
+        else:
+            why = f"the adapter was trained over another release (weights digest {_short(theirs)}; this base's is {_short(ours)})"
+        return [Problem(CHECK, why)], ""
+    if merged:
+        return [
+            Problem(
+                CHECK,
+                f"the base is a merged fine-tune ({L.KEY_SOURCE_MERGED}), and the adapter records no {L.KEY_BASE_DIGEST} to "
+                "show it was trained over that one (written by an older clef-gguf): convert the adapter again, or give "
+                "the release's own conversion",
+            )
+        ], ""
+    return None
+
+
+def _by_content(base: GGUFFile, adapter: Header) -> tuple[list[Problem], str]:
+    """The content check of format/lineage.py: how much of the adapter's update the base's weights hold."""
+    sample = L.read_sample(adapter)
+    if sample is None:
+        return [Problem(CHECK, f"the adapter's base sample ({L.SAMPLE_PREFIX}*) is damaged: its keys disagree")], ""
+    if not sample:
+        return [], (
+            "the same norms fingerprint only: the adapter holds no base sample (an older clef-gguf wrote it), so a "
+            "merged fine-tune is not told from its base"
+        )
+    share = L.sample_share(base, sample)
+    if share is None:
+        return [], "the same norms fingerprint; the content check found no sampled row it could read"
+    measured = f"{share.value:.3f} ± {share.error:.3f} of the adapter's update over {share.n} values"
+    if share.merged and share.value > 0:
+        why = (
+            f"the base's weights hold the adapter's own update already ({measured}; its base holds 0, its merged "
+            "conversion 1): a merged fine-tune, over which the LoRA would apply twice; give the release's own conversion"
+        )
+        return [Problem(CHECK, why)], ""
+    if share.merged:
+        return [Problem(CHECK, f"the base's weights are not the adapter's base: they differ from it by {measured}")], ""
+    if not share.conclusive:
+        return [], f"the same norms fingerprint; the content check cannot tell at this quantization ({measured})"
+    return [], f"the same norms fingerprint and none of the adapter's update in the weights (content check: {measured})"
+
+
+def _short(digest: str) -> str:
+    return digest[:12] + "..."
+
+
+def judge_pair(base: GGUFFile, adapter: Header) -> tuple[list[Problem], str]:
+    """Why `adapter` (a header that validates) cannot be applied to `base` (a model file that validates), and on
+    what ground it fits where it does: the norms, then the lineage keys, or else the content check."""
     theirs, ours = adapter.get(A.KEY_BASE_FINGERPRINT), A.model_fingerprint(base)
     if theirs != ours:
-        return [Problem(CHECK, f"the adapter was trained over another base (fingerprint {theirs}; this base's is {ours})")]
+        return [Problem(CHECK, f"the adapter was trained over another base (fingerprint {theirs}; this base's is {ours})")], ""
+    problems, basis = _by_keys(base.header, adapter) or _by_content(base, adapter)
+    return problems + _shape_problems(base, adapter), basis
+
+
+def adapter_problems(base: GGUFFile, adapter: Header) -> list[Problem]:
+    """Why `adapter` (a header that validates) cannot be applied to `base` (a model file that validates); [] if it can."""
+    return judge_pair(base, adapter)[0]
+
+
+def _shape_problems(base: GGUFFile, adapter: Header) -> list[Problem]:
     problems = []
     tensors = base.header.tensors
     pairs, _ = lora_pairs(adapter)
@@ -65,6 +145,7 @@ class AdapterPairReport:
     base: Report
     adapter: Report
     problems: tuple[Problem, ...]
+    basis: str = ""  # on what ground it fits (judge_pair)
 
     @property
     def exit_code(self) -> int:
@@ -80,13 +161,13 @@ class AdapterPairReport:
         if self.problems:
             more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
             return f"the adapter does not fit this base: {self.problems[0].message}{more}"
-        return "the adapter fits this base: the same base fingerprint, every LoRA pair and head tensor of the base's shapes"
+        return f"the adapter fits this base: {self.basis}; every LoRA pair and head tensor of the base's shapes"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "base": self.base.to_dict(),
             "adapter": self.adapter.to_dict(),
-            "pairing": {"summary": self.summary, "problems": [p.message for p in self.problems]},
+            "pairing": {"summary": self.summary, "problems": [p.message for p in self.problems], "basis": self.basis},
             "exit_code": self.exit_code,
         }
 
@@ -97,7 +178,7 @@ def validate_adapter_pair(
     """Validate a base model file, an adapter file, and whether the adapter was trained over that base (local files:
     the base's fingerprint reads its norms)."""
     for path in (base, adapter):
-        if not Path(path).is_file():
+        if not os.path.exists(path):  # (a FIFO, a folder: judge_source says what it is, exit 5)
             raise SettingsError(f"{path}: no such file (--adapter pairs two local files)")
     base_report, base_header = judge_source(base, deep=deep)
     adapter_report, adapter_header = judge_source(adapter, deep=deep)
@@ -112,10 +193,11 @@ def validate_adapter_pair(
             summary=f"not an adapter file (no {A.KEY_GENERAL_TYPE} = adapter)",
         )
     problems: list[Problem] = []
+    basis = ""
     if base_report.ok and adapter_report.ok and adapter_header is not None:
         f = GGUFFile.open(base)
         try:
-            problems = adapter_problems(f, adapter_header)
+            problems, basis = judge_pair(f, adapter_header)
         finally:
             f.close()
-    return AdapterPairReport(base_report, adapter_report, tuple(problems))
+    return AdapterPairReport(base_report, adapter_report, tuple(problems), basis)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from gguf import Keys
@@ -112,7 +111,7 @@ def _wrong_kind(report: Report, summary_line: str) -> Report:
 def open_vision(model: Header, mmproj: str | os.PathLike[str]) -> VisionDescription:
     """The description of a local mmproj for the runtime, after a header-only validation and the pairing
     check with this model's header; raises validate's error (or IncompleteModelError for a bad pair)."""
-    if not Path(mmproj).is_file():  # (judge_source would read a URL remotely: libmtmd needs a local file)
+    if not os.path.exists(mmproj):  # (judge_source would read a URL remotely: libmtmd needs a local file)
         raise ModelFileError(f"{mmproj}: no such mmproj file")
     report, header = judge_source(mmproj)
     if header is not None and not is_mmproj(header) and report.verdict is not Verdict.CORRUPT:

@@ -37,7 +37,8 @@ from ..errors import ModelFileError, NotADecisionModelError, SettingsError
 from ..format import contract as C
 from ..format.header import GGUFFile, Header
 from ..format.hparams import prefix_of, read_backbone_shape, read_head_config
-from .adapter import is_adapter, judge_adapter
+from ..inputs import open_regular
+from .adapter import is_adapter, judge_adapter, lora_values
 from .deep import check_data, file_sha256
 from .description import ClefDescription, ValidatedFile
 from .finite import check_head_values
@@ -123,7 +124,7 @@ def _normalize_sha256(sha256: str | None) -> str | None:
 
 def _open_map(path: Path) -> tuple[mmap.mmap | None, int, list[Problem]]:
     try:
-        with path.open("rb") as fh:
+        with open_regular(path) as fh:  # (a FIFO is refused, not waited on)
             size = os.fstat(fh.fileno()).st_size
             if size == 0:
                 return None, 0, [corrupt("source", EMPTY)]
@@ -157,6 +158,8 @@ def _judge_local(path: Path, deep: bool, sha256: str | None, started: float) -> 
         found.notes += notes
     elif laid_out:  # the head is a small part of the file: its values are read even without --deep
         found.problems += check_head_values(f)
+    if laid_out:  # an adapter's LoRA too (small): NaN or Inf (--deep found those), an alpha that overflows
+        found.problems += lora_values(f, nonfinite=not deep)
     if sha256 is not None:
         extra["sha256"] = actual = file_sha256(path)
         if actual != sha256:

@@ -15,7 +15,12 @@ from ..errors import BackendUnavailableError
 def main() -> None:
     try:
         from .app import app
+        from .errors import end_on_signals
     except BackendUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
+    except KeyboardInterrupt:  # (Ctrl-C while the libraries load: the line, not an import's traceback)
+        print("error: stopped by SIGINT", file=sys.stderr)
+        raise SystemExit(128 + 2) from None
+    end_on_signals()  # this process is the command: a signal ends it within seconds, whatever it waits on
     app()

@@ -23,6 +23,7 @@ from ..settings import FileOptions, LoadOptions
 from .errors import err, fail, run, say, signals_clean_up
 from .options import (
     AdapterFile,
+    BaseHead,
     GpuLayers,
     MaxLineBytes,
     MaxPrompt,
@@ -89,10 +90,12 @@ def _summary_line(summary: Summary, code: int) -> str:
 
 def on_ray(address: str | None) -> Any:
     """server/ray_dataset.py, imported after ray_local.loopback_only when the cluster is to be started here."""
-    if address is None:
-        from ..server.ray_local import loopback_only
+    from ..server.ray_local import bounded_connect, loopback_only
 
+    if address is None:
         loopback_only()  # the cluster started here listens on 127.0.0.1 only; before ray is imported
+    else:
+        bounded_connect()  # an address where no cluster answers: refused in seconds, not minutes
     try:
         from ..server import ray_dataset
     except ModuleNotFoundError as e:
@@ -127,6 +130,10 @@ def _decide_jsonl(
 
     def decided(progress: Callable[[Summary, int | None], None] | None) -> Summary:
         if ray is not None:
+            if adapter is not None:  # checked against the model as loading checks it: before a cluster starts
+                from ..server.launch import check_files
+
+                check_files(model_path, options.mmproj and Path(options.mmproj), options, adapter)
             on = on_ray(ray[0])
             return on.decide_file_on_ray(model_path, source, out, on.RayData(*ray, options, adapter=adapter), file, progress)
         with load(model_path, adapter=adapter, **options.kwargs()) as model:
@@ -221,6 +228,7 @@ def decide(
     n_threads: Threads = LoadOptions.n_threads,
     max_line_bytes: MaxLineBytes = None,
     adapter: AdapterFile = None,
+    base_head: BaseHead = LoadOptions.base_head,
     ray: OnRayOption = False,
     workers: WorkersOption = None,
     address: AddressOption = None,
@@ -238,7 +246,7 @@ def decide(
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     check_ubatch(ubatch, max_prompt_tokens)
-    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, mmproj=mmproj)
+    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, mmproj=mmproj, base_head=base_head)
     if jsonl or request_path.lower().endswith(JSONL_SUFFIXES):
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")

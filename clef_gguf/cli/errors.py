@@ -4,13 +4,24 @@ and its exit code, a signal 128+N, never a traceback.
 SIGTERM and SIGHUP unwind like SIGINT, so that the library's finally blocks remove partial files; a signal
 that arrives inside llama.cpp's log callback (its quantizer logs through Python) waits for the next progress
 update, since ctypes drops an exception raised there.
+
+A Python signal handler runs only when the main thread runs Python again: stuck in C code (Ray's connect, which
+retries for minutes; a read of a hung file system; a long llama.cpp computation), or in a cleanup that waits for a
+thread that is, the command would not stop. So in the command's process (main: end_on_signals) a watchdog thread
+wakes at each signal (signal.set_wakeup_fd: written by the C-level handler, whatever the main thread is doing) and,
+if the process is still there STOP_S later, removes the partial files this process made (outputs.temporary's), says
+the one line, and ends it: exit 128+N, within STOP_S of the signal whatever it was waiting on.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn, TypeVar
 
@@ -20,6 +31,7 @@ from rich.console import Console
 from ..check.report import printable
 from ..errors import ClefError
 from ..llama.log import inside_callback
+from ..outputs import remove_temporaries
 
 err = Console(stderr=True)
 T = TypeVar("T")
@@ -54,6 +66,62 @@ class Terminated(KeyboardInterrupt):
 
 
 _pending: list[int] = []  # a signal that arrived where raising would have been lost
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After a signal, the most a command takes to end: its cleanups (partial files removed, a model's compute in
+# progress awaited) take milliseconds to a second, a local Ray cluster's stop about 2 s (measured: decide --ray);
+# past this the command is stuck, and ends at once (the watchdog).
+STOP_S = 3.0
+PARTIAL_REMOVED = "partial output removed"
+
+
+@dataclass
+class _Stopping:
+    """What the watchdog reads: whether a command runs under signals_clean_up (or ends after a signal there), and
+    what its stop says of the output."""
+
+    active: bool = False  # a signals_clean_up block is open
+    ending: bool = False  # one ended by a signal: the process ends (a thread stuck in C may hold its exit)
+    stopped: str = PARTIAL_REMOVED
+    said: bool = False  # run() said the "stopped by" line: the watchdog does not say it again
+
+
+_state = _Stopping()
+
+
+def _end_now(signum: int) -> None:
+    """The watchdog's end of a command stuck STOP_S after a signal: its partial files removed, the line, exit 128+N.
+    Written with os.write: the main thread may hold the console's lock, and stdout's buffer (a partial answer)
+    is dropped, not flushed."""
+    remove_temporaries()
+    if not _state.said:
+        text = f"error: stopped by {signal.Signals(signum).name}; {_state.stopped}\n"
+        with suppress(OSError):
+            os.write(2, text.encode(errors="replace"))
+    os._exit(128 + signum)
+
+
+def _watch(wakeup: int) -> None:
+    """The watchdog thread: each byte on `wakeup` is a signal that arrived (signal.set_wakeup_fd)."""
+    while True:
+        try:
+            got = os.read(wakeup, 64)
+        except OSError:
+            return
+        for signum in got:
+            if signum in STOPPING and (_state.active or _state.ending):
+                time.sleep(STOP_S)  # (the process normally ends meanwhile: this daemon thread with it)
+                _end_now(signum)
+
+
+def end_on_signals() -> None:
+    """In the command's own process (cli.main): start the watchdog. Not in a process that merely calls the CLI's
+    functions (a test): a watchdog ends the whole process."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    wakeup, tripped = os.pipe()
+    os.set_blocking(tripped, False)  # (set_wakeup_fd requires it: a full pipe must not block a signal handler)
+    signal.set_wakeup_fd(tripped, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(wakeup,), name="clef-signal-watchdog", daemon=True).start()
 
 
 def raise_pending() -> None:
@@ -63,13 +131,18 @@ def raise_pending() -> None:
 
 
 @contextmanager
-def signals_clean_up() -> Iterator[None]:
+def signals_clean_up(stopped: str = PARTIAL_REMOVED) -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like SIGINT (finally blocks remove partial files); later signals wait for that.
+    Within one such block another does nothing (run() opens one around every command but serve).
 
     Inside llama.cpp's log callback the signal is kept and raised at the next progress update out of it
-    (raise_pending): an exception cannot unwind C frames.
+    (raise_pending): an exception cannot unwind C frames. In the command's process the watchdog (end_on_signals)
+    ends it STOP_S after a signal whatever it is stuck in, saying `stopped`.
     """
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    if _state.active:
+        yield
+        return
+    signals = STOPPING
 
     def unwind(signum: int, frame: FrameType | None) -> None:
         for s in signals:  # a second signal must not interrupt the cleanup the first one started
@@ -79,6 +152,8 @@ def signals_clean_up() -> Iterator[None]:
             raise Terminated(signum)
 
     previous = {s: signal.signal(s, unwind) for s in signals}
+    _state.active, _state.stopped = True, stopped
+    stopping = False
     try:
         yield
     except Exception as e:
@@ -87,24 +162,35 @@ def signals_clean_up() -> Iterator[None]:
         if _pending:
             raise Terminated(_pending[0]) from e
         raise
+    except KeyboardInterrupt:
+        stopping = True
+        raise
     finally:
+        _state.ending = stopping or bool(_pending)
         _pending.clear()  # a later error, outside this block, is not the signal's
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _state.active = False
 
 
-PARTIAL_REMOVED = "partial output removed"
-
-
-def run(action: Callable[[], T], *, stopped: str = PARTIAL_REMOVED) -> T:
+def run(action: Callable[[], T], *, stopped: str = PARTIAL_REMOVED, signals: bool = True) -> T:
     """Run a library call; a ClefError becomes one line on stderr and its exit code, a signal (SIGINT, SIGTERM,
-    SIGHUP) 128+N and one line saying so and what became of the output (`stopped`)."""
+    SIGHUP) 128+N and one line saying so and what became of the output (`stopped`). With `signals` (every command
+    but serve, whose server drains at SIGTERM), inside signals_clean_up."""
+
+    def guarded() -> T:
+        if not signals:
+            return action()
+        with signals_clean_up(stopped):
+            return action()
+
     try:
-        return action()
+        return guarded()
     except ClefError as e:
         error(e)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         error(f"stopped by {signal.Signals(signum).name}; {stopped}")
+        _state.said = True
         raise typer.Exit(128 + signum) from None

@@ -149,6 +149,8 @@ AdapterFile = Annotated[
     ),
 ]
 
+BaseHead = Annotated[bool, typer.Option("--base-head", help=help_of(LoadOptions, "base_head"))]
+
 
 def adapter_pairs(values: list[str] | None) -> dict[str, Path] | None:
     """--adapter NAME=FILE, repeated: {name: file}."""

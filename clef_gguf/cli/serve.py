@@ -15,6 +15,7 @@ from .options import (
     AdapterDir,
     AdapterMemory,
     AdapterPairs,
+    BaseHead,
     GpuLayers,
     LogFormatOption,
     MaxAdapters,
@@ -102,12 +103,14 @@ def serve(
     max_body_buffer: MaxBodyBuffer = H.max_body_buffer,
     max_body_readers: Annotated[int, _http("max_body_readers")] = H.max_body_readers,
     log_format: LogFormatOption = D.log_format,
+    ui: Annotated[bool, _serve("ui")] = D.ui,
     state_cache: Annotated[int, state_cache_option()] = LoadOptions.state_cache,
     mmproj: Mmproj = LoadOptions.mmproj,  # type: ignore[assignment]
     adapter: AdapterPairs = None,
     adapter_dir: AdapterDir = None,
     max_adapters: MaxAdapters = LoadOptions.max_adapters,
     adapter_memory: AdapterMemory = LoadOptions.adapter_memory,
+    base_head: BaseHead = LoadOptions.base_head,
     on_ray: OnRayOption = False,
     replicas: Annotated[int | None, _ray("replicas")] = RayScale.replicas,
     autoscale: Annotated[str | None, _ray("autoscale", metavar="MIN:MAX")] = RayScale.autoscale,
@@ -122,16 +125,16 @@ def serve(
     http = {"header_timeout": header_timeout, "body_timeout": body_timeout, "min_body_rate": min_body_rate}
     http |= {"body_grace": body_grace, "keep_alive": keep_alive, "max_body_buffer": max_body_buffer}
     limits = _http_limits(max_prompt_tokens, mmproj is not None, HttpLimits(**http, max_body_readers=max_body_readers))
-    settings = ServeSettings(host, port, api_key, max_queue, drain_timeout, limits, log_format)
+    settings = ServeSettings(host, port, api_key, max_queue, drain_timeout, limits, log_format, ui)
     options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, state_cache, mmproj)
     many = {"adapters": adapter_pairs(adapter), "adapter_dir": adapter_dir}
-    options = replace(options, **many, max_adapters=max_adapters, adapter_memory=adapter_memory)
+    options = replace(options, **many, max_adapters=max_adapters, adapter_memory=adapter_memory, base_head=base_head)
     if on_ray:
         if replicas is not None and autoscale is not None:
             fail("--replicas and --autoscale exclude each other")
         scale = RayScale(replicas=replicas, autoscale=autoscale, gpus=gpus_per_replica, address=ray_address)
-        run(lambda: serve_on_ray(model, settings, options, scale))
+        run(lambda: serve_on_ray(model, settings, options, scale), signals=False)  # (it drains at SIGTERM)
     elif replicas is not None or autoscale is not None:
         fail("--replicas and --autoscale need --ray")
     else:
-        run(lambda: serve_file(model, settings, options))
+        run(lambda: serve_file(model, settings, options), signals=False)  # (the server drains at SIGTERM)

@@ -19,9 +19,11 @@ import numpy as np
 from ..errors import ConversionError, ReleaseError
 from ..format import adapter as A
 from ..format import contract as C
+from ..format import lineage as L
 from ..outputs import refuse_inputs
 from .convert import NUMPY_FILE_TYPES, apply_transform, backbone_tensors
 from .graft import head_qtype, head_tensors, release_files
+from .lineage import release_digest
 from .lora import (
     ADAPTER_CONFIG,
     ADAPTER_DIR,
@@ -57,6 +59,58 @@ def release_fingerprint(release: Release) -> str:
     file stores them)."""
     norms = [t for t in backbone_tensors(release, GT.F32) if A.is_fingerprint_tensor(t.name)]
     return A.norms_fingerprint((t.name, t.shape, t.data()) for t in norms)
+
+
+def _order(t: C.BackboneTensor, shape: C.BackboneShape, axis: int) -> np.ndarray:
+    """The model file's layout as a permutation of the release's along `axis`: its index i is the release's order[i]."""
+    n = t.shape[axis]
+    index = np.arange(n)
+    if axis == 0 and t.transform in A.ROW_TRANSFORMS:
+        return apply_transform(index.reshape(n, 1), t.transform, shape).reshape(n)
+    if axis == 1 and t.transform in A.COLUMN_TRANSFORMS:
+        return apply_transform(index.reshape(1, n), t.transform, shape).reshape(n)
+    return index
+
+
+def _sample_rows(pairs: list[LoraPair], shape: C.BackboneShape) -> list[tuple[LoraPair, int]]:
+    """The (pair, model file row) whose update is largest per value, SAMPLE_ROWS_PER_TENSOR at most of one matrix,
+    within SAMPLE_BUDGET values: where a merged LoRA stands out most from a quantization's error."""
+    candidates = []
+    for p in pairs:
+        a, b = p.merged.a.load().astype(np.float64), p.merged.b.load().astype(np.float64)
+        energy = np.einsum("ir,rs,is->i", b, a @ a.T, b)[_order(p.tensor, shape, 0)]  # |row i of B A|^2
+        width = p.tensor.shape[1]
+        candidates += [(float(energy[i]) / width, p, int(i)) for i in np.argsort(-energy)[: L.SAMPLE_ROWS_PER_TENSOR]]
+    chosen, used = [], 0
+    for score, p, row in sorted(candidates, key=lambda c: -c[0]):
+        if score > 0 and used + p.tensor.shape[1] <= L.SAMPLE_BUDGET:
+            chosen.append((p, row))
+            used += p.tensor.shape[1]
+    order = {id(p): i for i, p in enumerate(pairs)}
+    return sorted(chosen, key=lambda c: (order[id(c[0])], c[1]))
+
+
+def base_sample(pairs: list[LoraPair], shape: C.BackboneShape) -> dict[str, tuple[str, object]]:
+    """The sample keys of format/lineage.py: rows of the base release's weights, in the model file's layout, and of
+    the pair's update (PEFT's scale x B @ A, which alpha / r x B'A' applies) for the content check of a pair."""
+    tensors, rows, widths, weights, delta = [], [], [], [], []
+    chosen = _sample_rows(pairs, shape)
+    for p in dict.fromkeys(p for p, _ in chosen):
+        width, source, columns = p.tensor.shape[1], _order(p.tensor, shape, 0), _order(p.tensor, shape, 1)
+        a, b = p.merged.a.load().astype(np.float64), p.merged.b.load().astype(np.float64) * p.merged.scale
+        for row in (r for q, r in chosen if q is p):
+            tensors.append(p.tensor.gguf)
+            rows.append(row)
+            widths.append(width)
+            weights += p.merged.base.load_span(int(source[row]) * width, width)[columns].tolist()
+            delta += (b[source[row]] @ a).astype(np.float32)[columns].tolist()
+    return {
+        L.KEY_SAMPLE_TENSORS: ("array", tensors),
+        L.KEY_SAMPLE_ROWS: ("array", rows),
+        L.KEY_SAMPLE_WIDTHS: ("array", widths),
+        L.KEY_SAMPLE_WEIGHTS: ("array", weights),
+        L.KEY_SAMPLE_DELTA: ("array", delta),
+    }
 
 
 def lora_pairs(tuned: Release, config: dict, alpha: float) -> list[LoraPair]:
@@ -110,7 +164,7 @@ def changed_head(tuned: Release, base: Release, qtype: GT) -> list[OutTensor]:
 
 
 def _metadata(
-    tuned: Release, base: Release, name: str, alpha: float, ftype: gguf.LlamaFileType, rank: int, llama_server: bool
+    tuned: Release, base: Release, name: str, alpha: float, ftype: gguf.LlamaFileType, pairs: list[LoraPair], llama_server: bool
 ) -> dict[str, tuple[str, object]]:
     """The adapter's key-values beyond general.architecture: key -> (gguf-py value type, value)."""
     head, shape = tuned.head_config, tuned.backbone_shape()
@@ -123,7 +177,8 @@ def _metadata(
         A.KEY_ALPHA: ("float32", alpha),
         A.KEY_BASE_FINGERPRINT: ("string", release_fingerprint(base)),
         A.KEY_BASE_NAME: ("string", base.name),
-        A.KEY_RANK: ("uint32", rank),
+        A.KEY_RANK: ("uint32", max(p.rank for p in pairs)),
+        L.KEY_BASE_DIGEST: ("string", release_digest(base)),
         A.KEY_EMBEDDING_LENGTH: ("uint32", shape.n_embd),
         A.KEY_HEAD_WIDTH: ("uint32", head.width),
         A.KEY_HEAD_FEEDFORWARD: ("uint32", head.feedforward),
@@ -137,7 +192,7 @@ def _metadata(
             C.KEY_HEAD_NORM_EPS: ("float32", head.norm_eps),
             C.KEY_REFERENCE_SHA256: ("string", reference_sha256(tuned)),
         }
-    return kv
+    return kv | base_sample(pairs, shape)
 
 
 def convert_adapter(
@@ -172,7 +227,7 @@ def convert_adapter(
     tensors = _lora_tensors(pairs, tuned.backbone_shape(), qtype)
     if not llama_server:
         tensors += changed_head(tuned, base_release, head_qtype(head_type, qtype))
-    kv = _metadata(tuned, base_release, path.name, alpha, ftype, max(p.rank for p in pairs), llama_server)
+    kv = _metadata(tuned, base_release, path.name, alpha, ftype, pairs, llama_server)
 
     def metadata(w: gguf.GGUFWriter) -> None:
         for key, (kind, value) in kv.items():

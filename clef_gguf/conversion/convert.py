@@ -25,6 +25,7 @@ from ..format import contract as C
 from ..format import vision as V
 from ..outputs import refuse_inputs
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
+from .lineage import Kv, source_keys
 from .lora import checkpoint_files, is_checkpoint, needs_base, open_checkpoint
 from .mmproj import MmprojPlan, no_tower_reason, plan_mmproj
 from .mmproj import mmproj_type as resolve_mmproj_type
@@ -203,6 +204,8 @@ def convert_files(
     if mmproj_out is not None:
         check_output(mmproj_out, force)
     release, own_files = _open_source(source, base)
+    # Before anything is written: where the weights came from, for the pairing of adapters (conversion/lineage.py).
+    lineage = source_keys(release, open_release(base) if base is not None else None)
     inputs = [*release_files(release), *own_files, *([Path(imatrix)] if imatrix else [])]
     refuse_inputs(out, inputs)
     note = ""
@@ -218,7 +221,9 @@ def convert_files(
             # so that a failed or interrupted conversion leaves neither file.
             tmp = stack.enter_context(atomic_output(mmproj_out, force))
             plan.write(tmp, release.name, progress)
-        model = _convert_model(release, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress)
+        model = _convert_model(
+            release, out, file_type, head_type=head_type, imatrix=imatrix, force=force, progress=progress, lineage=lineage
+        )
     return Converted(model, mmproj_out if plan is not None else None, note + ": no mmproj written" if note else "")
 
 
@@ -247,6 +252,7 @@ def _convert_model(
     imatrix: str | Path | None,
     force: bool,
     progress: Progress | None,
+    lineage: Kv,
 ) -> Path:
     shape = release.backbone_shape()
     vocab = read_vocab(release.tokenizer, release.tokenizer_config, shape.n_vocab, release.text_config.get("eos_token_id"))
@@ -254,7 +260,7 @@ def _convert_model(
         raise ReleaseError(f"head hidden_size {release.head_config.hidden_size} != backbone hidden_size {shape.n_embd}")
     hparams = backbone_hparams(release)
     if file_type in LLAMA_FILE_TYPES:
-        return _convert_with_llama(release, out, file_type, hparams, vocab, head_type, imatrix, force, progress)
+        return _convert_with_llama(release, out, file_type, hparams, vocab, head_type, imatrix, force, progress, lineage)
     qtype, ftype = NUMPY_FILE_TYPES[file_type]
     tensors = backbone_tensors(release, qtype) + head_tensors(release, head_qtype(head_type, qtype))
     return write_clef(
@@ -267,6 +273,7 @@ def _convert_model(
         force=force,
         progress=progress,
         stage="converting",
+        lineage=lineage,
     )
 
 
@@ -280,6 +287,7 @@ def _convert_with_llama(
     imatrix: str | Path | None,
     force: bool,
     progress: Progress | None,
+    lineage: Kv,
 ) -> Path:
     n = _n_weights(release)
     # bf16 stage, quantized stage and output, each with its header
@@ -303,4 +311,5 @@ def _convert_with_llama(
             head_type=head_type,
             force=force,
             progress=progress,
+            lineage=lineage,
         )

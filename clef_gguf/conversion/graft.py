@@ -22,6 +22,7 @@ from ..format import contract as C
 from ..format.header import GGUFFile, Header
 from ..format.hparams import backbone_shape
 from ..outputs import refuse_inputs
+from .lineage import Kv
 from .release import Release, backbone_hparams, open_release, reference_sha256
 from .vocab import Vocab, read_vocab
 from .writer import (
@@ -187,8 +188,10 @@ def assemble(
     head_type: str = "auto",
     force: bool = False,
     progress: Progress | None = None,
+    lineage: Kv | None = None,
 ) -> Path:
-    """Write the Clef file: the backbone's tensors as they are, then the release's head (F32 unless head_type)."""
+    """Write the Clef file: the backbone's tensors as they are, then the release's head (F32 unless head_type);
+    `lineage` the keys of the release the backbone was converted from (convert's), none for another's (graft's)."""
     f = GGUFFile.open(backbone_path)
     try:
         arch = f.header.get(Keys.General.ARCHITECTURE)
@@ -209,7 +212,7 @@ def assemble(
             raise MismatchError(f"the head reads hidden size {release.head_config.hidden_size}, the backbone has {shape.n_embd}")
         tensors = _backbone_tensors(f, shape) + head_tensors(release, head_qtype(head_type, None))
         file_type = int(f.header.get(Keys.General.FILE_TYPE, 0))
-        write_clef(out, release, hparams, vocab, file_type, tensors, force=force, progress=progress)
+        write_clef(out, release, hparams, vocab, file_type, tensors, force=force, progress=progress, lineage=lineage)
     finally:
         f.close()
     return out
@@ -226,8 +229,10 @@ def write_clef(
     force: bool,
     progress: Progress | None,
     stage: str = "writing",
+    lineage: Kv | None = None,
 ) -> Path:
-    """Write a Clef file: its metadata (the release's head config and reference sha256 among them), then `tensors`."""
+    """Write a Clef file: its metadata (the release's head config and reference sha256 among them, and the lineage
+    keys of conversion/lineage.source_keys), then `tensors`."""
     refuse_inputs(out, release_files(release))
     sha256 = reference_sha256(release)
 
@@ -240,6 +245,7 @@ def write_clef(
             file_type=file_type,
             head=release.head_config,
             reference_sha256=sha256,
+            lineage=lineage,
         )
 
     return write_file(out, metadata, tensors, header_bytes(vocab, tensors), force=force, progress=progress, stage=stage)

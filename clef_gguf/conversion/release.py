@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import ReleaseError
 from ..format.contract import BACKBONE_KEY_SUFFIXES, BackboneShape, HeadConfig
 from ..format.vision import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
+from ..inputs import open_regular
 
 BACKBONE_CLASS = "Qwen3_5ForConditionalGeneration"
 HEAD_WEIGHTS = "joint_head.safetensors"
@@ -51,6 +52,18 @@ class StoredTensor:
             data = (data.astype(np.uint32) << 16).view(np.float32)
         return data.astype(np.float32, copy=False).reshape(self.shape)
 
+    def load_span(self, start: int, count: int) -> np.ndarray:
+        """Values [start, start + count) of the tensor in row-major order, as float32 (a weights digest's sample)."""
+        if self.dtype not in _DTYPES:
+            raise ReleaseError(f"{self.path.name}: tensor dtype {self.dtype} is not supported")
+        dtype = np.dtype(_DTYPES[self.dtype])
+        data = np.fromfile(self.path, dtype=dtype, count=count, offset=self.offset + start * dtype.itemsize)
+        if data.size != count:
+            raise ReleaseError(f"{self.path.name} is truncated")
+        if self.dtype == "BF16":
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32, copy=False)
+
 
 # Bytes per value of safetensors' dtypes; another dtype is refused when its tensor is read (StoredTensor.load).
 _DTYPE_SIZES = {
@@ -62,7 +75,7 @@ _DTYPE_SIZES = {
 def read_safetensors_index(path: Path) -> dict[str, StoredTensor]:
     """The tensors a safetensors file holds, each entry of its header checked against the file's bytes."""
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:  # (a FIFO is refused, not waited on)
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > 100_000_000:
                 raise ValueError("header too large")
@@ -218,11 +231,16 @@ def resolve(source: str) -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ReleaseError(f"{path.parent.name}: not a Clef release: {path.name} is missing")
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
+        with open_regular(path) as f:  # (a FIFO is refused, not waited on)
+            data = f.read()
+    except FileNotFoundError:
+        raise ReleaseError(f"{path.parent.name}: not a Clef release: {path.name} is missing") from None
+    except OSError as e:
+        raise ReleaseError(f"{path.name}: cannot read ({e.strerror or e})") from None
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
         raise ReleaseError(f"{path.name} is not valid JSON ({e})") from e
     if not isinstance(value, dict):
         raise ReleaseError(f"{path.name}: a JSON {type(value).__name__}, where a JSON object is expected")

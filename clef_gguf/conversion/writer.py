@@ -11,7 +11,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,8 +215,10 @@ def write_metadata(
     file_type: int,
     head: C.HeadConfig | None,
     reference_sha256: str = "",
+    lineage: Mapping[str, tuple[str, object]] | None = None,
 ) -> None:
-    """Key-values of a Clef file (head given) or of a plain qwen35 backbone (head None)."""
+    """Key-values of a Clef file (head given) or of a plain qwen35 backbone (head None); `lineage`: the keys of
+    conversion/lineage.source_keys (key -> (gguf-py value type, value))."""
     arch = C.ARCH if head is not None else C.BACKBONE_ARCH
     w.add_name(name)
     w.add_file_type(file_type)
@@ -237,6 +239,8 @@ def write_metadata(
         w.add_float32(C.KEY_HEAD_NORM_EPS, head.norm_eps)
         w.add_string(C.KEY_REFERENCE_SHA256, reference_sha256)
         w.add_string(C.KEY_NORMALIZER, vocab.normalizer)
+        for key, (kind, value) in (lineage or {}).items():
+            getattr(w, f"add_{kind}")(key, value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
     w.add_token_list(vocab.tokens)

@@ -9,19 +9,23 @@ anything is allocated). Works on a memory map or on the first bytes of a file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import io
 import math
 import mmap
+import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from ..errors import ModelFileError
+from ..inputs import open_regular
 from .contract import is_head_tensor
 
 GGUF_MAGIC = b"GGUF"
@@ -294,6 +298,29 @@ def check_data_layout(header: Header, file_size: int) -> None:
         )
 
 
+Signature = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns: which version of a file was read
+
+
+def signature_of(st: os.stat_result) -> Signature:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def copy_regular(path: str | os.PathLike[str], sink: BinaryIO) -> Signature:
+    """`path`'s bytes into `sink` through one open file (inputs.open_regular: a FIFO is refused, not waited on), and
+    the signature of what was read. A file written, truncated or replaced in place while it is read is an OSError:
+    its fstat before and after, and the bytes read, must agree. Read, never mapped: a truncation is no SIGBUS."""
+    with open_regular(path) as src:
+        before = signature_of(os.fstat(src.fileno()))
+        copied = 0
+        while chunk := src.read(1 << 20):
+            sink.write(chunk)
+            copied += len(chunk)
+        after = signature_of(os.fstat(src.fileno()))
+    if after != before or copied != before[2]:
+        raise OSError(errno.EAGAIN, "it changed while it was read (being written or replaced?)", os.fspath(path))
+    return before
+
+
 @dataclass
 class GGUFFile:
     """A GGUF file mapped read-only, with its parsed header."""
@@ -301,18 +328,35 @@ class GGUFFile:
     path: Path
     map: mmap.mmap
     header: Header
+    signature: Signature | None = None  # read (GGUFFile.read): the version of the file its bytes are
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFFile:
         path = Path(path)
         try:
-            with path.open("rb") as f:
+            with open_regular(path) as f:  # (a FIFO is refused, not waited on)
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise ModelFileError(f"{path}: cannot read ({e})") from e
         header = parse_header(mapped)
         check_data_layout(header, len(mapped))
         return cls(path, mapped, header)
+
+    @classmethod
+    def read(cls, path: str | Path) -> GGUFFile:
+        """The file read once (copy_regular) into this process's own memory, which no other process can change."""
+        path, buffer = Path(path), io.BytesIO()
+        try:
+            signature = copy_regular(path, buffer)
+            if signature[2] == 0:
+                raise OSError(errno.EINVAL, "the file is empty", str(path))
+        except OSError as e:
+            raise ModelFileError(f"{path}: cannot read ({e.strerror or e})") from e
+        mapped = mmap.mmap(-1, signature[2])
+        mapped.write(buffer.getbuffer())
+        header = parse_header(mapped)
+        check_data_layout(header, len(mapped))
+        return cls(path, mapped, header, signature)
 
     def digest(self) -> str:
         """SHA-256 of the header alone (metadata and tensor infos): blind to the weights, so not a model's identity

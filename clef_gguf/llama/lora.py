@@ -22,7 +22,10 @@ Handle = Any  # a llama_adapter_lora * (llama-cpp-python's ctypes pointer)
 
 
 def load_lora(model: L.llama_model_p, f: GGUFFile) -> Handle:
-    """The adapter file's LoRA pairs loaded over `model` (the lean view of its base), in the weights' buffers."""
+    """The adapter file's LoRA pairs loaded over `model` (the lean view of its base), in the weights' buffers.
+
+    The view reads `f.path` again: the runtime passes a private copy of one version of the adapter (runtime/
+    adapter_files.py), never a file another process may rewrite, so that the LoRA is the bytes validated."""
     view = open_adapter_view(f)
     try:
         llama_log.clear_errors()

@@ -93,7 +93,9 @@ def manifest_text(header: Header, config: C.HeadConfig, overlay: Header | None =
 
 class NativeHead:
     """The head of one Clef GGUF, on the GPU when `gpu` and ggml has one, else on the CPU; with an `adapter`
-    file, the adapter's head tensors in place of the model's (llama/adapter.py)."""
+    file, the adapter's head tensors in place of the model's (llama/adapter.py). libclef_head opens both files by
+    path and keeps them open (it reads the model's lexicon rows per decision): the runtime's adapter is a private
+    copy of one version (runtime/adapter_files.py), the one its LoRA was loaded from."""
 
     def __init__(
         self,

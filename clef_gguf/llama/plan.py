@@ -25,7 +25,7 @@ import llama_cpp as L
 from ..check.adapter import is_adapter
 from ..check.adapter_pair import require_adapter
 from ..check.mmproj import describe_mmproj
-from ..errors import ModelFileError, SettingsError
+from ..errors import ModelFileError, NotADecisionModelError, SettingsError
 from ..format import contract as C
 from ..format import hparams
 from ..format import vision as V
@@ -179,10 +179,10 @@ def adapter_cost(base: GGUFFile, path: str | Path, n_layer: int, offloaded: int)
     in its base weight's buffer (src/llama-adapter.cpp; the CPU's where that is a repacking type): on the device for
     the offloaded layers, else on the host. The head runs where the base's does: on the device as soon as layers
     are offloaded."""
-    adapter = GGUFFile.open(path)
+    adapter = GGUFFile.read(path)  # (read once, not mapped: another process may change the file meanwhile)
     try:
         if not is_adapter(adapter.header):
-            raise SettingsError(f"{path} is not an adapter file (convert CHECKPOINT --base RELEASE --adapter makes one)")
+            raise NotADecisionModelError(f"{path} is not an adapter file (convert CHECKPOINT --base RELEASE --adapter makes one)")
         require_adapter(base, adapter.header, str(path))
         lora = [0, 0]  # device, host
         for name, t in adapter.header.tensors.items():

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..check.validate import open_validated
 from ..errors import RequestError
+from ..inputs import open_regular
 from ..outputs import check_folder
 from .metrics import DEFAULT_TARGET_PRECISIONS, summarize
 from .report import errors_section, metrics_table, output_dir, write_bytes, write_json
@@ -87,6 +88,15 @@ def compare_runs(a: Run, b: Run, target_precisions: Sequence[float] = DEFAULT_TA
     return result
 
 
+def _readable_twice(data: str | Path) -> None:
+    """DATA is read once per model: a regular file (a pipe or a FIFO would be read by A alone, and one without a
+    writer would hold the command); refused before any model loads."""
+    try:
+        open_regular(data).close()
+    except OSError as e:
+        raise RequestError(f"{data}: {e.strerror or e}; compare reads DATA once per model: give a file") from None
+
+
 def compare(
     model_a: str | Path,
     model_b: str | Path,
@@ -108,6 +118,7 @@ def compare(
     if out_dir is not None:
         check_folder(Path(out_dir), REPORTS, force=force, inputs=[model_a, model_b, data, load.get("mmproj")])
     open_validated(model_b).close()
+    _readable_twice(data)
     a = score_path(model_a, data, stage="A", require_labels=False, progress=progress, adapter=adapter_a, **load)
     b = score_path(model_b, data, stage="B", require_labels=False, progress=progress, adapter=adapter_b, **load)
     result = compare_runs(a, b, target_precisions)

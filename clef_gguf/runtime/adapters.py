@@ -7,8 +7,10 @@ prompt it is encoded into carries that model's identity, and the batch, the stat
 
 An adapter is validated against the base when it is first named, and loaded on the compute thread when a batch
 needs it: its LoRA into llama.cpp (applied unmerged by the context, llama/lora.py) and its head into libclef_head
-(the adapter's head tensors over the base's). Loaded adapters are kept in an LRU bounded by a count and by bytes;
-the context applies one adapter at a time, a batch's, and only between batches is another loaded or one unloaded.
+(the adapter's head tensors over the base's), both from one private copy of its file, read again and checked to be
+the version its prompts name (Catalog.reread): a file replaced since is refused, never loaded under the old identity.
+Loaded adapters are kept in an LRU bounded by a count and by bytes; the context applies one adapter at a time, a
+batch's, and only between batches is another loaded or one unloaded.
 The names, identities and files are runtime/catalog.py's (a Catalog, which the Ray ingress's PromptEncoder holds too).
 """
 
@@ -46,6 +48,7 @@ class Variants(Catalog):
         adapter_memory: int | None = None,
         gpu: bool = False,
         n_threads: int | None = None,
+        base_head: bool = False,
     ) -> None:
         if max_adapters < 1 or (adapter_memory is not None and adapter_memory < 1):
             raise SettingsError(f"max_adapters must be >= 1 and adapter_memory > 0 bytes, not {max_adapters}, {adapter_memory}")
@@ -53,7 +56,8 @@ class Variants(Catalog):
         self._gpu, self._threads = gpu, n_threads
         self.max_adapters, self.adapter_memory = max_adapters, adapter_memory
         self._loaded: OrderedDict[str, Variant] = OrderedDict()  # by identity, least recently used first
-        super().__init__(base, description, base_identity, adapters=adapters, adapter=adapter, adapter_dir=adapter_dir)
+        many = {"adapters": adapters, "adapter": adapter, "adapter_dir": adapter_dir, "base_head": base_head}
+        super().__init__(base, description, base_identity, **many)
         self.base.head = head
         self._applied: Variant = self.base
 
@@ -74,6 +78,7 @@ class Variants(Catalog):
     def _make_room(self, variant: Variant) -> None:
         """Unload the least recently used adapters until `variant` fits the count and the bytes (never the one
         applied: the context is switched to the base first)."""
+
         def over() -> bool:
             used = sum(v.nbytes for v in self._loaded.values())
             bytes_over = self.adapter_memory is not None and used + variant.nbytes > self.adapter_memory
@@ -84,16 +89,20 @@ class Variants(Catalog):
             self.unload(oldest)
 
     def _load(self, variant: Variant) -> None:
-        assert variant.file is not None
-        variant.lora = load_lora(self._backbone.model, variant.file)
+        """Its LoRA and its head, from one private copy of its version (kept until it is unloaded)."""
+        copy = self.reread(variant)  # AdapterUnavailableError: the file is no longer this version
         try:
+            variant.lora = load_lora(self._backbone.model, copy.file)
             variant.head = NativeHead(
-                self._base_file, self._description.head, gpu=self._gpu, n_threads=self._threads, adapter=variant.file
+                self._base_file, self._description.head, gpu=self._gpu, n_threads=self._threads, adapter=copy.file
             )
         except BaseException:
-            free_lora(variant.lora)
-            variant.lora = None
+            if variant.lora is not None:
+                free_lora(variant.lora)
+                variant.lora = None
+            copy.close()
             raise
+        variant.copy = copy
         self._loaded[variant.identity] = variant
 
     def unload(self, variant: Variant) -> None:
@@ -107,7 +116,11 @@ class Variants(Catalog):
         if variant.lora is not None:
             free_lora(variant.lora)
             variant.lora = None
+        if variant.copy is not None:
+            variant.copy.close()
+            variant.copy = None
         self._loaded.pop(variant.identity, None)
+        self.forget(variant)
 
     @property
     def loaded(self) -> list[str]:
@@ -115,7 +128,7 @@ class Variants(Catalog):
         return [v.name for v in self._loaded.values()]
 
     def close(self) -> None:
-        """Unload every adapter and unmap their files (the base's head is the model's to close)."""
+        """Unload every adapter and drop their private copies (the base's head is the model's to close)."""
         for variant in list(self._loaded.values()):
             self.unload(variant)
         super().close()

@@ -35,6 +35,7 @@ class PromptEncoder:
         mmproj: str | Path | None = None,
         adapters: Mapping[str, str | Path] | None = None,
         adapter_dir: str | Path | None = None,
+        base_head: bool = False,
     ) -> None:
         self.path = Path(path)
         self.max_prompt_tokens = max_prompt_tokens  # the replicas' limit: the front refuses what they would
@@ -53,7 +54,8 @@ class PromptEncoder:
         try:
             # The replicas' Variants' names and identities (an adapter folder's files are checked when first named:
             # the base's file stays mapped for that while there are adapters).
-            self.catalog = Catalog(validated.file, d, self.identity, adapters=adapters, adapter_dir=adapter_dir)
+            many = {"adapters": adapters, "adapter_dir": adapter_dir, "base_head": base_head}
+            self.catalog = Catalog(validated.file, d, self.identity, **many)
         except BaseException:
             self.vocabulary.close()
             validated.close()

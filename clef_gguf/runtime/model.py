@@ -67,6 +67,7 @@ class ClefModel:
     NAME.adapter.gguf files, each loaded when first named; at most max_adapters (and adapter_memory bytes) loaded at
     once. A request picks its model by name (its `model` field); without adapters every name is the base's.
     adapter: one adapter file that answers every request, whatever model it names (`decide --adapter`).
+    base_head: an adapter without a head (llama-server's variant) decides with the base's head; else it is refused.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class ClefModel:
         adapter_dir: str | Path | None = None,
         max_adapters: int = LoadOptions.max_adapters,
         adapter_memory: int | None = None,
+        base_head: bool = False,
     ) -> None:
         self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
         self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
@@ -96,7 +98,7 @@ class ClefModel:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-compute", initializer=self._mark)
         try:
             many = {"adapters": adapters, "adapter": adapter, "adapter_dir": adapter_dir}
-            many |= {"max_adapters": max_adapters, "adapter_memory": adapter_memory}
+            many |= {"max_adapters": max_adapters, "adapter_memory": adapter_memory, "base_head": base_head}
             self.compute(self._load, n_gpu_layers, max_prompt_tokens, n_threads, parallel, mmproj, many)
         except BaseException:
             self._compute.shutdown()
@@ -304,7 +306,12 @@ class ClefModel:
 
     def _name_of(self, prompt: EncodedPrompt) -> str:
         variant = self.variants.of(prompt.model)
-        return variant.name if variant is not None else self.name
+        if variant is None or variant is self.variants.base:
+            return self.name
+        asked = prompt.request.lora if prompt.request.lora is not None else prompt.request.model
+        # One adapter file may answer to two names: the answer names the one asked for (an identity resolved from
+        # it), and a pinned adapter (decide --adapter) its own, whatever the request named.
+        return asked if self.variants.pinned is None and isinstance(asked, str) else variant.name
 
     def model_name(self, prompt: EncodedPrompt) -> str:
         """The name of the model a prompt was encoded for (the base's or an adapter's): the server's metrics label."""

@@ -64,6 +64,9 @@ PROMPT_TOO_LONG = HttpProblem("PROMPT_TOO_LONG", 413, "prompt_too_long", _TOO_LA
 # --- the server's side ------------------------------------------------------------------------------------------
 # The server is full (intake, queue, bodies, replicas) or stopping: a client may retry in a second.
 OVERLOADED = HttpProblem("OVERLOADED", 503, "overloaded_error", headers=(("Retry-After", "1"),))
+# The adapter a request names is served, but its file cannot be used now: it vanished, shrank or changed while the
+# request waited (errors.AdapterUnavailableError). A file being replaced is back in a moment: the client may retry.
+ADAPTER_UNAVAILABLE = HttpProblem("ADAPTER_UNAVAILABLE", 503, "model_unavailable_error", headers=(("Retry-After", "1"),))
 INTERNAL = HttpProblem("INTERNAL", 500, "api_error")  # an error the server did not expect
 
 ROWS: tuple[HttpProblem, ...] = (
@@ -82,6 +85,7 @@ ROWS: tuple[HttpProblem, ...] = (
     INVALID,
     PROMPT_TOO_LONG,
     OVERLOADED,
+    ADAPTER_UNAVAILABLE,
     INTERNAL,
 )
 

@@ -6,14 +6,27 @@ the server, so that `clef-gguf decide` writes the very error objects `clef-gguf 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import PromptTooLongError, RequestError, RequestJsonError
-from .problem_table import INTERNAL, INVALID, OVERLOADED, PROMPT_TOO_LONG, HttpProblem
+from ..errors import (
+    AdapterUnavailableError,
+    ModelFileError,
+    ModelOutputError,
+    PromptTooLongError,
+    RequestError,
+    RequestJsonError,
+    SettingsError,
+)
+from .problem_table import ADAPTER_UNAVAILABLE, INTERNAL, INVALID, OVERLOADED, PROMPT_TOO_LONG, HttpProblem
 
 Location = list[str | int]
+# The folders of an absolute path (/srv/tunes/ of /srv/tunes/a.adapter.gguf): where the server keeps its files is
+# no client's business, the file's name is. Not after a letter, a dot, a slash or a colon: NaN/Inf, 1/2 and a URL's
+# //host/ are no paths.
+_FOLDERS = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"(),:;]+/)+(?=[^\s/'\"(),:;])")
 
 
 @dataclass(eq=False)  # exceptions stay hashable
@@ -73,9 +86,22 @@ def overloaded(message: str, *, close: bool = False) -> ApiError:
     return ApiError(OVERLOADED, message, {"Connection": "close"} if close else {})
 
 
+def without_folders(text: str) -> str:
+    """A server-side message as a client reads it: each absolute path cut to its file's name."""
+    return _FOLDERS.sub("", text)
+
+
 def internal(error: BaseException) -> ApiError:
-    """The one INTERNAL: an error the server did not expect, named by its type."""
-    return ApiError(INTERNAL, f"internal error: {type(error).__name__}: {error}")
+    """The one INTERNAL: an error the server did not expect, named by its type (a path in it by its file's name)."""
+    return ApiError(INTERNAL, without_folders(f"internal error: {type(error).__name__}: {error}"))
+
+
+def model_refused(error: Exception, body: Any) -> Invalid:
+    """A request naming a model that is served but whose file cannot be used (not an adapter, another base's,
+    damaged, a model file): a 422 at the field that named it (Workers AI's `lora`, else `model`), as an unknown name
+    gets, the file named without its folder. The request is sound; the client may name another model."""
+    named = "lora" if isinstance(body, dict) and body.get("lora") is not None else "model"
+    return Invalid(["body", named], without_folders(str(error)), "value_error")
 
 
 def location(field_path: str | None, body: Any) -> Location:
@@ -117,10 +143,17 @@ def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
 
 
 def problem_of(error: Exception, body: Any) -> ApiError | Invalid:
-    """The problem the server answers an error of deciding `body` with: a RequestError's 4xx (from_request_error),
-    and any other (ComputeError, a ModelOutputError's NaN) INTERNAL, for an error the server did not expect."""
+    """The problem the server answers an error of encoding or deciding `body` with: a RequestError's 4xx
+    (from_request_error); an adapter whose file is gone or changed for now, ADAPTER_UNAVAILABLE (503, Retry-After); a
+    model file that cannot be used (ModelFileError, SettingsError: all a request meets of them is the adapter it
+    names), model_refused's 422; any other (ComputeError, a ModelOutputError's NaN) INTERNAL, for an error the server
+    did not expect."""
     if isinstance(error, RequestError):
         return from_request_error(error, body)
+    if isinstance(error, AdapterUnavailableError):
+        return ApiError(ADAPTER_UNAVAILABLE, without_folders(str(error)))
+    if isinstance(error, ModelFileError | SettingsError) and not isinstance(error, ModelOutputError):
+        return model_refused(error, body)
     return internal(error)
 
 

@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import RequestError
+from ..errors import AdapterUnavailableError, ModelFileError, RequestError, SettingsError
+from ..runtime.catalog import JEV_ALIAS  # the SDKs' default model name: the catalog resolves it to the base
 from ..runtime.problem_table import NOT_FOUND, UNAUTHORIZED, starlette_problem
+from ..runtime.problems import problem_of
 from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
 from ..settings import HttpLimits, LogFormat, ServeSettings
@@ -29,10 +31,11 @@ from .body import body_limit
 from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import Observed, note_decision
-from .problems import ApiError, Invalid, from_request_error, internal, overloaded, render_problem, response_headers
+from .problems import ApiError, Invalid, internal, overloaded, render_problem, response_headers
+from .ui import mount_ui
 from .worker import ComputeScheduler, Scheduler
 
-JEV_ALIAS = "jev-latest"  # the SDKs' default model name: it means the loaded model
+MODEL_SHA256_HEADER = "Clef-Model-Sha256"
 _ROUTES = "this server answers POST /v1/systemone and POST [/client/v4]/accounts/ACCOUNT_ID/ai/run/@cf/cloudflare/clef"
 
 
@@ -74,6 +77,13 @@ def _models_listing(model: Encoder) -> dict[str, Any]:
             *tunes,
         ]
     }
+
+
+def _named(prompt: Any) -> dict[str, Any]:
+    """The field of a prompt's request that named its model ({"lora": ...} or {"model": ...}): where a 422 points."""
+    request = getattr(prompt, "request", None)
+    lora = getattr(request, "lora", None)
+    return {"lora": lora} if lora is not None else {"model": getattr(request, "model", None)}
 
 
 def _problem(request: Request, problem: ApiError | Invalid) -> Response:
@@ -156,8 +166,10 @@ class Service:
         parsed = time.perf_counter()
         try:
             decision = await self.worker.decide(prompt)
-        except RequestError as e:  # not expected after intake: the same mapping all the same
-            raise from_request_error(e, None) from e
+        except (RequestError, ModelFileError, SettingsError, AdapterUnavailableError) as e:
+            # An adapter's file refused, or gone or changed since intake, when it was loaded to decide (here or on a
+            # Ray replica, whose error arrives as raised): a 4xx, or 503 for now, as intake maps it.
+            raise problem_of(e, _named(prompt)) from e
         self.metrics.decided(prompt, decision)
         note_decision(request, prompt, decision)
         # Server-Timing tells a client where its latency went: reading, waiting, deciding (with how many others),
@@ -169,7 +181,9 @@ class Service:
             f'decide;dur={decision.decide_s * 1e3:.3f};desc="batch of {decision.batch}", back;dur={back * 1e3:.3f}, '
             f'cache;desc="{cache}"'
         )
-        return decision.body, {"Server-Timing": timing}
+        # The identity of the model version that answered (an adapter file replaced on disk is a new version):
+        # what an answers file records as model_sha256, so an operator can tell which version answered.
+        return decision.body, {"Server-Timing": timing, MODEL_SHA256_HEADER: prompt.model}
 
     async def systemone(self, request: Request) -> Response:
         body, headers = await self.answer(request)
@@ -182,7 +196,9 @@ class Service:
         return Response(workers_ai.success(body), media_type="application/json", headers=response_headers(headers))
 
     async def models(self) -> JSONResponse:
-        return JSONResponse(_models_listing(self.model), headers=response_headers())
+        # Off the event loop: listing a folder validates the adapter files it has not seen (cached by signature).
+        listing = await asyncio.to_thread(_models_listing, self.model)
+        return JSONResponse(listing, headers=response_headers())
 
     async def health(self) -> JSONResponse:
         status = {
@@ -212,6 +228,7 @@ def create_app(
     scheduler: Scheduler | None = None,
     log_format: LogFormat = "text",
     behind_ray: bool = False,
+    ui: bool = True,
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -222,7 +239,7 @@ def create_app(
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
-    adds its own (the id it hands the app)."""
+    adds its own (the id it hands the app). With ui, GET / is the page that asks it (ui.py)."""
     if scheduler is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a scheduler")
@@ -256,4 +273,6 @@ def create_app(
     app.add_api_route("/v1/models", service.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", service.health, methods=["GET"])  # unauthenticated on purpose: probes carry no key
     app.add_api_route("/metrics", service.scrape, methods=["GET"], dependencies=auth)
+    if ui:
+        mount_ui(app)
     return app

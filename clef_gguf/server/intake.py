@@ -25,9 +25,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..errors import PromptTooLongError, RequestError, SettingsError
+from ..errors import AdapterUnavailableError, ModelFileError, PromptTooLongError, RequestError, SettingsError
 from ..runtime import images
 from ..runtime.problem_table import REQUEST_TOO_LARGE
+from ..runtime.problems import problem_of
 from ..runtime.protocols import Encoder
 from ..settings import HttpLimits
 from . import body, media
@@ -115,6 +116,9 @@ class Intake:
             prompt = self.model.encode(value)
         except RequestError as e:  # (nesting was bounded by body.parse: the prompt renderer recurses per level)
             raise media.relocate(from_request_error(e, value), origins) from e
+        except (ModelFileError, SettingsError, AdapterUnavailableError) as e:
+            # The adapter the request names, opened for it (runtime/catalog.py): its file refused, or gone for now.
+            raise problem_of(e, value) from e
         if len(prompt.tokens) > self.model.max_prompt_tokens:
             raise from_request_error(PromptTooLongError(len(prompt.tokens), self.model.max_prompt_tokens), value)
         return prompt

@@ -33,15 +33,17 @@ def serve_file(model: Path, settings: ServeSettings, options: LoadOptions) -> No
     serve(loaded, settings)
 
 
-def check_files(model: Path, mmproj: Path | None, options: LoadOptions | None = None) -> None:
-    """The header checks loading runs: the model's, the mmproj's with its pairing, and the named adapters' with
-    theirs (each adapter file validated against the model, as Catalog does at load)."""
+def check_files(model: Path, mmproj: Path | None, options: LoadOptions | None = None, adapter: Path | None = None) -> None:
+    """The header checks loading runs: the model's, the mmproj's with its pairing, and the named adapters' (or the
+    one `adapter` that answers everything: decide's) with theirs (each adapter file validated against the model, as
+    Catalog does at load)."""
     validated = open_validated(model)
     try:
         if mmproj is not None:
             open_vision(validated.file.header, mmproj)
-        if options is not None and (options.adapters or options.adapter_dir is not None):
-            many = {"adapters": options.adapters, "adapter_dir": options.adapter_dir}
+        if options is not None and (options.adapters or options.adapter_dir is not None or adapter is not None):
+            many = {"adapters": options.adapters, "adapter_dir": options.adapter_dir, "base_head": options.base_head}
+            many = {"adapter": adapter, "base_head": options.base_head} if adapter is not None else many
             Catalog(validated.file, validated.description, validated.file.identity(), **many).close()
     finally:
         validated.close()
@@ -60,10 +62,12 @@ def serve_on_ray(model: Path, settings: ServeSettings, options: LoadOptions, sca
     or SIGINT. Without Ray Serve installed, or with settings that cannot work there, a SettingsError."""
     mmproj = options.mmproj
     check_files(model, mmproj and Path(mmproj), options)
-    if scale.address is None:
-        from .ray_local import loopback_only
+    from .ray_local import bounded_connect, loopback_only
 
+    if scale.address is None:
         loopback_only()  # the cluster started here listens on 127.0.0.1 only; before ray is imported
+    else:
+        bounded_connect()  # an address where no cluster answers: refused in seconds, not minutes
     try:
         from . import ray_cluster, ray_serve
     except ModuleNotFoundError as e:

@@ -16,7 +16,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.schema import DeploymentStatus
 
 from ..errors import DeploymentError
-from .ray_local import imported_from_here, remove_session
+from .ray_local import imported_from_here, join, remove_session
 from .ray_private import stop_proxies
 from .ray_serve import APP_NAME, RaySettings, build_app
 
@@ -71,14 +71,11 @@ def run(settings: RaySettings) -> None:
     host, port, keep_alive = settings.serve.host, settings.serve.port, settings.serve.limits.keep_alive
     session: Path | None = None
     with imported_from_here():
-        if local:
+        if local:  # (Ray's SIGTERM handler stays: it stops the cluster's processes, should the drain be cut short)
             context = ray.init(address="local", include_dashboard=False, log_to_driver=True)
             session = Path(context.address_info["session_dir"])  # this run's, under Ray's temporary folder
         else:
-            try:
-                ray.init(address=address, log_to_driver=True)
-            except ConnectionError as e:
-                raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
+            join(address, log_to_driver=True)  # bounded: where no cluster answers, a SettingsError in seconds
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     deployed = False
     try:

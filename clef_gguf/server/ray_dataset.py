@@ -42,16 +42,15 @@ from ray.exceptions import RayError
 
 from ..check.validate import open_validated
 from ..errors import ClefError, DeploymentError, ModelFileError, RequestError, SettingsError
-from ..format.header import GGUFFile
 from ..quality.labelled import labelled_records
 from ..quality.scoring import Progress as ScoreProgress
 from ..quality.scoring import Run, score_records
-from ..runtime.catalog import adapter_identity
+from ..runtime.catalog import adapter_file_identity
 from ..runtime.dataset_file import Progress, Summary, answer_line, answered_records, answers_file, tally, write_line
 from ..runtime.model import load as load_model
 from ..runtime.reader import Record, count_records, read_records
 from ..settings import MAX_LINE_BYTES, FileOptions, LoadOptions
-from .ray_local import imported_from_here, remove_session
+from .ray_local import imported_from_here, join, probe, remove_session
 
 PART_RECORDS = 256  # requests an actor decides at a time (the local mode's --sort-by-state window)
 IN_FLIGHT_PER_ACTOR = 2  # parts queued on an actor: the next one ready when it finishes one, few lost to a crash
@@ -85,17 +84,13 @@ def _model_identity(model: Path, adapter: str | Path | None) -> _Model:
     validated = open_validated(model)  # a file that is no Clef model is refused here, with validate's message
     try:
         identity, digest = validated.file.identity(), validated.file.digest()
+        if adapter is not None:  # read once and checked against its base as a load checks it, before any Ray process
+            try:  # (the head-less check is each actor's load's, which knows whether the base's head was asked for)
+                identity = adapter_file_identity(validated.file, identity, Path(adapter), base_head=True)
+            except OSError as e:
+                raise ModelFileError(f"--adapter {adapter}: cannot read ({e.strerror or e})") from None
     finally:
         validated.close()
-    if adapter is not None:  # (checked against its base by each actor's load)
-        try:
-            file = GGUFFile.open(adapter)
-        except ClefError as e:
-            raise ModelFileError(f"--adapter {adapter}: {e}") from None
-        try:
-            identity = adapter_identity(identity, file)
-        finally:
-            file.close()
     return _Model(model, identity, digest)
 
 
@@ -117,7 +112,8 @@ class _PartDecider:
         try:
             self.model = load_model(model, adapter=adapter, **load.kwargs())
         except ClefError as e:
-            raise ModelFileError(f"a Ray worker on {ray.util.get_node_ip_address()} cannot load the model: {e}") from None
+            # The same type (its exit code) with where it happened: the driver raises it as it is (_mapped).
+            raise same_error(e, f"a Ray worker on {ray.util.get_node_ip_address()} cannot load the model: {e}") from None
         if self.model.identity != identity:
             node = ray.util.get_node_ip_address()
             raise ModelFileError(f"{model} on the Ray node {node} is another model than the driver's: put the same file there")
@@ -164,14 +160,11 @@ def _cluster(address: str | None, cpus: int) -> Iterator[None]:
         return
     with imported_from_here():  # (Ray puts the driver's working directory first on its workers' sys.path)
         if address is None:
-            context = ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            context = join(None, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             session: Path | None = Path(context.address_info["session_dir"])
         else:
             session = None
-            try:
-                ray.init(address=address, log_to_driver=False)
-            except ConnectionError as e:
-                raise DeploymentError(f"no Ray cluster answers at {address}: {e}") from None
+            join(address, log_to_driver=False)  # (bounded: no cluster there is a SettingsError in seconds)
     try:
         yield
     finally:
@@ -217,8 +210,37 @@ def _mapped(parts: list[dict[str, int]], settings: RayData, workers: int, **cons
     try:
         for row in dataset.iter_rows():
             yield pickle.loads(row["payload"])
-    except RayError as e:
-        raise DeploymentError(f"the run on Ray stopped: {_reason(e)}") from None
+    except Exception as e:  # Ray's wrappers (RayTaskError, Ray Data's UserCodeException, ...) of a worker's error
+        typed = clef_cause(e)
+        if typed is not None:  # an actor's own typed error: its one line and exit code, as the local mode's
+            raise typed from None
+        if isinstance(e, RayError):
+            raise DeploymentError(f"the run on Ray stopped: {_reason(e)}") from None
+        raise
+
+
+def same_error(error: ClefError, message: str) -> ClefError:
+    """`error`'s type with `message` (a ModelFileError where that type is not built from a message alone)."""
+    try:
+        return type(error)(message)
+    except TypeError:
+        return ModelFileError(message)
+
+
+def clef_cause(error: BaseException) -> ClefError | None:
+    """The ClefError a Ray error wraps (its `cause`, or the exceptions it was raised from), None if none."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ClefError) and not isinstance(e, RayError):  # (a RayTaskError may subclass its cause's type)
+            return e
+        cause = getattr(e, "cause", None)
+        todo += [cause if isinstance(cause, BaseException) else None, e.__cause__, e.__context__]
+    return None
 
 
 def _reason(error: RayError) -> str:
@@ -253,6 +275,8 @@ def decide_file_on_ray(
     o = options or FileOptions()
     constructor = _paths(model, source, settings)
     known = _model_identity(Path(constructor["model"]), constructor["adapter"])
+    if settings.address is not None and not ray.is_initialized():
+        probe(settings.address)  # no cluster there: refused before OUT is created (join probes again, then connects)
     with answers_file(known, source, out, resume=o.resume, force=o.force, max_line_bytes=o.max_line_bytes) as run:
         summary = run.summary
         parts = _parts(run.input, run.records, run.next_line, settings.part_records)

@@ -10,19 +10,31 @@ Ray reads the variable when it is imported, so loopback_only() must run first. (
 open an inter-deployment gRPC port on all interfaces, "[::]:0", whatever this says: serve/_private/replica.py.)
 Also what starting a local cluster needs around ray.init: the working directory its workers import clef_gguf
 from (imported_from_here), and its session folder removed after (remove_session). This module imports nothing of
-Ray: the plain server never imports Ray.
+Ray at its top: the plain server never imports Ray.
+
+Joining a cluster at an address (join) is bounded: by default Ray waits up to 30 s for the GCS there, 20 times over,
+while its C++ code holds the main thread (no Python signal handler runs): minutes for an address where no cluster
+answers. Here an address that takes no connection is refused at once, and Ray tries one connect of CONNECT_S.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from ..errors import SettingsError
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+CONNECT_S = 10  # Ray's wait for the GCS of a cluster at an address (its py_gcs_connect_timeout_s; Ray's default: 30)
+PROBE_S = 5.0  # a TCP connect to that address first: a closed port or an unreachable host is refused in this time
 
 
 def loopback_only() -> None:
@@ -58,3 +70,70 @@ def remove_session(session: Path) -> None:
         if not session.exists():
             return
         time.sleep(0.1)
+
+
+def bounded_connect() -> None:
+    """Before `import ray` (Ray reads its C++ settings then), for a cluster at an address: one connect to its GCS, of
+    CONNECT_S, not 20 of 30 s (RAY_py_gcs_connect_timeout_s; RAY_gcs_server_port_wait_time_s counts the tries). Not
+    for a cluster started here: the wait for its GCS to start reads the second one too."""
+    os.environ.setdefault("RAY_py_gcs_connect_timeout_s", str(CONNECT_S))
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "1")
+
+
+def probe(address: str) -> None:
+    """An address (host:port, as Ray resolves it: localhost is the node's IP) that takes no TCP connection is a
+    SettingsError at once. A ray:// address is left to Ray."""
+    from ray._private.services import canonicalize_bootstrap_address, parse_address  # (Ray's own resolution)
+
+    if "://" in address:
+        return
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+        parsed = parse_address(resolved) if resolved else None
+    except (ValueError, ConnectionError) as e:
+        raise SettingsError(f"--address {address}: not a Ray cluster's address ({e})") from None
+    if parsed is None:  # ("local")
+        return
+    host, port = parsed
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_S).close()
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise SettingsError(f"no Ray cluster answers at {address} ({host}:{port}: {why})") from None
+
+
+class Stopped(KeyboardInterrupt):
+    """A signal that stopped ray.init, as the CLI's handler raises it (its `signum`: exit 128+N)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def join(address: str | None, **init: Any) -> Any:
+    """ray.init(address=address, **init), its context; None: a local cluster started here (address="local"). At an
+    address, bounded (bounded_connect ran before Ray was imported): where no cluster answers, a SettingsError (exit 2)
+    within seconds.
+
+    ray.init makes SIGTERM sys.exit(15) in the driver (with a local cluster: its processes killed, then exit 1): the
+    caller's handler (the CLI's: 128+N, partial files removed, the cluster stopped by the caller's cleanup) is put
+    back, and a SIGTERM during ray.init stops the command as that handler would have."""
+    import ray
+
+    if address is not None:
+        probe(address)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return ray.init(address=address or "local", **init)
+    except ConnectionError as e:
+        if address is None:
+            raise
+        raise SettingsError(f"no Ray cluster answers at {address}: {e}") from None
+    except SystemExit as e:
+        if e.code == signal.SIGTERM:  # (Ray's handler ran)
+            raise Stopped(signal.SIGTERM) from None
+        raise
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -42,7 +42,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import SettingsError
+from ..errors import AdapterUnavailableError, SettingsError
 from ..runtime.encoder import PromptEncoder
 from ..runtime.model import PROBE, ClefModel, load
 from ..runtime.prompt import EncodedPrompt
@@ -193,9 +193,12 @@ class ClefReplica:
         """The decision of a prompt the ingress encoded: its response JSON, time queued here and deciding."""
         if self.model.variants.of(prompt.model) is None:
             # An adapter of the folder this replica was not asked for before: resolved here as the ingress resolved it
-            # (the file validated against the base; the same identity, unless the file changed in between, and then
-            # the model refuses the prompt).
-            await asyncio.to_thread(self.model.variants.of_request, prompt.request)
+            # (the file validated against the base; the same identity, unless the file changed in between).
+            variant = await asyncio.to_thread(self.model.variants.of_request, prompt.request)
+            if variant.identity != prompt.model:  # the file changed between the ingress and here: a new version
+                raise AdapterUnavailableError(
+                    f"the adapter file of {variant.name!r} changed while the request waited: send the request again"
+                )
         return await self.worker.decide(prompt)
 
     def check_health(self) -> None:
@@ -243,7 +246,7 @@ class ClefIngress:
 
     def __init__(self, replicas: DeploymentHandle, model: str, settings: ServeSettings, options: LoadOptions) -> None:
         o = options  # the replicas': their prompt limit, ubatch and vision tower, their adapters' names and identities
-        many = {"adapters": o.adapters, "adapter_dir": o.adapter_dir}
+        many = {"adapters": o.adapters, "adapter_dir": o.adapter_dir, "base_head": o.base_head}
         self.encoder = PromptEncoder(model, max_prompt_tokens=o.max_prompt_tokens, ubatch=o.ubatch, mmproj=o.mmproj, **many)
         configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
         self.scheduler = ReplicaScheduler(replicas, settings.max_queue)

@@ -28,10 +28,11 @@ def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Conf
 
 
 def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
-    """create_app held to `settings` (its key, queue, HTTP limits and log format): the plain server's app, and the Ray
+    """create_app held to `settings` (its key, queue, HTTP limits, log format and page): the plain server's app, and the Ray
     ingress's (ray_serve.py), whose `options` give it its scheduler."""
     s = settings
-    return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=s.limits, log_format=s.log_format, **options)
+    limits, log = s.limits, s.log_format
+    return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **options)
 
 
 def serve(model: Model, settings: ServeSettings | None = None) -> None:

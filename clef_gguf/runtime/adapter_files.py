@@ -1,0 +1,208 @@
+"""Adapter files as the catalog (runtime/catalog.py) sees them: one version's private copy, and a folder's names.
+
+A version of an adapter file is read once, through one open file (format/header.copy_regular: a FIFO refused, a file
+changed while read refused), into a private copy: a file in a folder of this process's own (mode 0700, removed at
+close). The copy is what is validated, what the identity hashes, and what llama.cpp's LoRA loader and the native head
+read by path. Another process may then replace, truncate or delete the adapter file: nothing here maps or reopens it,
+so no answer mixes two versions and no truncation raises SIGBUS. A copy lives only while its version is validated or
+loaded (runtime/adapters.py re-reads a version it loads again, and refuses it if the file is no longer that version).
+
+A folder's names are listed again only when the folder changes (its mtime), never per request: a request for a name
+needs no listing (its file is stat'ed), and the listing serves /v1/models and the near matches of an unknown name.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import difflib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..check.adapter import is_adapter, refuse_headless
+from ..check.adapter_pair import require_adapter
+from ..check.metadata import check_temperatures
+from ..check.validate import judge_source
+from ..errors import ClefError, IncompleteModelError, NotADecisionModelError
+from ..format.header import GGUFFile, Signature, copy_regular
+from ..llama.plan import adapter_head_bytes, lora_bytes
+
+ADAPTER_SUFFIX = ".adapter.gguf"  # an adapter folder's files: NAME.adapter.gguf answers as NAME
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}")
+SHOWN_NAMES = 5  # an unknown name's message lists at most this many names
+NEAR_WINDOW = 128  # names on each side of an unknown one, in sorted order, that difflib compares (20,000: 150 ms)
+
+
+class PrivateFolder:
+    """A folder only this process writes (tempfile.mkdtemp: mode 0700), made when first needed; removed at close."""
+
+    def __init__(self) -> None:
+        self._path: Path | None = None
+        self._lock = threading.Lock()
+
+    def new_file(self, name: str) -> Path:
+        """A path for a new file called `name` (a folder of its own: messages that name the file name the original)."""
+        with self._lock:
+            if self._path is None:
+                self._path = Path(tempfile.mkdtemp(prefix="clef-adapters-"))
+            return Path(tempfile.mkdtemp(dir=self._path)) / name
+
+    def close(self) -> None:
+        with self._lock:
+            if self._path is not None:
+                shutil.rmtree(self._path, ignore_errors=True)
+                self._path = None
+
+
+def discard(path: Path) -> None:
+    """Remove a private file and the folder of its own that new_file made for it."""
+    for remove in (path.unlink, path.parent.rmdir):
+        with contextlib.suppress(OSError):
+            remove()
+
+
+@dataclass(eq=False)
+class AdapterCopy:
+    """One version of an adapter file: its bytes as they were read, in a private file, mapped (no one else writes
+    it: mapping it is safe)."""
+
+    source: Path  # the adapter file as named (for messages; never read again through this copy)
+    signature: Signature  # the source's (st_dev, st_ino, st_size, st_mtime_ns) when it was read
+    file: GGUFFile  # the private copy (file.path is the copy's path, file.path.name the source's name)
+
+    def close(self) -> None:
+        self.file.close()
+        discard(self.file.path)
+
+
+def take_copy(source: Path, folder: PrivateFolder) -> tuple[Path, Signature]:
+    """`source` read once into a new private file: its path, and the signature of the version read. OSError when
+    the source is not a regular file, cannot be read, or changed while it was read."""
+    target = folder.new_file(source.name)
+    try:
+        with open(target, "xb") as sink:
+            signature = copy_regular(source, sink)
+    except BaseException:
+        discard(target)
+        raise
+    return target, signature
+
+
+def adapter_identity(base_identity: str, adapter: GGUFFile) -> str:
+    """A model made of a base and an adapter: both files' identities (GGUFFile.identity), hashed together."""
+    return hashlib.sha256(f"{base_identity}+{adapter.identity()}".encode()).hexdigest()
+
+
+def open_adapter(base: GGUFFile, path: Path, label: str | None = None, base_head: bool = False) -> GGUFFile:
+    """An adapter file (a private copy: take_copy), validated (as `clef-gguf validate` judges it) and checked against
+    `base`, mapped. label: what messages call it (a request's answer names no server path)."""
+    label = label or str(path)
+    report, header = judge_source(path)
+    error = report.error()
+    if error is not None:
+        raise type(error)(f"{label}: {report.summary}")
+    if header is None or not is_adapter(header):
+        # A file in the wrong place (a model as the adapter): exit 6, as validate BASE --adapter says it.
+        raise NotADecisionModelError(
+            f"{label} is not an adapter file (clef-gguf convert CHECKPOINT --base RELEASE --adapter makes one)"
+        )
+    adapter = GGUFFile.open(path)
+    try:
+        require_adapter(base, adapter.header, label)
+        if not base_head:
+            refuse_headless(adapter.header, label)
+    except BaseException:
+        adapter.close()
+        raise
+    return adapter
+
+
+@dataclass(eq=False)
+class Version:
+    """One version of an adapter file, read and validated: what its identity names is what its copy holds."""
+
+    copy: AdapterCopy  # (the caller's to close)
+    identity: str  # adapter_identity of the base and the copy
+    temperatures: dict[str, float]  # its own (calibrate --adapter writes them), or none
+    nbytes: int  # its LoRA's and head's bytes once loaded, as `plan --adapter` counts them
+
+
+def read_version(base: GGUFFile, base_identity: str, source: Path, into: PrivateFolder, **how: object) -> Version:
+    """The adapter file `source` read once into a private copy (take_copy), validated and checked against the base
+    (open_adapter; `how`: its label and base_head), with its identity, temperatures and cost. OSError: the file is
+    not regular, cannot be read, or changed while it was read; ClefError: it does not validate or fit the base."""
+    path, signature = take_copy(source, into)
+    try:
+        adapter = open_adapter(base, path, **how)  # type: ignore[arg-type]
+    except ClefError as e:  # (a message naming the copy's own path names the source's file name instead)
+        discard(path)
+        if type(e).__init__ is not ClefError.__init__:
+            raise
+        raise type(e)(str(e).replace(str(path), source.name)) from None
+    except BaseException:
+        discard(path)
+        raise
+    copy = AdapterCopy(source, signature, adapter)
+    try:
+        problems, _, temperatures = check_temperatures(adapter.header)
+        if problems:
+            raise IncompleteModelError(f"{how.get('label') or source.name}: {problems[0].message}")
+        nbytes = lora_bytes(adapter) + adapter_head_bytes(base, adapter)
+        return Version(copy, adapter_identity(base_identity, adapter), temperatures, nbytes)
+    except BaseException:
+        copy.close()
+        raise
+
+
+def servable(name: str) -> bool:
+    """Whether `name` can be an adapter's: 1 to 128 letters, digits and ._@/-, no '..'."""
+    return isinstance(name, str) and NAME.fullmatch(name) is not None and ".." not in name
+
+
+class FolderListing:
+    """The adapter names of a folder's files (NAME.adapter.gguf), read again only when the folder's mtime changes.
+
+    A file replaced in place keeps the folder's mtime, and so its name: the listing says which names exist, the
+    catalog which of them load. One scan at a time; only callers of names() wait on it, never a request for a name
+    (its file is stat'ed, not listed)."""
+
+    def __init__(self, folder: Path, excluded: Collection[str]) -> None:
+        self.folder = folder
+        self._excluded = frozenset(excluded)
+        self._key: tuple[int, int, int] | None = None
+        self._names: list[str] = []  # sorted
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        """The names, sorted (the last listing if the folder cannot be read now)."""
+        with self._lock:
+            try:
+                st = os.stat(self.folder)
+                key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+                if key != self._key:
+                    found = [e.name[: -len(ADAPTER_SUFFIX)] for e in os.scandir(self.folder) if e.name.endswith(ADAPTER_SUFFIX)]
+                    self._names = sorted(n for n in found if servable(n) and "/" not in n and n not in self._excluded)
+                    self._key = key
+            except OSError:
+                pass  # (a folder gone or unreadable for now: requests for names say so, with the file's own error)
+            return self._names
+
+
+def unknown_name_message(name: str, base_name: str, served: list[str]) -> str:
+    """The 422 for a name nothing answers as: at most SHOWN_NAMES names, all of them when there are no more, else
+    the count and the nearest (difflib) among the sorted names around it; never the whole folder."""
+    shown = repr(name if len(name) <= 130 else name[:128] + "...")
+    if len(served) <= SHOWN_NAMES:
+        return f"no model {shown} here: this server answers as {', '.join([base_name, *served])}"
+    at = bisect.bisect_left(served, name)
+    window = served[max(0, at - NEAR_WINDOW) : at + NEAR_WINDOW]
+    near = difflib.get_close_matches(name, window, n=SHOWN_NAMES, cutoff=0.6)
+    hint = f"the nearest: {', '.join(near)}" if near else "none is near that name"
+    return f"no model {shown} here: this server answers as {base_name} and {len(served)} adapters (GET /v1/models); {hint}"

@@ -1,0 +1,291 @@
+"""Every refusal of an adapter is a 4xx (or a 503 with Retry-After for a file gone) from the problem table, naming the
+file but never the server's folders; an adapter whose LoRA holds NaN or Inf, or whose alpha overflows, is refused by
+`validate BASE --adapter` and at load; llama-server's head-less variant is refused by decide and serve unless the
+base's head is asked for; names mean one thing (jev-latest, the names /v1/models lists, metrics by the name asked);
+and the same on Ray (issue 54, items 6 to 8).
+
+One `clef-gguf serve` on loopback over a folder of bad files (not GGUF, empty, truncated, a model, another base's
+adapter, NaN weights, alpha 1e6, llama-server's variant, one deleted after its first use) and one file under two names;
+the real CLI for validate and decide; one `serve --ray` on a local cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+import typesafe_sdk as ts
+from live_server import served
+from peft_adapters import peft_adapter
+from prometheus_client.parser import text_string_to_metric_families
+
+import clef_gguf
+from clef_gguf.check.adapter_pair import validate_adapter_pair
+from clef_gguf.conversion.adapter import convert_adapter
+from clef_gguf.errors import AdapterBaseError, CorruptModelError, IncompleteModelError
+from clef_gguf.format import adapter as A
+from clef_gguf.format import contract as C
+from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.request_suite import labelled_requests
+
+CLI = [sys.executable, "-m", "clef_gguf.cli"]
+CONTEXT = 4096
+TIMEOUT = 300.0
+NAN_TENSOR = "blk.0.ffn_up.weight.lora_a"
+# Folder files that cannot be served, each with what its refusal must say.
+BAD = {
+    "notgguf": "notgguf.adapter.gguf",
+    "empty": "empty.adapter.gguf",
+    "truncated": "truncated.adapter.gguf",
+    "model": "model.adapter.gguf",
+    "other": "other.adapter.gguf",
+    "nan": NAN_TENSOR,
+    "alpha": A.KEY_ALPHA,
+    "headless": "llama-server",
+}
+
+
+def _rewritten(adapter: Path, out: Path, values: dict[str, np.ndarray] | None = None, alpha: float | None = None) -> Path:
+    """A copy of an f32 adapter with some tensors' values, or its alpha, replaced."""
+    reader = gguf.GGUFReader(adapter)
+    writer = gguf.GGUFWriter(out, C.ARCH)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        value = alpha if key == A.KEY_ALPHA and alpha is not None else field.contents()
+        writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, (values or {}).get(t.name, np.array(t.data)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@dataclass(frozen=True)
+class Files:
+    root: Path
+    base: Path
+    good: Path
+    other: Path  # an adapter of another base (another seed's release)
+    nan: Path
+    alpha: Path
+    headless: Path  # convert --adapter --llama-server
+    folder: Path  # good, gone and every BAD file as NAME.adapter.gguf
+
+
+@pytest.fixture(scope="module")
+def files(ws, tmp_path_factory) -> Files:
+    root = tmp_path_factory.mktemp("refusals")
+    release, base = ws.release("untied_f32"), ws.gguf("untied_f32", "f32")
+    good = peft_adapter(release, root, "good")
+    other_release = build_release(root / "other-release", ReleaseSpec(seed=7, vision=False))
+    other = peft_adapter(other_release, root, "other")
+    checkpoint = root / "good" / "checkpoint-4"  # (peft_adapter's)
+    headless = convert_adapter(checkpoint, release, root / "headless.adapter.gguf", "f32", llama_server=True)
+    a = next(np.array(t.data) for t in gguf.GGUFReader(good).tensors if t.name == NAN_TENSOR).copy()
+    a[0, 0] = np.nan
+    nan = _rewritten(good, root / "nan.adapter.gguf", {NAN_TENSOR: a})
+    alpha = _rewritten(good, root / "alpha.adapter.gguf", alpha=1e6)
+    folder = root / "tunes"
+    folder.mkdir()
+    for name, source in {"good": good, "gone": good, "model": base, "other": other, "nan": nan, "alpha": alpha}.items():
+        shutil.copyfile(source, folder / f"{name}.adapter.gguf")
+    shutil.copyfile(headless, folder / "headless.adapter.gguf")
+    (folder / "notgguf.adapter.gguf").write_text("this is no GGUF file\n" * 20)
+    (folder / "empty.adapter.gguf").write_bytes(b"")
+    whole = good.read_bytes()
+    (folder / "truncated.adapter.gguf").write_bytes(whole[: len(whole) // 2])
+    return Files(root, base, good, other, nan, alpha, headless, folder)
+
+
+def _request(model: str | None = None) -> dict:
+    request = labelled_requests(1)[0]
+    return {**request, "model": model} if model is not None else request
+
+
+def _refused(response: httpx.Response, files: Files, says: str) -> None:
+    """A 4xx (or the 503 of a file gone, with Retry-After) naming the file, not where the server keeps it."""
+    status = response.status_code
+    assert 400 <= status < 500 or (status == 503 and response.headers.get("retry-after")), (status, response.text)
+    assert str(files.root) not in response.text and str(files.folder) not in response.text, response.text
+    assert says in response.text, response.text
+
+
+# --- validate and load ---------------------------------------------------------------------------------------------
+def test_validate_refuses_nan_lora_weights_and_an_alpha_that_overflows(files):
+    nan = subprocess.run([*CLI, "validate", str(files.base), "--adapter", str(files.nan)], capture_output=True, text=True)
+    assert nan.returncode == 5 and NAN_TENSOR in nan.stdout + nan.stderr, nan.stdout + nan.stderr
+    alpha = subprocess.run([*CLI, "validate", str(files.base), "--adapter", str(files.alpha)], capture_output=True, text=True)
+    assert alpha.returncode == 7 and A.KEY_ALPHA in alpha.stdout + alpha.stderr, alpha.stdout + alpha.stderr
+    deep = validate_adapter_pair(files.base, files.alpha, deep=True)
+    assert deep.exit_code == 7 and "1e+06" in deep.adapter.summary  # --deep, which it pointed to, refuses it too
+    assert validate_adapter_pair(files.base, files.nan, deep=True).exit_code == 5
+    # No false alarm: the sound adapter, and llama-server's variant (sound for llama-server), validate.
+    assert validate_adapter_pair(files.base, files.good).exit_code == 0
+    assert validate_adapter_pair(files.base, files.headless).exit_code == 0
+
+
+def test_load_refuses_them_and_the_head_less_variant_unless_asked_for_the_base_head(files):
+    with pytest.raises(CorruptModelError, match=NAN_TENSOR):
+        clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapter=files.nan)
+    with pytest.raises(IncompleteModelError, match="adapter.lora.alpha = 1e\\+06"):
+        clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapters={"x": files.alpha})
+    with pytest.raises(IncompleteModelError, match="llama-server's variant.*base-head"):
+        clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapter=files.headless)
+    with (
+        clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapter=files.headless, base_head=True) as tuned,
+        clef_gguf.load(files.base, max_prompt_tokens=CONTEXT) as plain,
+    ):
+        request = _request()
+        assert tuned.decide(request)["answers"] != plain.decide(request)["answers"]  # its LoRA, the base's head
+
+
+def test_decide_refuses_the_head_less_variant_unless_base_head(files, tmp_path):
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps(_request()))
+    common = [*CLI, "decide", str(files.base), str(request), "--ctx", str(CONTEXT), "--adapter", str(files.headless)]
+    refused = subprocess.run(common, capture_output=True, text=True)
+    assert refused.returncode == 7 and "--base-head" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    allowed = subprocess.run([*common, "--base-head"], capture_output=True, text=True)
+    assert allowed.returncode == 0 and "answers" in json.loads(allowed.stdout), allowed.stderr
+
+
+def test_decide_on_ray_checks_the_adapter_against_the_base_before_a_cluster(files, tmp_path):
+    """One line and exit 7, at once, as locally: no cluster started, no Ray traceback."""
+    data = tmp_path / "requests.jsonl"
+    data.write_text(json.dumps(_request()) + "\n")
+    args = [str(files.base), str(data), "--ctx", str(CONTEXT), "--adapter", str(files.other)]
+    local = subprocess.run([*CLI, "decide", *args, "-o", str(tmp_path / "local.jsonl")], capture_output=True, text=True)
+    started = time.monotonic()
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    on_ray = subprocess.run(
+        [*CLI, "decide", *args, "-o", str(tmp_path / "ray.jsonl"), "--ray"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert local.returncode == on_ray.returncode == AdapterBaseError.exit_code, on_ray.stderr
+    assert on_ray.stderr == local.stderr and len(on_ray.stderr.strip().splitlines()) == 1, on_ray.stderr
+    assert "Traceback" not in on_ray.stderr and time.monotonic() - started < 60
+    assert not (tmp_path / "ray.jsonl").exists()
+
+
+def test_a_workers_typed_error_crosses_ray_as_itself():
+    """What Ray hands the driver for an actor's error (a RayTaskError of it, inside Ray Data's UserCodeException)
+    is raised as the actor's own error: its type, its exit code, its one line."""
+    pytest.importorskip("ray.data")
+    from ray.data.exceptions import UserCodeException
+    from ray.exceptions import RayTaskError
+
+    from clef_gguf.server.ray_dataset import clef_cause, same_error
+
+    error = same_error(AdapterBaseError("x.adapter.gguf does not fit"), "a Ray worker on 10.0.0.1 cannot load the model: ...")
+    assert type(error) is AdapterBaseError and error.exit_code == 7
+    task = RayTaskError("_PartDecider.__init__", "Traceback (most recent call last):\n ...", error).as_instanceof_cause()
+    try:
+        try:
+            raise task
+        except RayTaskError as e:
+            raise UserCodeException("UDF failed") from e
+    except UserCodeException as wrapped:
+        assert clef_cause(wrapped) is error
+    assert clef_cause(RuntimeError("no cause")) is None
+
+
+# --- serve ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(files):
+    args = ("--ctx", str(CONTEXT), "--state-cache", "0", "--max-adapters", "1", "--adapter-dir", str(files.folder))
+    args += ("--adapter", f"a={files.good}", "--adapter", f"b={files.good}")  # one file, two names
+    with served(files.base, *args) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+        yield client
+
+
+def test_every_bad_file_in_the_folder_is_a_4xx_naming_the_file_not_its_folder(server, files):
+    for name, says in BAD.items():
+        _refused(server.post("/v1/systemone", json=_request(name)), files, says)
+        run = server.post("/accounts/a/ai/run/@cf/cloudflare/clef-flash", json={**_request(), "lora": name})
+        _refused(run, files, says)
+        assert run.json()["success"] is False
+    assert server.post("/v1/systemone", json=_request("good")).status_code == 200  # the server goes on
+
+
+def test_an_adapter_deleted_after_its_first_use_is_refused_not_a_500(server, files):
+    assert server.post("/v1/systemone", json=_request("gone")).status_code == 200
+    assert server.post("/v1/systemone", json=_request("good")).status_code == 200  # (--max-adapters 1: gone unloaded)
+    (files.folder / "gone.adapter.gguf").unlink()
+    _refused(server.post("/v1/systemone", json=_request("gone")), files, "gone")
+    assert server.post("/v1/systemone", json=_request("good")).status_code == 200
+
+
+def test_typesafe_sdk_at_its_defaults_is_answered_by_a_server_with_adapters(server):
+    url = str(server.base_url).rstrip("/")
+    with ts.TypeSafeClient(base_url=url, api_key="local") as sdk:
+        got = sdk.system_one(state="The parcel arrived broken.", questions={"refund": ts.Noul(instructions="Refund?")})
+        assert got.model == "jev-latest"
+        assert "jev-latest" in [m.name for m in sdk.models.list().models]
+
+
+def test_every_name_v1_models_lists_is_servable(server):
+    listed = [m["name"] for m in server.get("/v1/models").json()["models"]]
+    assert {"a", "b", "good", "jev-latest"} <= set(listed)
+    for name in listed:
+        response = server.post("/v1/systemone", json=_request(name))
+        assert response.status_code == 200, (name, response.text)
+    assert not set(BAD) & set(listed)
+
+
+def _decided(scraped: str) -> dict[str, float]:
+    return {
+        s.labels["model"]: s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+        if s.name == "clef_decision_seconds_count" and s.labels["phase"] == "compute"
+    }
+
+
+def test_one_file_under_two_names_answers_and_counts_by_the_name_asked(server):
+    before = _decided(server.get("/metrics").text)
+    answered = [server.post("/v1/systemone", json=_request(name)).json()["model"] for name in ("a", "a", "b")]
+    assert answered == ["a", "a", "b"]
+    after = _decided(server.get("/metrics").text)
+    assert after.get("a", 0) - before.get("a", 0) == 2 and after.get("b", 0) - before.get("b", 0) == 1
+
+
+# --- serve --ray ----------------------------------------------------------------------------------------------------
+def test_serve_on_ray_refuses_alike_and_answers_typesafe_sdk_defaults(files, tmp_path):
+    pytest.importorskip("ray.serve")
+    from clef_gguf.testing import ray_cluster
+
+    folder = tmp_path / "tunes"
+    folder.mkdir()
+    for name in ("good", "nan", "other", "notgguf"):
+        shutil.copyfile(files.folder / f"{name}.adapter.gguf", folder / f"{name}.adapter.gguf")
+    args = ("--ray", "--replicas", "1", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
+    args += ("--adapter-dir", str(folder), "--adapter", f"a={files.good}", "--adapter", f"b={files.good}")
+    with (
+        ray_cluster.local_cluster(num_cpus=2) as address,
+        served(files.base, *args, env={"RAY_ADDRESS": address}, log=tmp_path / "serve.log", timeout_s=300) as (url, _),
+        httpx.Client(base_url=url, timeout=TIMEOUT) as client,
+        ts.TypeSafeClient(base_url=url, api_key="local") as sdk,
+    ):
+        got = sdk.system_one(state="The parcel arrived broken.", questions={"refund": ts.Noul(instructions="Refund?")})
+        assert got.model == "jev-latest"
+        for name in ("nan", "other", "notgguf"):
+            _refused(client.post("/v1/systemone", json=_request(name)), files, BAD[name])
+        assert [client.post("/v1/systemone", json=_request(n)).json()["model"] for n in ("a", "a", "b")] == ["a", "a", "b"]
+        decided = _decided(client.get("/metrics").text)
+        listed = [m["name"] for m in client.get("/v1/models").json()["models"]]
+    assert decided.get("a") == 2 and decided.get("b") == 1
+    assert "jev-latest" in listed and not {"nan", "other", "notgguf"} & set(listed)

@@ -1,0 +1,391 @@
+"""The page at `/` of `clef-gguf serve` (issue 56), driven in a real browser: Debian's chromium under Playwright for
+Python (pointed at /usr/bin/chromium, no browser download), against one `serve` on loopback of a fixture model with
+its vision tower and two adapters, behind --api-key. Every request the browser makes is recorded: none may leave
+the server. The screenshots land in SHOTS (build/ is ignored by git)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from live_server import served
+from peft_adapters import peft_adapter
+from PIL import Image
+from test_server import start
+
+from clef_gguf.server.run import settings_app
+from clef_gguf.server.ui import CONTENT_SECURITY_POLICY, FILES, UI_DIR
+from clef_gguf.settings import API_KEY_ENV, ServeSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "build" / "ui-screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--headless", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+KEY = "ui-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TIMEOUT = 120.0
+WAIT_MS = 60_000
+# The page's first example, as the tests read its answers: each question's options in the order the page shows them.
+EXAMPLE = {
+    "complaint": ["true", "false"],
+    "intent": ["refund", "replacement", "information"],
+    "urgency": ["low", "medium", "high"],
+}
+
+
+def _browser_missing() -> str | None:
+    if not Path(CHROMIUM).is_file():
+        return f"{CHROMIUM} is absent: apt-get install chromium (.ci/run installs it)"
+    if importlib.util.find_spec("playwright") is None:
+        return "playwright is not installed: pip install -e '.[test]'"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One browser for the module; requested before the server, so that a machine without one starts no server."""
+    missing = _browser_missing()
+    if missing:
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def server(ws, tmp_path_factory) -> Iterator[str]:
+    """`clef-gguf serve` with --api-key, the vision tower and two adapters: its URL."""
+    release, root = ws.release("untied_f32"), tmp_path_factory.mktemp("ui")
+    triage, urgency = peft_adapter(release, root, "triage"), peft_adapter(release, root, "urgency", seed=1)
+    args = ("--api-key", KEY, "--ctx", "4096", "--mmproj", str(ws.mmproj("untied_f32", "f32")))
+    args += ("--adapter", f"triage={triage}", "--adapter", f"urgency={urgency}")
+    with served(ws.gguf("untied_f32", "f32"), *args) as (url, _):
+        yield url
+
+
+def api(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(f"{url}/v1/systemone", json=body, headers=AUTH if headers is None else headers, timeout=TIMEOUT)
+
+
+@dataclass
+class Tab:
+    """A browser tab on the server's page, recording every request it makes and every script error."""
+
+    page: Any
+    url: str
+    requests: list[Any] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def open(self, key: str | None = KEY) -> None:
+        self.page.goto(self.url + "/")
+        self.page.wait_for_selector("body[data-ready=true]", timeout=WAIT_MS)
+        if key is not None:
+            self.page.fill("#key", key)
+            self.page.click("#key-form button[type=submit]")
+            self.page.wait_for_function("() => document.querySelectorAll('#model option').length === 3", timeout=WAIT_MS)
+
+    def decide(self) -> dict[str, Any]:
+        """Click Decide; the body the page sent (read from the browser's own request)."""
+        with self.page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/v1/systemone")) as sent:
+            self.page.click("#decide")
+        self.page.wait_for_function("() => !document.getElementById('decide').disabled", timeout=WAIT_MS)
+        return json.loads(sent.value.post_data)
+
+    def shown(self, question: str, option: str, model: str) -> str:
+        cell = f'section.answer[data-question="{question}"] tr[data-option="{option}"] td[data-model="{model}"]'
+        return self.page.inner_text(f"{cell} .value")
+
+    def top(self, question: str, model: str) -> str:
+        rows = self.page.locator(f'section.answer[data-question="{question}"] tr:has(td[data-model="{model}"].top)')
+        return rows.get_attribute("data-option")
+
+    def question(self, qid: str) -> Any:
+        ids = self.page.locator("li.question input.q-id").evaluate_all("(inputs) => inputs.map((i) => i.value)")
+        return self.page.locator("li.question").nth(ids.index(qid))
+
+
+@pytest.fixture
+def tab(browser, server) -> Iterator[Tab]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server)
+    page = context.new_page()
+    tab = Tab(page, server)
+    context.on("request", lambda r: tab.requests.append(r))
+    page.on("pageerror", lambda e: tab.errors.append(str(e)))
+    page.on("console", lambda m: tab.errors.append(m.text) if m.type == "error" and "status of" not in m.text else None)
+    page.on("dialog", lambda d: tab.errors.append(f"a dialog opened: {d.message}"))
+    yield tab
+    context.close()
+    own = urlsplit(server).netloc
+    assert [r.url for r in tab.requests if urlsplit(r.url).netloc != own] == []  # no request to any other host
+    assert tab.errors == []  # no script error, no CSP violation, no dialog
+
+
+def shown_rows(question: str, answer: dict[str, Any]) -> dict[str, str]:
+    """What the page must show for an API answer: each option's probability to the 4 decimals the API rounds to."""
+    if answer["type"] == "noul":
+        return {"true": f"{answer['noul']:.4f}", "false": f"{round(1 - answer['noul'], 4):.4f}"}
+    names = EXAMPLE.get(question) or list(answer["probabilities"])
+    if answer["type"] == "score":
+        return {name: f"{answer['probabilities'][str(i)]:.4f}" for i, name in enumerate(names)}
+    return {name: f"{answer['probabilities'][name]:.4f}" for name in names}
+
+
+def check_shown(tab: Tab, answers: dict[str, Any], model: str) -> None:
+    for question, answer in answers.items():
+        rows = shown_rows(question, answer)
+        assert {name: tab.shown(question, name, model) for name in rows} == rows, (question, model)
+        best = max(rows, key=lambda name: float(rows[name]))  # the first maximum, as the page marks it
+        assert tab.top(question, model) == best, question
+
+
+# --- without a browser: the routes, their headers, --no-ui --------------------------------------------------------
+def test_the_page_files_need_no_key_and_carry_the_policy(server):
+    for route, (name, media_type) in FILES.items():
+        response = httpx.get(server + route, timeout=TIMEOUT)  # the server has --api-key: none is sent
+        assert response.status_code == 200 and response.content == (UI_DIR / name).read_bytes(), route
+        assert response.headers["content-type"] == media_type
+        assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+        assert response.headers["x-content-type-options"] == "nosniff"
+    assert "default-src 'self'" in CONTENT_SECURITY_POLICY and "unsafe" not in CONTENT_SECURITY_POLICY
+    html = (UI_DIR / "index.html").read_text()
+    # No inline script or style to allow: every script is a file, no element has a style or an on* attribute.
+    assert "<script>" not in html and "<style" not in html and not re.search(r"\s(style|on[a-z]+)=", html)
+    for name in ("index.html", "app.js", "style.css"):
+        text = (UI_DIR / name).read_text()
+        assert "http://" not in text and "https://" not in text and "innerHTML" not in text, name  # no other host
+    assert httpx.get(server + "/v1/models", timeout=TIMEOUT).status_code == 401  # the API still wants the key
+
+
+def test_no_ui_leaves_the_page_out(ws):
+    """--no-ui (ServeSettings.ui, as `serve` and a Ray ingress build the app: run.settings_app): / is the API's 404."""
+    model = ws.model("untied_f32", "f32")
+    for ui, status in ((False, 404), (True, 200)):
+        live = start(settings_app(model, ServeSettings(ui=ui), owns_model=False))
+        try:
+            for route in FILES:
+                assert httpx.get(live.url + route, timeout=TIMEOUT).status_code == status, (ui, route)
+            assert httpx.get(live.url + "/health", timeout=TIMEOUT).status_code == 200
+        finally:
+            live.stop()
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert "--no-ui" in run.stdout
+
+
+# --- in the browser -----------------------------------------------------------------------------------------------
+def test_without_the_key_the_page_shows_the_401_and_with_it_the_answer(tab):
+    refusal = httpx.get(tab.url + "/v1/models", timeout=TIMEOUT).json()["detail"]["message"]
+    tab.open(key=None)
+    assert tab.page.is_visible("#key-section")
+    assert tab.page.inner_text("#key-error") == refusal
+    tab.decide()  # the base is known from /health: the decision is refused with the server's message
+    assert tab.page.inner_text("#form-error") == refusal
+    tab.page.fill("#key", KEY)
+    tab.page.click("#key-form button[type=submit]")
+    tab.page.wait_for_selector("#key-section", state="hidden", timeout=WAIT_MS)
+    body = tab.decide()
+    want = api(tab.url, body).json()
+    check_shown(tab, want["answers"], body["model"])
+    # The key is in the tab's session storage, nowhere else.
+    assert tab.page.evaluate("sessionStorage.getItem('clef-gguf-api-key')") == KEY
+    assert tab.page.evaluate("localStorage.length") == 0 and tab.page.context.cookies() == []
+
+
+def test_a_decision_shows_what_the_api_answers_for_the_same_body(tab):
+    tab.open()
+    # A fourth question built with the page's controls: a choice of three options, one described, one removed.
+    tab.page.select_option("#new-type", "choice")
+    tab.page.click("#add-question")
+    added = tab.page.locator("li.question").last
+    added.locator("input.q-id").fill("team")
+    added.locator("textarea.q-instructions").fill("Which team should answer?")
+    added.locator("button.opt-add").click()
+    added.locator("button.opt-add").click()
+    names = added.locator("input.opt-name")
+    for i, name in enumerate(["billing", "shipping", "drop me", "other"]):
+        names.nth(i).fill(name)
+    added.locator("input.opt-description").first.fill("Charges and refunds")
+    added.locator("li.option").nth(2).locator("button.opt-remove").click()
+    body = tab.decide()
+    assert body["model"] == tab.page.input_value("#model") and body["state"] == tab.page.input_value("#state")
+    assert body["questions"]["team"] == {
+        "type": "choice",
+        "instructions": "Which team should answer?",
+        "criteria": {"billing": "Charges and refunds", "shipping": None, "other": None},
+    }
+    assert list(body["questions"]) == ["complaint", "intent", "urgency", "team"]
+    want = api(tab.url, body)
+    assert want.status_code == 200, want.text
+    order = {**EXAMPLE, "team": ["billing", "shipping", "other"]}
+    for question in want.json()["answers"]:
+        names = order[question]
+        rows = tab.page.locator(f'section.answer[data-question="{question}"] tbody th')
+        assert rows.all_inner_texts() == names, question  # in the question's order
+    check_shown(tab, {q: a for q, a in want.json()["answers"].items() if q != "team"}, body["model"])
+    team = want.json()["answers"]["team"]["probabilities"]
+    assert {n: tab.shown("team", n, body["model"]) for n in team} == {n: f"{p:.4f}" for n, p in team.items()}
+    usage = tab.page.locator(f'.usage-group[data-model="{body["model"]}"]')
+    assert usage.locator("dd[data-usage=input]").inner_text() == str(want.json()["usage"]["input_tokens"])
+    assert usage.locator("dd[data-usage=cached]").inner_text().isdigit()
+    assert " ms (read " in usage.locator("dd[data-usage=time]").inner_text()  # from Server-Timing
+    assert json.loads(tab.page.inner_text("#code-json")) == body
+
+
+def test_compare_shows_each_models_own_answers_at_both_widths(tab):
+    tab.open()
+    tab.page.select_option("#model", index=0)  # the base
+    tab.page.check("#compare-on")
+    tab.page.select_option("#model-b", "triage")
+    base = tab.page.input_value("#model")
+    body = tab.decide()
+    answers = {m: api(tab.url, {**body, "model": m}).json()["answers"] for m in (base, "triage")}
+    assert answers[base] != answers["triage"]  # the fine-tune answers otherwise
+    for model in (base, "triage"):
+        check_shown(tab, answers[model], model)
+    for question, options in EXAMPLE.items():
+        rows = {m: shown_rows(question, answers[m][question]) for m in answers}
+        change = {o: round(abs(float(rows["triage"][o]) - float(rows[base][o])), 4) for o in options}
+        marked = tab.page.locator(f'section.answer[data-question="{question}"] tr.largest')
+        assert marked.get_attribute("data-option") == max(change, key=change.__getitem__), question  # the first largest
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    for width, height in ((1280, 900), (390, 844)):
+        tab.page.set_viewport_size({"width": width, "height": height})
+        tab.page.evaluate("window.scrollTo(0, 0)")
+        tab.page.screenshot(path=SHOTS / f"compare-{width}.png", full_page=width < 1000)
+        assert tab.page.evaluate("document.documentElement.scrollWidth") <= width  # readable: no sideways scrolling
+
+
+def test_refusals_show_the_servers_message_next_to_the_field(tab):
+    tab.open()
+    intent = tab.question("intent")
+    for _ in range(2):  # one option left: the API wants 2 to 255
+        intent.locator("button.opt-remove").first.click()
+    body = tab.decide()
+    detail = api(tab.url, body).json()["detail"][0]
+    line = f"{'.'.join(map(str, detail['loc'][1:]))}: {detail['msg']}"
+    assert intent.locator(".q-error").inner_text() == line
+    assert intent.locator("input.q-id").get_attribute("aria-invalid") == "true"
+    assert tab.page.inner_text("#form-error") == line
+    assert tab.page.locator("#results section.answer").count() == 0
+    tab.page.click("#load-example")
+    tab.page.fill("#state", "word " * 6000)  # over --ctx 4096: 413
+    body = tab.decide()
+    refused = api(tab.url, body)
+    assert refused.status_code == 413
+    assert tab.page.inner_text("#form-error") == refused.json()["detail"]["message"]
+
+
+def test_a_hostile_state_and_names_are_shown_as_text_and_run_nothing(tab):
+    tab.open()
+    hostile = "<img src=x onerror=\"window.pwned='img'\"><script>window.pwned='script'</script>"
+    tab.page.fill("#state", hostile)
+    tab.question("complaint").locator("input.q-id").fill("<img src=x onerror=\"window.pwned='id'\">")
+    tab.question("intent").locator("input.opt-name").first.fill("<script>window.pwned='option'</script>")
+    body = tab.decide()
+    assert body["state"] == hostile
+    answers = api(tab.url, body).json()["answers"]
+    assert tab.page.evaluate("window.pwned") is None
+    assert tab.page.evaluate("document.querySelectorAll('img').length") == 0
+    assert tab.page.evaluate("document.scripts.length") == 1  # app.js
+    headings = tab.page.locator("#results h3").all_inner_texts()
+    assert headings[0].startswith("<img src=x onerror=")
+    assert tab.page.locator("#results th[scope=row]", has_text="<script>window.pwned='option'</script>").count() == 1
+    assert "<img src=x onerror=" in tab.page.inner_text("#code-curl")  # (JSON in shell quotes: escaped, as text)
+    assert json.loads(tab.page.inner_text("#code-json"))["state"] == hostile
+    assert len(answers) == 3 and not [r.url for r in tab.requests if urlsplit(r.url).path.endswith("/x")]
+
+
+def test_the_copied_curl_and_python_get_the_same_answer(tab):
+    tab.open()
+    tab.page.select_option("#model", "urgency")
+    body = tab.decide()
+    want = api(tab.url, body).json()
+    env = {**os.environ, API_KEY_ENV: KEY}
+    copied = {}
+    for what in ("curl", "python"):
+        tab.page.click(f'[data-copy="code-{what}"]')
+        tab.page.wait_for_function("() => document.getElementById('copied').textContent === 'Copied.'", timeout=WAIT_MS)
+        copied[what] = tab.page.evaluate("navigator.clipboard.readText()")
+        tab.page.evaluate("document.getElementById('copied').textContent = ''")
+    curl = subprocess.run(["bash", "-c", copied["curl"]], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert curl.returncode == 0, curl.stderr
+    assert json.loads(curl.stdout)["answers"] == want["answers"] and json.loads(curl.stdout)["model"] == "urgency"
+    python = subprocess.run([sys.executable, "-c", copied["python"]], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert python.returncode == 0, python.stderr
+    got = json.loads(python.stdout)
+    assert got["model"] == "urgency" and got["answers"] == want["answers"]
+
+
+def test_images_dropped_on_the_page_reach_the_model(tab):
+    tab.open()
+    assert tab.page.is_visible("#drop")  # /health says images are on
+    png = io.BytesIO()
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(png, "PNG")
+    drop = """([data, name]) => {
+        const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+        const files = new DataTransfer();
+        files.items.add(new File([bytes], name, { type: "image/png" }));
+        const event = new DragEvent("drop", { dataTransfer: files, bubbles: true, cancelable: true });
+        document.getElementById("drop").dispatchEvent(event);
+    }"""
+    tab.page.evaluate(drop, [base64.b64encode(png.getvalue()).decode(), "red.png"])
+    tab.page.wait_for_selector("#image-list li", timeout=WAIT_MS)
+    tab.page.wait_for_timeout(200)  # the FileReader's data URL
+    body = tab.decide()
+    assert body["images"] == ["data:image/png;base64," + base64.b64encode(png.getvalue()).decode()]
+    want = api(tab.url, body).json()
+    without = api(tab.url, {k: v for k, v in body.items() if k != "images"}).json()
+    assert want["usage"]["input_tokens"] > without["usage"]["input_tokens"]  # the image's tokens
+    check_shown(tab, want["answers"], body["model"])
+
+
+def test_every_control_is_labelled_and_the_page_works_from_the_keyboard(tab):
+    tab.open()
+    unlabelled = tab.page.evaluate(
+        """[...document.querySelectorAll('input, select, textarea, button')]
+            .filter((e) => !e.closest('[hidden]') && !(e.labels && e.labels.length) && !e.getAttribute('aria-label')
+                           && !(e.tagName === 'BUTTON' && e.textContent.trim()))
+            .map((e) => e.outerHTML)"""
+    )
+    assert unlabelled == []
+    tab.page.focus("#state")
+    tab.page.keyboard.press("Tab")  # from the state onwards, into the first question's id
+    assert tab.page.evaluate("document.activeElement.classList.contains('q-id')")
+    tab.page.focus("#decide")
+    with tab.page.expect_response(lambda r: r.url.endswith("/v1/systemone")):
+        tab.page.keyboard.press("Enter")
+    tab.page.wait_for_selector("#results section.answer", timeout=WAIT_MS)
+
+
+def test_without_a_vision_tower_the_page_says_why_it_takes_no_images(browser, ws):
+    """A server without --mmproj (in this process, no key): no drop zone, and the page says how to add the tower."""
+    live = start(settings_app(ws.model("untied_f32", "f32"), ServeSettings(), owns_model=False))
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    try:
+        page = context.new_page()
+        page.goto(live.url + "/")
+        page.wait_for_selector("body[data-ready=true]", timeout=WAIT_MS)
+        assert page.is_hidden("#drop") and page.is_hidden("#key-section")  # no key asked: the server has none
+        assert "no vision tower" in page.inner_text("#images-note") and "--mmproj" in page.inner_text("#images-note")
+    finally:
+        context.close()
+        live.stop()
