@@ -25,6 +25,7 @@ from clef_gguf.format import adapter as A
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing import finetune
+from clef_gguf.testing.gguf_bytes import rewritten_adapter
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
 CLI = [sys.executable, "-m", "clef_gguf.cli"]
@@ -185,34 +186,15 @@ def test_validate_pairs_an_adapter_with_its_base_only(ws, plain, other_base, tmp
     assert swapped.exit_code == 6
 
 
-def _rewritten(adapter: Path, out: Path, name: str, values: np.ndarray) -> Path:
-    """A copy of an f32 adapter with tensor `name` replaced (its key-values as they are)."""
-    reader = gguf.GGUFReader(adapter)
-    writer = gguf.GGUFWriter(out, C.ARCH)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue
-        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        data = values if t.name == name else np.array(t.data)
-        writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
 def test_validate_refuses_an_adapter_whose_shapes_do_not_fit_the_base(ws, plain, tmp_path):
     _, adapter, _ = plain
     a = _tensors(adapter)["blk.0.ffn_up.weight.lora_a"]
-    wider = _rewritten(adapter, tmp_path / "wider.adapter.gguf", "blk.0.ffn_up.weight.lora_a", np.hstack([a, a]))
+    wider = rewritten_adapter(adapter, tmp_path / "wider.adapter.gguf", {"blk.0.ffn_up.weight.lora_a": np.hstack([a, a])})
     assert validate(wider).ok  # consistent in itself
     refused = validate_adapter_pair(ws.gguf("untied_f32", "f32"), wider)
     assert refused.exit_code == 7 and "blk.0.ffn_up.weight is [128, 64] in the base" in refused.summary
     b = _tensors(adapter)["blk.0.ffn_up.weight.lora_b"]
-    unpaired = _rewritten(adapter, tmp_path / "rank.adapter.gguf", "blk.0.ffn_up.weight.lora_b", b[:, :4].copy())
+    unpaired = rewritten_adapter(adapter, tmp_path / "rank.adapter.gguf", {"blk.0.ffn_up.weight.lora_b": b[:, :4].copy()})
     report = validate(unpaired)
     assert report.exit_code == 7 and "both must have one rank r" in report.summary
 

@@ -34,7 +34,7 @@ from clef_gguf.check.adapter_pair import validate_adapter_pair
 from clef_gguf.conversion.adapter import convert_adapter
 from clef_gguf.errors import AdapterBaseError, CorruptModelError, IncompleteModelError
 from clef_gguf.format import adapter as A
-from clef_gguf.format import contract as C
+from clef_gguf.testing.gguf_bytes import rewritten_adapter
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 from clef_gguf.testing.request_suite import labelled_requests
 
@@ -53,25 +53,6 @@ BAD = {
     "alpha": A.KEY_ALPHA,
     "headless": "llama-server",
 }
-
-
-def _rewritten(adapter: Path, out: Path, values: dict[str, np.ndarray] | None = None, alpha: float | None = None) -> Path:
-    """A copy of an f32 adapter with some tensors' values, or its alpha, replaced."""
-    reader = gguf.GGUFReader(adapter)
-    writer = gguf.GGUFWriter(out, C.ARCH)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue
-        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        value = alpha if key == A.KEY_ALPHA and alpha is not None else field.contents()
-        writer.add_key_value(key, value, field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, (values or {}).get(t.name, np.array(t.data)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 @dataclass(frozen=True)
@@ -97,8 +78,8 @@ def files(ws, tmp_path_factory) -> Files:
     headless = convert_adapter(checkpoint, release, root / "headless.adapter.gguf", "f32", llama_server=True)
     a = next(np.array(t.data) for t in gguf.GGUFReader(good).tensors if t.name == NAN_TENSOR).copy()
     a[0, 0] = np.nan
-    nan = _rewritten(good, root / "nan.adapter.gguf", {NAN_TENSOR: a})
-    alpha = _rewritten(good, root / "alpha.adapter.gguf", alpha=1e6)
+    nan = rewritten_adapter(good, root / "nan.adapter.gguf", {NAN_TENSOR: a})
+    alpha = rewritten_adapter(good, root / "alpha.adapter.gguf", alpha=1e6)
     folder = root / "tunes"
     folder.mkdir()
     for name, source in {"good": good, "gone": good, "model": base, "other": other, "nan": nan, "alpha": alpha}.items():

@@ -32,8 +32,6 @@ from ..errors import AdapterUnavailableError, ClefError, CorruptModelError, Inco
 from ..format.header import GGUFFile, Signature, signature_of
 from ..inputs import file_kind
 from .adapter_files import ADAPTER_SUFFIX, AdapterCopy, FolderListing, PrivateFolder, Version, read_version, servable
-from .adapter_files import adapter_identity as adapter_identity  # (its home before adapter_files: callers import it here)
-from .adapter_files import open_adapter as open_adapter
 from .adapter_files import unknown_name_message as _unknown_message
 from .prompt import Request
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
+from clef_gguf.format import adapter as A
+from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
 
 Tensor = tuple[str, tuple[int, ...], int, bytes]
@@ -99,3 +102,23 @@ def kv_array(key: str, item_type: GGUFValueType, fmt: str, values: list) -> byte
     """An array of numbers: `fmt` is their struct code (I, i, f, b)."""
     body = struct.pack(f"<IIQ{len(values)}{fmt}", GGUFValueType.ARRAY, item_type, len(values), *values)
     return pack_str(key) + body
+
+
+def rewritten_adapter(adapter: Path, out: Path, values: dict[str, np.ndarray] | None = None, alpha: float | None = None) -> Path:
+    """A copy of an f32 adapter file with some tensors' values (any shape: a misfit on purpose), or its alpha, replaced;
+    written by gguf-py, its other key-values as they are."""
+    reader = gguf.GGUFReader(adapter)
+    writer = gguf.GGUFWriter(out, C.ARCH)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        value = alpha if key == A.KEY_ALPHA and alpha is not None else field.contents()
+        writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, (values or {}).get(t.name, np.array(t.data)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
