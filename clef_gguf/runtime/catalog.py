@@ -33,7 +33,7 @@ from ..format.header import GGUFFile, Signature, signature_of
 from ..inputs import file_kind
 from .adapter_files import ADAPTER_SUFFIX, AdapterCopy, FolderListing, PrivateFolder, Version, read_version, servable
 from .adapter_files import unknown_name_message as _unknown_message
-from .prompt import Request
+from .prompt import EncodedPrompt, Request
 
 # Clef's public model names (System One's `model`, Workers AI's route): a request naming one is the base's.
 BASE_NAMES = ("clef", "clef-flash")
@@ -185,7 +185,17 @@ class Catalog:
 
     def of_request(self, request: Request) -> Variant:
         """The model a parsed request names: Workers AI's `lora`, else System One's `model`."""
-        return self.resolve(request.lora if request.lora is not None else request.model)
+        return self.resolve(request.named)
+
+    def name_of(self, prompt: EncodedPrompt) -> str | None:
+        """The name a prompt's answer and the metrics give its model (None: an identity this catalog does not know):
+        an adapter's name the request asked for (one file may answer to two names), else the variant's own (the base's
+        whatever name reached it; a pinned adapter's whatever the request named)."""
+        variant = self.of(prompt.model)
+        if variant is None:
+            return None
+        asked = prompt.request.named
+        return asked if variant is not self.base and self.pinned is None and isinstance(asked, str) else variant.name
 
     def resolve(self, name: str | None) -> Variant:
         """The model a request names (None: the base), its file's current version. Without adapters every name is the

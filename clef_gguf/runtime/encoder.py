@@ -75,8 +75,7 @@ class PromptEncoder:
 
     def model_name(self, prompt: EncodedPrompt) -> str:
         """The name of the model a prompt was encoded for: the base's or an adapter's."""
-        variant = self.catalog.of(prompt.model)
-        return variant.name if variant is not None else self.name
+        return self.catalog.name_of(prompt) or self.name
 
     def close(self) -> None:
         self.vocabulary.close()

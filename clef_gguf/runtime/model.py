@@ -305,13 +305,7 @@ class ClefModel:
         return response(prompt, self._name_of(prompt), scores.probabilities, scores.cached_tokens)
 
     def _name_of(self, prompt: EncodedPrompt) -> str:
-        variant = self.variants.of(prompt.model)
-        if variant is None or variant is self.variants.base:
-            return self.name
-        asked = prompt.request.lora if prompt.request.lora is not None else prompt.request.model
-        # One adapter file may answer to two names: the answer names the one asked for (an identity resolved from
-        # it), and a pinned adapter (decide --adapter) its own, whatever the request named.
-        return asked if self.variants.pinned is None and isinstance(asked, str) else variant.name
+        return self.variants.name_of(prompt) or self.name
 
     def model_name(self, prompt: EncodedPrompt) -> str:
         """The name of the model a prompt was encoded for (the base's or an adapter's): the server's metrics label."""

@@ -49,6 +49,11 @@ class Request:
     images: tuple[PreparedImage, ...] = ()  # placed where the template puts images (before the state)
     lora: str | None = None  # Workers AI's name of a fine-tune: the model it picks, over `model`
 
+    @property
+    def named(self) -> str | None:
+        """The model the request names: Workers AI's `lora`, else System One's `model`."""
+        return self.lora if self.lora is not None else self.model
+
 
 @dataclass(frozen=True)
 class EncodedQuestion:

@@ -10,10 +10,10 @@ state_cache.MIN_PREFIX_TOKENS or more, runtime/model.py cuts it off): a hit when
 from the cache. The template's preamble, cached once for every request, is in cached tokens but is no hit.
 
 The decided requests' series carry a `model` label: the name of the model that decided them, the base's or an
-adapter's (runtime/adapters.py), as the answer's `model` says. An adapter is counted under the name the request asked
-for: one file may answer to two names (two --adapter NAME=FILE, or a name and a folder's file), and its identity alone
-would count one name's requests under the other. The base's many names (its own, clef, jev-latest, ...) count as its
-own, so no client can grow the series by the names it sends.
+adapter's (runtime/adapters.py), as the answer's `model` says (runtime/catalog.name_of gives both). An adapter is
+counted under the name the request asked for: one file may answer to two names (two --adapter NAME=FILE, or a name
+and a folder's file), and its identity alone would count one name's requests under the other. The base's many names
+(its own, clef, jev-latest, ...) count as its own, so no client can grow the series by the names it sends.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class Metrics:
     refused: Counter
     cache_hits: Counter
     cache_misses: Counter
-    model_name: Callable[[Prompt], str]  # a prompt's model's name (Encoder.model_name), by its identity
-    base_name: str  # the base's (Encoder.name)
+    model_name: Callable[[Prompt], str]  # the decided series' `model` (Encoder.model_name: runtime/catalog.name_of)
 
     def answered(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -60,17 +59,8 @@ class Metrics:
         if status == OVERLOADED.status:
             self.refused.inc()
 
-    def label(self, prompt: Prompt) -> str:
-        """The decided series' `model`: the base's name, or the adapter's name the request asked for."""
-        name = self.model_name(prompt)
-        request = getattr(prompt, "request", None)  # (runtime.prompt.Request: System One's model, Workers AI's lora)
-        lora = getattr(request, "lora", None)
-        asked = lora if lora is not None else getattr(request, "model", None)
-        # An adapter's identity is only ever given to a name that resolved to it: the name asked is one of its names.
-        return asked if name != self.base_name and isinstance(asked, str) else name
-
     def decided(self, prompt: Prompt, decision: Decision) -> None:
-        model = self.label(prompt)
+        model = self.model_name(prompt)
         self.phases.labels("queue", model).observe(decision.queued_s)
         self.phases.labels("compute", model).observe(decision.decide_s)
         self.prompt_tokens.labels(model).inc(len(prompt.tokens))
@@ -138,7 +128,6 @@ def create_metrics(model: Encoder, scheduler: Scheduler, reading: Reading, state
             "clef_state_cache_misses", "Decided requests whose cacheable state it did not have.", ["model"], registry=r
         ),
         model_name=model.model_name,
-        base_name=model.name,
     )
     for counter in (metrics.prompt_tokens, metrics.cached_tokens, metrics.images, metrics.cache_hits, metrics.cache_misses):
         counter.labels(model.name)  # the base's series from the start, at 0 (each adapter's from its first decision)
