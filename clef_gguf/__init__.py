@@ -18,6 +18,7 @@ from .errors import (
     ReleaseError,
     RequestError,
 )
+from .settings import AdapterSet, LoadOptions, ModelSpec  # a model declared once: ClefModel(spec), as load() builds it
 
 if TYPE_CHECKING:
     from .conversion.convert import convert
@@ -37,12 +38,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AdapterSet",
     "BackendUnavailableError",
     "ClefError",
     "ClefModel",
     "ConversionError",
+    "LoadOptions",
     "ModelClosedError",
     "ModelFileError",
+    "ModelSpec",
     "OutputError",
     "PromptTooLongError",
     "ReleaseError",

@@ -1,52 +1,160 @@
-"""Typed errors of clef-gguf.
+"""Typed errors of clef-gguf, and the two tables a client of them reads: the exit codes (ExitCode) and the kinds of
+error a request meets (Problem, one row each).
 
-The library raises these; the CLI maps them to exit codes and the server to HTTP
-statuses, once, at the edge. Each message is one line a person can act on.
+The library raises these errors; each class names its exit code and its row. The CLI turns an error into its exit
+code (cli/errors.run) and the server into its row's status, with the headers HTTP adds (server/problems.py); the
+dataset mode writes the row's status and body as a line's error (runtime/failures.py). A new status is a new row
+here, and nowhere else (tests/test_problem_table.py); a new exit code a member of ExitCode, and the README's table
+(tests/test_exit_codes.py). Each message is one line a person can act on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
+
+
+class ExitCode(IntEnum):
+    """Every exit code of `clef-gguf`, as the README's table lists them; a signal N exits signalled(N)."""
+
+    OK = 0  # done; validate: a complete model
+    COMPUTE = 1  # llama.cpp or the head failed while computing
+    BAD_INPUT = 2  # a bad request, bad settings or bad arguments (click's own usage errors too)
+    RELEASE = 3  # not a usable Clef release
+    CONVERSION = 4  # the conversion could not finish
+    CORRUPT = 5  # the model file is corrupt or unreadable, or its scores are not finite
+    NOT_A_DECISION_MODEL = 6  # a readable GGUF that is no Clef decision model
+    INCOMPLETE = 7  # an incomplete or inconsistent model or adapter file, or a pair that does not belong together
+    SOME_ERRORS = 8  # every line has its answer, some are errors (decide on JSON Lines, eval, compare, calibrate)
+    OUTPUT = 9  # an output cannot be written, or is refused before any work
+    SIGNALLED = 128  # 128 + N: stopped by signal N
+
+
+def signalled(signum: int) -> int:
+    """The exit code of a command stopped by signal `signum`: 128 + N, as a shell reports it."""
+    return ExitCode.SIGNALLED + signum
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One row of the error table: a kind of error a client meets, whatever message each occurrence carries: the
+    status `clef-gguf serve` answers it with (and a dataset's error line holds), System One's type and Workers AI's
+    code. The headers HTTP adds to a row (WWW-Authenticate, Retry-After) are the server's (server/problems.py)."""
+
+    name: str  # the row's own name in this module (REQUEST_TOO_LARGE), for tests and reading
+    status: int
+    error_type: str  # System One's machine-readable type: {"detail": {"error_type", "message"}}
+    # Workers AI's own internal code where one fits (developers.cloudflare.com/workers-ai/platform/errors);
+    # None: the status is the code
+    workers_ai: int | None = None
+
+    @property
+    def workers_ai_code(self) -> int:
+        """The code of `errors: [{code, message}]` in Workers AI's envelope."""
+        return self.status if self.workers_ai is None else self.workers_ai
+
+
+# Workers AI's code for an input over a limit, whichever limit it is.
+_TOO_LARGE = 3006
+
+# --- a request the server cannot read ---------------------------------------------------------------------------
+BAD_HTTP = Problem("BAD_HTTP", 400, "invalid_request_error")  # bytes that are not HTTP/1.1 (server/protocol.py)
+# The client closed its connection before its body ended: nobody reads the answer, but it is typed all the same.
+BODY_CUT_OFF = Problem("BODY_CUT_OFF", 400, "invalid_request_error")
+URL_TOO_LONG = Problem("URL_TOO_LONG", 414, "request_too_large", _TOO_LARGE)  # --max-url-bytes
+HEAD_TOO_LARGE = Problem("HEAD_TOO_LARGE", 431, "request_too_large", _TOO_LARGE)  # --max-head-bytes
+HEAD_TIMEOUT = Problem("HEAD_TIMEOUT", 408, "request_timeout")  # the head late (--header-timeout)
+BODY_TIMEOUT = Problem("BODY_TIMEOUT", 408, "request_timeout")  # the body late (--body-timeout, --min-body-rate)
+# A body, its text or a line of a JSON Lines file over the limit.
+REQUEST_TOO_LARGE = Problem("REQUEST_TOO_LARGE", 413, "request_too_large", _TOO_LARGE)
+# A Content-Encoding or a multipart type the server does not read.
+UNSUPPORTED_MEDIA = Problem("UNSUPPORTED_MEDIA", 415, "invalid_request_error")
+
+# --- a request the server will not answer -----------------------------------------------------------------------
+UNAUTHORIZED = Problem("UNAUTHORIZED", 401, "authentication_error")
+NOT_FOUND = Problem("NOT_FOUND", 404, "not_found_error")  # a path no route has (Starlette's)
+METHOD_NOT_ALLOWED = Problem("METHOD_NOT_ALLOWED", 405, "invalid_request_error")  # Starlette's, with its Allow
+NO_SUCH_MODEL = Problem("NO_SUCH_MODEL", 400, "no_such_model", 5007)  # a Workers AI model id not served here
+
+# --- a request read and understood that cannot be decided -------------------------------------------------------
+# A malformed request: its body is FastAPI's list of {loc, msg, type} (runtime/failures.Invalid), each entry with
+# its own type, so this type is never in a body.
+INVALID = Problem("INVALID", 422, "validation_error")
+PROMPT_TOO_LONG = Problem("PROMPT_TOO_LONG", 413, "prompt_too_long", _TOO_LARGE)  # over the model's tokens
+
+# --- the server's side ------------------------------------------------------------------------------------------
+# The server is full (intake, queue, bodies, replicas) or stopping: a client may retry in a second.
+OVERLOADED = Problem("OVERLOADED", 503, "overloaded_error")
+# The adapter a request names is served, but its file cannot be used now (AdapterUnavailableError).
+ADAPTER_UNAVAILABLE = Problem("ADAPTER_UNAVAILABLE", 503, "model_unavailable_error")
+INTERNAL = Problem("INTERNAL", 500, "api_error")  # an error the server did not expect
+
+ROWS: tuple[Problem, ...] = (
+    BAD_HTTP,
+    BODY_CUT_OFF,
+    URL_TOO_LONG,
+    HEAD_TOO_LARGE,
+    HEAD_TIMEOUT,
+    BODY_TIMEOUT,
+    REQUEST_TOO_LARGE,
+    UNSUPPORTED_MEDIA,
+    UNAUTHORIZED,
+    NOT_FOUND,
+    METHOD_NOT_ALLOWED,
+    NO_SUCH_MODEL,
+    INVALID,
+    PROMPT_TOO_LONG,
+    OVERLOADED,
+    ADAPTER_UNAVAILABLE,
+    INTERNAL,
+)
+
 
 class ClefError(Exception):
-    """Base class of every error clef-gguf raises on purpose."""
+    """Base class of every error clef-gguf raises on purpose: its exit code, and its row when a request meets it
+    (INTERNAL: one the server did not expect; INVALID: the field or the model the request named)."""
 
-    exit_code = 1
+    exit_code: ClassVar[int] = ExitCode.COMPUTE
+    problem: ClassVar[Problem] = INTERNAL
 
 
 class ReleaseError(ClefError):
     """The source is not a usable Clef release (missing file, unknown layout, offline)."""
 
-    exit_code = 3
+    exit_code = ExitCode.RELEASE
 
 
 class ConversionError(ClefError):
     """Conversion could not finish (unsupported shapes, disk); a refused output is an OutputError."""
 
-    exit_code = 4
+    exit_code = ExitCode.CONVERSION
 
 
 class ModelFileError(ClefError):
-    """A GGUF file is not a complete Clef decision model, or llama.cpp refused it."""
+    """A GGUF file is not a complete Clef decision model, or llama.cpp refused it. A request meets one only in the
+    adapter it names: a 422 at that field (runtime/failures.model_refused)."""
 
-    exit_code = 5
+    exit_code = ExitCode.CORRUPT
+    problem = INVALID
 
 
 class CorruptModelError(ModelFileError):
     """The file cannot be read as GGUF: unreadable, truncated, bad offsets, or damaged data."""
 
-    exit_code = 5
+    exit_code = ExitCode.CORRUPT
 
 
 class NotADecisionModelError(ModelFileError):
     """A readable GGUF that is no Clef decision model (e.g. a backbone-only qwen35 conversion)."""
 
-    exit_code = 6
+    exit_code = ExitCode.NOT_A_DECISION_MODEL
 
 
 class IncompleteModelError(ModelFileError):
     """A Clef file with missing or mismatched parts: head, backbone, tokenizer or metadata."""
 
-    exit_code = 7
+    exit_code = ExitCode.INCOMPLETE
 
 
 class AdapterBaseError(IncompleteModelError):
@@ -58,7 +166,8 @@ class AdapterUnavailableError(ClefError):
     the request waited, or no longer validates. Another request may find it again (a file being replaced): the
     server answers 503 with Retry-After, not 500; the CLI exits 7."""
 
-    exit_code = 7
+    exit_code = ExitCode.INCOMPLETE
+    problem = ADAPTER_UNAVAILABLE
 
 
 class NonFiniteWeightsError(CorruptModelError):
@@ -69,17 +178,18 @@ class NonFiniteWeightsError(CorruptModelError):
 class ModelOutputError(CorruptModelError):
     """The model's scores are not finite (NaN or Inf): weights that overflow, or are NaN, in a file that parses."""
 
+    problem = INTERNAL  # (found while computing, not in the file a request named)
+
 
 class ComputeError(ClefError):
     """llama.cpp or the native head failed while computing a decision (a device error, memory, a broken invariant)."""
 
-    exit_code = 1
-
 
 class SettingsError(ClefError, ValueError):
-    """Load settings that cannot work (a prompt limit or ubatch out of range)."""
+    """Load settings that cannot work (a prompt limit or ubatch out of range); in a request, of the adapter it names."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
+    problem = INVALID
 
 
 class DeploymentError(ClefError):
@@ -89,7 +199,8 @@ class DeploymentError(ClefError):
 class RequestError(ClefError):
     """A decision request is invalid. `field` names where, e.g. questions.q1.criteria."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
+    problem = INVALID
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
@@ -121,6 +232,8 @@ class RequestJsonError(RequestError):
 class PromptTooLongError(RequestError):
     """The prompt needs more tokens than the context was sized for."""
 
+    problem = PROMPT_TOO_LONG
+
     def __init__(self, n_tokens: int, limit: int) -> None:
         super().__init__(
             f"the prompt has {n_tokens} tokens but this model was loaded with a limit of "
@@ -134,27 +247,29 @@ class PromptTooLongError(RequestError):
         return type(self), (self.n_tokens, self.limit)
 
 
+class RequestTooLargeError(RequestError):
+    """A request over a size limit, refused unread: a JSON Lines line over --max-line-bytes."""
+
+    problem = REQUEST_TOO_LARGE
+
+
 class AnswersFileError(ClefError):
     """`clef-gguf decide`'s answers file cannot be continued: it exists (without --resume), holds answers to
     another input, or is damaged before its last line."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class OutputError(ClefError):
     """An output could not be written, or is refused before any work (clef_gguf/outputs.py): it exists without
     --force, is one of the inputs, is not a regular file, its folder is missing or read-only; the disk is full."""
 
-    exit_code = 9
+    exit_code = ExitCode.OUTPUT
 
 
 class ModelClosedError(ClefError):
     """A closed ClefModel was asked to encode or decide: its memory is freed; load the file again."""
 
-    exit_code = 1
-
 
 class BackendUnavailableError(ClefError, ImportError):
     """llama-cpp-python's libraries cannot load on this machine (a CUDA build without NVIDIA's driver, say)."""
-
-    exit_code = 1

@@ -2,14 +2,18 @@
 
 A setting has one name from the CLI flag to the place it is used (--max-queue is max_queue in ServeSettings,
 create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py),
-and this module imports nothing of the package, so that `--help` shows them without loading llama.cpp.
+and this module imports nothing of the package but its errors, so that `--help` shows them without loading llama.cpp.
+A model is declared once, as a ModelSpec: its file, its LoadOptions and its AdapterSet.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import re
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from .errors import SettingsError
 
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
 # A JSON Lines record's largest size: the server's body limit at the default context (65536 tokens x 16 bytes,
@@ -43,7 +47,7 @@ _STRICT = {"extra": "forbid"}
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """What `clef_gguf.load(path, ...)` takes besides the path."""
+    """How `clef_gguf.load(path, ...)` loads and runs the base (its fine-tunes: AdapterSet)."""
 
     __pydantic_config__ = _STRICT
 
@@ -83,9 +87,19 @@ class LoadOptions:
         "The vision tower (llama.cpp's mmproj GGUF, which convert writes beside the model): requests may carry up to "
         "4 images. Without it, requests with images are refused.",
     )
-    # Many fine-tunes over one base (runtime/adapters.py): a request names its model; NAME.adapter.gguf files.
+
+
+@dataclass(frozen=True)
+class AdapterSet:
+    """The fine-tunes a loaded base answers as besides itself (runtime/catalog.py names them, runtime/decider.py loads
+    them): a request names its model; each is an adapter file over this base. Its settings keep load()'s keywords and
+    the flags' names (adapters: serve's --adapter NAME=FILE; adapter: decide's and eval's --adapter FILE)."""
+
+    __pydantic_config__ = _STRICT
+
     adapters: dict[str, str | Path] | None = _setting(
-        None, "A fine-tune over this base, NAME=FILE (an adapter file: convert CHECKPOINT --base RELEASE --adapter); repeatable."
+        None,
+        "A fine-tune over this base, NAME=FILE (an adapter file: convert CHECKPOINT --base RELEASE --to-adapter); repeatable.",
     )
     adapter_dir: str | Path | None = _setting(
         None, "A folder of NAME.adapter.gguf files: an adapter is loaded when a request first names it."
@@ -96,16 +110,63 @@ class LoadOptions:
         "At most this much memory for loaded adapters' LoRAs and heads (e.g. 2GiB). Default: no bound but --max-adapters.",
         ge=1,
     )
-
     base_head: bool = _setting(
         False,
-        "Let an adapter without a head of its own (llama-server's variant: convert --adapter --llama-server) decide with "
+        "Let an adapter without a head of its own (llama-server's variant: convert --to-adapter --llama-server) decide with "
         "the base's head. Without it such an adapter is refused: its answers would not be the fine-tune's.",
     )
+    adapter: str | Path | None = _setting(
+        None,
+        "A fine-tune over MODEL (an adapter file: convert CHECKPOINT --base RELEASE --to-adapter) that answers every request.",
+    )
 
-    def kwargs(self) -> dict[str, Any]:
-        """load()'s keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def __post_init__(self) -> None:
+        # (here, not where they are used: load(), the CLI and a Ray config's `args` build the same set, refused alike)
+        if self.max_adapters < 1 or (self.adapter_memory is not None and self.adapter_memory < 1):
+            raise SettingsError(
+                f"max_adapters must be >= 1 and adapter_memory > 0 bytes, not {self.max_adapters}, {self.adapter_memory}"
+            )
+        if self.adapter is not None and (self.adapters or self.adapter_dir is not None):
+            raise SettingsError("adapter (one fine-tune answering every request) excludes adapters and adapter_dir")
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether a request may name a fine-tune (else every name is the base's, or the pinned adapter's)."""
+        return bool(self.adapters) or self.adapter_dir is not None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model, declared once: its file, how it loads and runs, and the fine-tunes it answers as. What `load()`, the
+    CLI, `serve` and Ray's replicas and actors build a model from (runtime/model.py's ClefModel, and its encoding part
+    alone, runtime/encoder.py's PromptEncoder, for the Ray ingress). Frozen and picklable: it travels to Ray's
+    processes as it is."""
+
+    path: str | Path
+    options: LoadOptions = field(default_factory=LoadOptions)
+    adapter_set: AdapterSet = field(default_factory=AdapterSet)
+
+    @classmethod
+    def of(cls, path: str | Path, **keywords: Any) -> ModelSpec:
+        """The spec of `load(path, **keywords)`: each keyword is a setting of LoadOptions or AdapterSet, by its name."""
+        tables = [(table, {f.name for f in fields(table)}) for table in (LoadOptions, AdapterSet)]
+        unknown = sorted(set(keywords).difference(*(names for _, names in tables)))
+        if unknown:
+            raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r}")
+        options, adapter_set = (table(**{k: v for k, v in keywords.items() if k in names}) for table, names in tables)
+        return cls(path, options, adapter_set)
+
+    def placed(self) -> ModelSpec:
+        """The same spec with absolute paths (the model's, the vision tower's, the adapters'): as every node of a Ray
+        cluster sees them."""
+
+        def absolute(path: str | Path | None) -> str | None:
+            return None if path is None else str(Path(path).resolve())
+
+        a = self.adapter_set
+        adapters = {name: str(Path(path).resolve()) for name, path in a.adapters.items()} if a.adapters else None
+        placed = replace(a, adapters=adapters, adapter_dir=absolute(a.adapter_dir), adapter=absolute(a.adapter))
+        return ModelSpec(str(Path(self.path).resolve()), replace(self.options, mmproj=absolute(self.options.mmproj)), placed)
 
 
 @dataclass(frozen=True)
@@ -123,7 +184,7 @@ class DataFiles:
 @dataclass(frozen=True)
 class FileOptions:
     """How decide's dataset mode runs over a JSON Lines file, locally (runtime/dataset_file.decide_file) or on Ray
-    (server/ray_dataset.decide_file_on_ray): the same options, the same answers file."""
+    (runtime/dataset_ray.decide_file_on_ray): the same options, the same answers file."""
 
     resume: bool = False  # continue the answers file, skipping the requests it answers
     force: bool = False  # overwrite the answers file
@@ -190,6 +251,7 @@ class ServeSettings:
 
 
 API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `serve` and a Ray config alike
+LOADER_ENV = "CLEF_GGUF_LOADER"  # how llama.cpp reads a model: auto, cookie (glibc) or portable (llama/loader.py)
 
 
 @dataclass(frozen=True)
@@ -204,3 +266,30 @@ class RayScale:
     address: str | None = _setting(
         None, "With --ray: the Ray cluster to deploy on (default: a local one, started here, on loopback)."
     )
+
+
+# --- sizes: a SIZE flag's text, and the largest body worth reading --------------------------------------------------
+# The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
+# could fit is refused while it is decoded (in milliseconds), never tokenized. On Qwen3.5's vocabulary (the Clef
+# backbone's), text of any script costs a few bytes per token as UTF-8, and about three times as many as the
+# \uXXXX escapes json.dumps writes by default: 16 is above both. Only runs of one character (a token covers
+# up to 128 spaces) go past it: such a body is refused as too large.
+BYTES_PER_TOKEN = 16
+
+# With a vision tower, room for the images on top (Workers AI's: 8 MiB of image files, base64 in JSON, and a
+# request body of at most 13 MiB in all).
+IMAGE_ALLOWANCE = 13 << 20
+
+
+def body_limit(max_prompt_tokens: int, images: bool = False) -> int:
+    """The largest decoded (and raw) body worth reading for a model with this token limit (and images): the server's
+    body limit (server/body.py), and the default of --max-line-bytes."""
+    return max_prompt_tokens * BYTES_PER_TOKEN + (IMAGE_ALLOWANCE if images else 0)
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise SettingsError(f"not a size: {text!r} (try 8GiB)")
+    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))

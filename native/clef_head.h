@@ -8,11 +8,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define CLEF_HEAD_API __attribute__((visibility("default")))
+#define CLEF_HEAD_API CLEF_EXPORT
 
 typedef struct clef_head clef_head;
 

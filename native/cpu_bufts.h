@@ -7,11 +7,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define CLEF_CPU_API __attribute__((visibility("default")))
+#define CLEF_CPU_API CLEF_EXPORT
 
 // The names of the CPU device's extra buffer types, in llama.cpp's order of preference,
 // separated by commas ("AMX,CPU_REPACK"); empty when there are none. Returns the length

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "file_io.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 
@@ -65,7 +66,7 @@ struct Lexicon {
     int64_t n_embd, n_vocab;
     size_t row_size;
     uint64_t offset;  // absolute, in the file
-    int file = 0;     // which of the files (Model::fds)
+    int file = 0;     // which of the files (Model::files)
 };
 
 struct Model {
@@ -74,7 +75,7 @@ struct Model {
     Lexicon lexicon;
     // The files the manifest's rows lie in: the model's own, then (an adapter's head) the adapter file whose
     // tensors replace some of the model's.
-    std::vector<int> fds;
+    std::vector<FileHandle> files;
     ggml_context * ctx = nullptr;  // tensor metadata of the weights
     ggml_backend_buffer_t buffer = nullptr;
     bool on_cpu = true;  // the head's graph runs on the CPU backend (no GPU)

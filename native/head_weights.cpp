@@ -1,33 +1,17 @@
 // Reading the head from a Clef GGUF, as the manifest Python hands over says (each role's type, shape and
 // offset in the file): its tensors go into one backend buffer in their stored types; the output-embedding
 // table stays in the file (only the rows a decision needs are read, see read_lexicon_rows).
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <string>
 
+#include "file_io.h"
 #include "ggml-alloc.h"
 #include "head.h"
 
 namespace clef {
 namespace {
-
-void read_at(int fd, void * dst, size_t size, uint64_t offset) {
-    auto * out = static_cast<uint8_t *>(dst);
-    while (size > 0) {
-        ssize_t n = pread(fd, out, size, (off_t) offset);
-        if (n <= 0) {
-            throw Error(std::string("cannot read the model file: ") + (n < 0 ? std::strerror(errno) : "unexpected end of file"));
-        }
-        out += n;
-        size -= (size_t) n;
-        offset += (uint64_t) n;
-    }
-}
 
 // The head's tensors by role, as the manifest describes them: each becomes a tensor of the row's type and
 // shape; the rows were checked against the file by Python (clef_gguf/llama/native_head.py).
@@ -111,17 +95,17 @@ Weights head_weights(TensorTable & t, const Config & c) {
 }
 
 // decision.scales: [prior, joint, gate], F32.
-void read_scales(const std::vector<int> & fds, const ManifestRow & scales, Weights & w) {
+void read_scales(const std::vector<FileHandle> & files, const ManifestRow & scales, Weights & w) {
     float values[3];
-    read_at(fds.at(scales.file), values, sizeof values, scales.offset);
+    read_at(files.at(scales.file), values, sizeof values, scales.offset);
     w.prior_scale = values[0];
     w.joint_scale = values[1];
     w.gate = values[2];
 }
 
-std::vector<uint8_t> tensor_bytes(const std::vector<int> & fds, const ManifestRow & row) {
+std::vector<uint8_t> tensor_bytes(const std::vector<FileHandle> & files, const ManifestRow & row) {
     std::vector<uint8_t> bytes(ggml_row_size(row.type, row.ne0) * (size_t) row.ne1);
-    read_at(fds.at(row.file), bytes.data(), bytes.size(), row.offset);
+    read_at(files.at(row.file), bytes.data(), bytes.size(), row.offset);
     return bytes;
 }
 
@@ -148,13 +132,13 @@ std::vector<float> transposed_keys(const std::vector<uint8_t> & key, const Manif
 }
 
 // Copy each head tensor's bytes from the file into the backend buffer, and derive key_t.
-void upload(const std::vector<int> & fds, const TensorTable & table, int64_t heads) {
+void upload(const std::vector<FileHandle> & files, const TensorTable & table, int64_t heads) {
     for (const auto & [tensor, source] : table.sources()) {
-        std::vector<uint8_t> bytes = tensor_bytes(fds, source);
+        std::vector<uint8_t> bytes = tensor_bytes(files, source);
         ggml_backend_tensor_set(tensor, bytes.data(), 0, bytes.size());
     }
     for (const auto & [key_t, source] : table.derived()) {
-        std::vector<float> values = transposed_keys(tensor_bytes(fds, source), source, heads);
+        std::vector<float> values = transposed_keys(tensor_bytes(files, source), source, heads);
         ggml_backend_tensor_set(key_t, values.data(), 0, values.size() * sizeof(float));
     }
 }
@@ -164,12 +148,7 @@ void upload(const std::vector<int> & fds, const TensorTable & table, int64_t hea
 void load_model(Model & model, const std::vector<std::string> & paths, const Manifest & manifest, ggml_backend_buffer_type_t buft) {
     try {
         const Config & c = model.config;
-        for (const std::string & path : paths) {
-            model.fds.push_back(open(path.c_str(), O_RDONLY | O_CLOEXEC));
-            if (model.fds.back() < 0) {
-                throw Error("cannot open " + path + ": " + std::strerror(errno));
-            }
-        }
+        for (const std::string & path : paths) model.files.push_back(open_file(path));
         for (const auto & [role, row] : manifest) {
             if (row.file < 0 || (size_t) row.file >= paths.size()) throw Error("the head manifest's " + role + " is in no file given");
         }
@@ -178,7 +157,7 @@ void load_model(Model & model, const std::vector<std::string> & paths, const Man
         model.ctx = ggml_init(init);
         TensorTable table(model.ctx, manifest);
         model.weights = head_weights(table, c);
-        read_scales(model.fds, table.row("scales"), model.weights);
+        read_scales(model.files, table.row("scales"), model.weights);
         const ManifestRow & lexicon = table.row("lexicon");
         model.lexicon = {lexicon.type, lexicon.ne0, lexicon.ne1, ggml_row_size(lexicon.type, lexicon.ne0), lexicon.offset, lexicon.file};
         model.buffer = ggml_backend_alloc_ctx_tensors_from_buft(model.ctx, buft);
@@ -187,7 +166,7 @@ void load_model(Model & model, const std::vector<std::string> & paths, const Man
         }
         // The scheduler runs an op where its weights are: mark the buffer as weights.
         ggml_backend_buffer_set_usage(model.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        upload(model.fds, table, c.heads);
+        upload(model.files, table, c.heads);
     } catch (...) {
         free_model(model);
         throw;
@@ -197,19 +176,17 @@ void load_model(Model & model, const std::vector<std::string> & paths, const Man
 void free_model(Model & model) {
     if (model.buffer) ggml_backend_buffer_free(model.buffer);
     if (model.ctx) ggml_free(model.ctx);
-    for (int fd : model.fds) {
-        if (fd >= 0) close(fd);
-    }
+    for (FileHandle file : model.files) close_file(file);
     model.buffer = nullptr;
     model.ctx = nullptr;
-    model.fds.clear();
+    model.files.clear();
 }
 
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids) {
     const Lexicon & lex = model.lexicon;
     std::vector<uint8_t> rows(ids.size() * lex.row_size);
     for (size_t i = 0; i < ids.size(); i++) {
-        read_at(model.fds.at(lex.file), rows.data() + i * lex.row_size, lex.row_size, lex.offset + (uint64_t) ids[i] * lex.row_size);
+        read_at(model.files.at(lex.file), rows.data() + i * lex.row_size, lex.row_size, lex.offset + (uint64_t) ids[i] * lex.row_size);
     }
     return rows;
 }

@@ -42,8 +42,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "device: in the device set (tools/device_check.sh)")
-    config.addinivalue_line("markers", "device_quick: one case per path of the device set (tools/device_check.sh --quick)")
     if config.getoption("on_device") and device_build():
         _offload_by_default()
 
@@ -78,10 +76,13 @@ NOT_ON_DEVICE = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(DEVICE_QUICK):
             item.add_marker(pytest.mark.device_quick)
+        if item.get_closest_marker("ray"):  # a Ray cluster takes seconds to start, its tests more: out of the inner loop
+            item.add_marker(pytest.mark.slow)
     if not config.getoption("on_device"):
         return
     if not device_build():
@@ -232,3 +233,32 @@ def oracle_probabilities(ws: Workspace) -> Callable[[str, str], dict[str, dict[s
         return ws.oracle(release).probabilities(requests[request_name])
 
     return compute
+
+
+# --- Ray (engineer H3's block) ----------------------------------------------------------------------------------------
+# One local Ray cluster on loopback for the whole session, this process its driver: test_ray_serve, test_ray_dataset,
+# test_ray_adapters and test_adapter_refusals' Ray case join it (their library calls in process, their `clef-gguf`
+# subprocesses through RAY_ADDRESS). Started by the first test that asks for it, stopped at the session's end: a
+# cluster's start and stop, and Serve's, cost seconds each. Only test_ray_installed.py's `serve --ray` starts its own.
+RAY_EXTRA = "Ray is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)"
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """The session's Ray cluster (4 CPUs for Ray to reserve: two replicas or actors of one thread, and room for a
+    replacement before Ray has counted a killed one out): its address."""
+    pytest.importorskip("ray.data", reason=RAY_EXTRA)
+    pytest.importorskip("ray.serve", reason=RAY_EXTRA)
+    from clef_gguf.testing.ray_cluster import local_cluster
+
+    with local_cluster(num_cpus=4) as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
+def ray_serve_port(ray_address: str) -> int:
+    """Serve on the session's cluster, started once: the port of its HTTP proxy, where every `serve --ray` that joins
+    the cluster serves (give it `--port`: live_server.served's `port`), one application after another."""
+    from clef_gguf.testing.ray_cluster import started_serve
+
+    return started_serve()

@@ -43,10 +43,16 @@ def rss_bytes(pid: int) -> int:
 
 @contextmanager
 def served(
-    model: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None, timeout_s: float | None = None
+    model: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    timeout_s: float | None = None,
+    port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """A running `clef-gguf serve MODEL ARGS...` (its own defaults for everything not in ARGS): its URL and process."""
-    port = free_port()
+    """A running `clef-gguf serve MODEL ARGS...` (its own defaults for everything not in ARGS): its URL and process.
+    `port`: a free one unless given (`serve --ray` joining a cluster whose Serve runs: its proxy's, conftest's ray_serve)."""
+    port = port or free_port()
     process = serve_process(model, port, *args, env=env, log=log)
     url = f"http://127.0.0.1:{port}"
     try:

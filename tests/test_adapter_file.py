@@ -1,4 +1,4 @@
-"""Adapter files (`convert CHECKPOINT --base R --adapter`): the LoRA in llama.cpp's adapter layout and the head
+"""Adapter files (`convert CHECKPOINT --base R --to-adapter`): the LoRA in llama.cpp's adapter layout and the head
 tensors of its own, checked against the merged conversion of the same checkpoint, and `validate` of a file and a
 pair. Checkpoints are PEFT's own (get_peft_model + save_pretrained) with random lora_A / lora_B."""
 
@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 from safetensors.numpy import load_file, save_file
 
 import clef_gguf
@@ -28,7 +27,6 @@ from clef_gguf.testing import finetune
 from clef_gguf.testing.gguf_bytes import rewritten_adapter
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 
-CLI = [sys.executable, "-m", "clef_gguf.cli"]
 LANGUAGE = r".*language_model.*\."  # PEFT's target_modules as a regex: the text backbone's modules only
 EVERY_LINEAR = "q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj|gate_proj|up_proj|down_proj"
 PLAIN = {"r": 8, "lora_alpha": 16, "target_modules": f"{LANGUAGE}({EVERY_LINEAR})"}
@@ -101,12 +99,13 @@ def test_the_plain_adapter_over_its_base_is_the_merged_conversion(ws, plain):
     checkpoint, adapter, merged = plain
     applied = _applied(ws.gguf("untied_f32", "f32"), adapter)
     _close(applied, merged)
-    moved = [n for n in _tensors(ws.gguf("untied_f32", "f32")) if n + A.LORA_A in _tensors(adapter)]
+    lora = _tensors(adapter)  # (read once: a read per base tensor took a minute)
+    moved = [n for n in _tensors(ws.gguf("untied_f32", "f32")) if n + A.LORA_A in lora]
     assert len(moved) == PAIRS
     # The factor is exactly 1: lora_b is PEFT's lora_B, byte for byte, where no transform reorders it.
     peft = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
     b = peft["base_model.model.model.language_model.layers.0.mlp.down_proj.lora_B.weight"]
-    assert np.array_equal(_tensors(adapter)["blk.0.ffn_down.weight.lora_b"], b)
+    assert np.array_equal(lora["blk.0.ffn_down.weight.lora_b"], b)
 
 
 @pytest.mark.parametrize("lora", [pytest.param(RSLORA, id="rslora"), pytest.param(PATTERNS, id="patterns")])
@@ -177,9 +176,7 @@ def test_validate_pairs_an_adapter_with_its_base_only(ws, plain, other_base, tmp
         assert validate_adapter_pair(ws.gguf("untied_f32", file_type), adapter).exit_code == 0
     refused = validate_adapter_pair(other_base, adapter)
     assert refused.exit_code == 7 and "trained over another base (fingerprint" in refused.summary
-    done = subprocess.run(
-        [*CLI, "validate", str(other_base), "--adapter", str(adapter), "--json"], capture_output=True, text=True
-    )
+    done = run_cli("validate", str(other_base), "--adapter", str(adapter), "--json")
     assert done.returncode == 7, done.stderr
     assert "trained over another base" in json.loads(done.stdout)["pairing"]["problems"][0]
     swapped = validate_adapter_pair(adapter, ws.gguf("untied_f32", "f32"))
@@ -202,21 +199,7 @@ def test_validate_refuses_an_adapter_whose_shapes_do_not_fit_the_base(ws, plain,
 def test_the_llama_server_variant_holds_only_lora_tensors(ws, plain, tmp_path):
     checkpoint, adapter, _ = plain
     out = tmp_path / "server.adapter.gguf"
-    done = subprocess.run(
-        [
-            *CLI,
-            "convert",
-            str(checkpoint),
-            "--base",
-            str(ws.release("untied_f32")),
-            "--adapter",
-            "--llama-server",
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    done = run_cli("convert", checkpoint, "--base", ws.release("untied_f32"), "--to-adapter", "--llama-server", "-o", out)
     assert done.returncode == 0, done.stderr
     f = GGUFFile.open(out)
     names, keys = set(f.header.tensors), set(f.header.fields)
@@ -241,6 +224,7 @@ def test_a_target_llama_cpp_cannot_adapt_is_refused(ws, tmp_path):
     shutil.rmtree(checkpoint)
 
 
+@pytest.mark.slow
 def test_damaged_adapter_headers_get_a_one_line_report(ws, plain, tmp_path):
     """Validate and the pairing never raise on an adapter whose header's counts, lengths, types and values are poked."""
     _, adapter, _ = plain
@@ -263,6 +247,7 @@ def test_damaged_adapter_headers_get_a_one_line_report(ws, plain, tmp_path):
     assert len(verdicts) >= 2
 
 
+@pytest.mark.slow
 def test_a_clef_finetune_checkpoint_as_an_adapter_is_its_merged_conversion(ws, tmp_path):
     """clef-finetune's own `train` (its target discovery, its names, a trained head): adapter over base = merge."""
     from clef_gguf.testing import finetune
@@ -282,9 +267,10 @@ def test_a_clef_finetune_checkpoint_as_an_adapter_is_its_merged_conversion(ws, t
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["--llama-server"], 2, "--llama-server is a variant of --adapter"),
-        (["--adapter", "--no-base"], 2, "give the release it was trained from with --base"),
-        (["--adapter", "-t", "q4_k_m"], 4, "an adapter's --type is one of f32, f16, q8_0"),
+        (["--llama-server"], 2, "--llama-server is a variant of --to-adapter"),
+        (["--to-adapter", "--no-base"], 2, "give the release it was trained from with --base"),
+        (["--adapter", "--no-base"], 2, "convert --adapter is now --to-adapter"),  # (the old spelling, for one release)
+        (["--to-adapter", "-t", "q4_k_m"], 4, "an adapter's --type is one of f32, f16, q8_0"),
     ],
 )
 def test_adapter_options_that_cannot_work_are_one_line_errors(ws, plain, tmp_path, args, code, message):
@@ -292,6 +278,6 @@ def test_adapter_options_that_cannot_work_are_one_line_errors(ws, plain, tmp_pat
     base = [] if "--no-base" in args else ["--base", str(ws.release("untied_f32"))]
     args = [a for a in args if a != "--no-base"]
     out = tmp_path / "x.adapter.gguf"
-    done = subprocess.run([*CLI, "convert", str(checkpoint), *base, *args, "-o", str(out)], capture_output=True, text=True)
+    done = run_cli("convert", str(checkpoint), *base, *args, "-o", str(out))
     assert done.returncode == code and message in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()

@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import pytest
 import typesafe_sdk as ts
+from cli_helpers import run_cli  # the CLI in this process
 from live_server import served
 from peft_adapters import peft_adapter
 from prometheus_client.parser import text_string_to_metric_families
@@ -63,7 +64,7 @@ class Files:
     other: Path  # an adapter of another base (another seed's release)
     nan: Path
     alpha: Path
-    headless: Path  # convert --adapter --llama-server
+    headless: Path  # convert --to-adapter --llama-server
     folder: Path  # good, gone and every BAD file as NAME.adapter.gguf
 
 
@@ -107,12 +108,12 @@ def _refused(response: httpx.Response, files: Files, says: str) -> None:
 
 # --- validate and load ---------------------------------------------------------------------------------------------
 def test_validate_refuses_nan_lora_weights_and_an_alpha_that_overflows(files):
-    nan = subprocess.run([*CLI, "validate", str(files.base), "--adapter", str(files.nan)], capture_output=True, text=True)
+    nan = run_cli("validate", files.base, "--adapter", files.nan)
     assert nan.returncode == 5 and NAN_TENSOR in nan.stdout + nan.stderr, nan.stdout + nan.stderr
-    alpha = subprocess.run([*CLI, "validate", str(files.base), "--adapter", str(files.alpha)], capture_output=True, text=True)
+    alpha = run_cli("validate", files.base, "--adapter", files.alpha)
     assert alpha.returncode == 7 and A.KEY_ALPHA in alpha.stdout + alpha.stderr, alpha.stdout + alpha.stderr
     deep = validate_adapter_pair(files.base, files.alpha, deep=True)
-    assert deep.exit_code == 7 and "1e+06" in deep.adapter.summary  # --deep, which it pointed to, refuses it too
+    assert deep.exit_code == 7 and "1e+06" in deep.second.summary  # --deep, which it pointed to, refuses it too
     assert validate_adapter_pair(files.base, files.nan, deep=True).exit_code == 5
     # No false alarm: the sound adapter, and llama-server's variant (sound for llama-server), validate.
     assert validate_adapter_pair(files.base, files.good).exit_code == 0
@@ -137,11 +138,11 @@ def test_load_refuses_them_and_the_head_less_variant_unless_asked_for_the_base_h
 def test_decide_refuses_the_head_less_variant_unless_base_head(files, tmp_path):
     request = tmp_path / "request.json"
     request.write_text(json.dumps(_request()))
-    common = [*CLI, "decide", str(files.base), str(request), "--ctx", str(CONTEXT), "--adapter", str(files.headless)]
-    refused = subprocess.run(common, capture_output=True, text=True)
+    common = ["decide", files.base, request, "--ctx", str(CONTEXT), "--adapter", files.headless]
+    refused = run_cli(*common)
     assert refused.returncode == 7 and "--base-head" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
-    allowed = subprocess.run([*common, "--base-head"], capture_output=True, text=True)
+    allowed = run_cli(*common, "--base-head")
     assert allowed.returncode == 0 and "answers" in json.loads(allowed.stdout), allowed.stderr
 
 
@@ -169,11 +170,11 @@ def test_a_workers_typed_error_crosses_ray_as_itself():
     from ray.data.exceptions import UserCodeException
     from ray.exceptions import RayTaskError
 
-    from clef_gguf.server.ray_dataset import clef_cause, same_error
+    from clef_gguf.runtime.dataset_ray import clef_cause, same_error
 
     error = same_error(AdapterBaseError("x.adapter.gguf does not fit"), "a Ray worker on 10.0.0.1 cannot load the model: ...")
     assert type(error) is AdapterBaseError and error.exit_code == 7
-    task = RayTaskError("_PartDecider.__init__", "Traceback (most recent call last):\n ...", error).as_instanceof_cause()
+    task = RayTaskError("_PartActor.__init__", "Traceback (most recent call last):\n ...", error).as_instanceof_cause()
     try:
         try:
             raise task
@@ -245,19 +246,18 @@ def test_one_file_under_two_names_answers_and_counts_by_the_name_asked(server):
 
 
 # --- serve --ray ----------------------------------------------------------------------------------------------------
-def test_serve_on_ray_refuses_alike_and_answers_typesafe_sdk_defaults(files, tmp_path):
-    pytest.importorskip("ray.serve")
-    from clef_gguf.testing import ray_cluster
-
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_on_ray_refuses_alike_and_answers_typesafe_sdk_defaults(files, tmp_path, ray_address, ray_serve_port):
     folder = tmp_path / "tunes"
     folder.mkdir()
     for name in ("good", "nan", "other", "notgguf"):
         shutil.copyfile(files.folder / f"{name}.adapter.gguf", folder / f"{name}.adapter.gguf")
     args = ("--ray", "--replicas", "1", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
     args += ("--adapter-dir", str(folder), "--adapter", f"a={files.good}", "--adapter", f"b={files.good}")
+    on_ray = {"env": {"RAY_ADDRESS": ray_address}, "port": ray_serve_port, "log": tmp_path / "serve.log"}
     with (
-        ray_cluster.local_cluster(num_cpus=2) as address,
-        served(files.base, *args, env={"RAY_ADDRESS": address}, log=tmp_path / "serve.log", timeout_s=300) as (url, _),
+        served(files.base, *args, **on_ray, timeout_s=300) as (url, _),
         httpx.Client(base_url=url, timeout=TIMEOUT) as client,
         ts.TypeSafeClient(base_url=url, api_key="local") as sdk,
     ):

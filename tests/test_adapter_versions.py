@@ -54,7 +54,7 @@ def alone(files):
         adapters = {"a": path} if path is not None else None
         with clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapters=adapters, state_cache=0) as model:
             asked = _as("a" if path is not None else None, REQUEST)
-            out[key] = (flat_probabilities(model.decide(asked)), model.encode(asked).model)
+            out[key] = (flat_probabilities(model.decide(asked)), model.encode(asked).identity)
     assert np.abs(np.subtract(out["one"][0], out["two"][0])).max() > 0.01  # the versions answer otherwise
     return out
 
@@ -93,13 +93,13 @@ def test_a_file_swapped_after_eviction_answers_as_the_new_file_alone(files, alon
     folder = _folder(tmp_path, files)
     with clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapter_dir=folder, max_adapters=1) as model:
         first = model.decide(_as("a", REQUEST))
-        assert model.encode(_as("a", REQUEST)).model == alone["one"][1]
+        assert model.encode(_as("a", REQUEST)).identity == alone["one"][1]
         assert model.decide(_as("a", REQUEST))["usage"]["input_tokens_details"]["cached_tokens"] > 0  # (cached: v1)
         model.decide(_as("b", REQUEST))
-        assert model.variants.loaded == ["b"]
+        assert model.decider.loaded == ["b"]
         swap(files.two, folder / "a.adapter.gguf")
         after = model.decide(_as("a", REQUEST))
-        identity = model.encode(_as("a", REQUEST)).model
+        identity = model.encode(_as("a", REQUEST)).identity
         again = model.decide(_as("a", REQUEST))
     assert _far(flat_probabilities(first), alone["one"][0]) <= CLOSE
     assert identity == alone["two"][1] != alone["one"][1]
@@ -135,7 +135,7 @@ def test_the_base_answers_to_its_names_and_no_adapter_takes_one(files, alone, tm
         for asked in ("jev-latest", "clef", "clef-flash", name):
             answer = model.decide(_as(asked, REQUEST))
             assert _far(flat_probabilities(answer), alone[None][0]) <= CLOSE, asked
-            assert model.encode(_as(asked, REQUEST)).model == alone[None][1], asked
+            assert model.encode(_as(asked, REQUEST)).identity == alone[None][1], asked
         assert model.adapter_names() == ["a", "b"]
     for taken in (name, "jev-latest"):
         with pytest.raises(SettingsError, match="none of the base's names"):

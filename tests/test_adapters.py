@@ -1,4 +1,4 @@
-"""Many fine-tunes over one base (runtime/adapters.py): two fine-tunes of one fixture release made by clef-finetune's
+"""Many fine-tunes over one base (runtime/decider.py): two fine-tunes of one fixture release made by clef-finetune's
 own `train` (ranks 8 and 4, each with its trained head) and a PEFT adapter with a rank_pattern, each converted to an
 adapter file and to a merged model file; the base loaded with the three adapters answers as each merged file."""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 
 import clef_gguf
 from clef_gguf.check.adapter_pair import validate_adapter_pair
@@ -17,6 +18,8 @@ from clef_gguf.errors import AdapterBaseError, RequestError
 from clef_gguf.testing import finetune
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
 from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
+
+pytestmark = pytest.mark.slow  # two clef-finetune trainings
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
@@ -121,10 +124,10 @@ def test_the_lru_unloads_and_reloads_with_the_same_answers(tunes, tmp_path):
     request = labelled_requests(1)[0]
     with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapter_dir=folder, max_adapters=1, state_cache=0) as model:
         first = {n: flat_probabilities(model.decide(_as(n, request))) for n in ("triage", "urgency", "pattern")}
-        assert model.variants.loaded == ["pattern"]
+        assert model.decider.loaded == ["pattern"]
         for name in ("triage", "urgency", "pattern"):
             assert flat_probabilities(model.decide(_as(name, request))) == first[name]
-            assert model.variants.loaded == [name]
+            assert model.decider.loaded == [name]
 
 
 def test_a_prompt_encoded_for_an_adapter_is_decided_by_it(served):
@@ -161,11 +164,8 @@ def test_serve_answers_each_model_by_its_name(tunes, served):
 
 
 def _cli(*args: str) -> dict:
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args, "--json", "--ctx", str(CONTEXT)], capture_output=True)
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    run = run_cli(*args, "--json", "--ctx", str(CONTEXT))
+    assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout)
 
 
@@ -182,6 +182,6 @@ def test_eval_compare_and_calibrate_take_an_adapter(tunes, tmp_path):
     fitted = _cli("calibrate", str(tunes.base), str(DATA), "-o", str(out), "--adapter", adapter)["temperatures"]
     assert fitted and validate_adapter_pair(tunes.base, out).exit_code == 0
     with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapter=out) as model:
-        assert model.variants.pinned is not None and dict(model.variants.pinned.temperatures) == pytest.approx(fitted, rel=1e-6)
+        assert model.catalog.pinned is not None and dict(model.catalog.pinned.temperatures) == pytest.approx(fitted, rel=1e-6)
     after = _cli("eval", str(tunes.base), str(DATA), "--adapter", str(out))["metrics"]["overall"]
     assert after["nll"] <= ours["nll"]  # (the fit minimizes it on these very records)

@@ -128,9 +128,10 @@ def test_an_image_prompt_on_a_model_without_its_tower_is_refused(ws):
 
 def test_the_ray_ingress_encodes_prompts_the_model_takes(ws):
     """PromptEncoder (the Ray ingress) and ClefModel identify one file alike: a prompt travels between them."""
-    from clef_gguf.runtime.encoder import PromptEncoder
+    from clef_gguf.runtime.model import open_encoder
+    from clef_gguf.settings import ModelSpec
 
-    encoder = PromptEncoder(ws.gguf("untied_f32", "f32"), max_prompt_tokens=2048)
+    encoder = open_encoder(ModelSpec.of(ws.gguf("untied_f32", "f32"), max_prompt_tokens=2048))
     try:
         prompt = encoder.encode(REQUEST)
     finally:

@@ -10,11 +10,10 @@ and, with them stripped (as llama.cpp's converter writes a file), by the content
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 from safetensors.numpy import load_file, save_file
 
 import clef_gguf
@@ -30,7 +29,6 @@ from clef_gguf.testing.gguf_bytes import kv_str, rebuild
 from clef_gguf.testing.golden import make_golden
 from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
 
-CLI = [sys.executable, "-m", "clef_gguf.cli"]
 EVERY_LINEAR = "q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj|gate_proj|up_proj|down_proj"
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": rf".*language_model.*\.({EVERY_LINEAR})"}
 B_SCALE = 0.01
@@ -123,9 +121,7 @@ def test_a_merged_file_as_base_is_exit_7_with_why(tune, tmp_path, file_type):
     merged = tune.merged[file_type]
     report = validate_adapter_pair(merged, tune.adapter)
     assert report.exit_code == 7 and "a fine-tune merged into the release this adapter was trained over" in report.summary
-    done = subprocess.run(
-        [*CLI, "validate", str(merged), "--adapter", str(tune.adapter), "--json"], capture_output=True, text=True
-    )
+    done = run_cli("validate", str(merged), "--adapter", str(tune.adapter), "--json")
     assert done.returncode == 7, done.stderr
     assert "merged" in json.loads(done.stdout)["pairing"]["problems"][0]
     with pytest.raises(AdapterBaseError, match="merged"):
@@ -142,11 +138,7 @@ def test_decide_refuses_a_merged_base_in_one_line(tune, tmp_path):
     request = tmp_path / "request.json"
     request.write_text(json.dumps(labelled_requests(1)[0]))
     merged = _foreign(tune.merged["q4_k_m"], tmp_path)
-    done = subprocess.run(
-        [*CLI, "decide", str(merged), str(request), "--adapter", str(tune.adapter), "--ctx", str(CONTEXT)],
-        capture_output=True,
-        text=True,
-    )
+    done = run_cli("decide", str(merged), str(request), "--adapter", str(tune.adapter), "--ctx", str(CONTEXT))
     assert done.returncode == 7 and "update already" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
@@ -167,6 +159,7 @@ def merge_folder(tune) -> Path:
     return finetune.merge(tune.release, tune.checkpoint, tune.root / "merged-release")
 
 
+@pytest.mark.slow
 def test_a_clef_finetune_merge_folder_is_marked_merged(tune, merge_folder, tmp_path):
     assert (merge_folder / FINETUNE_MARKER).is_file()
     converted = clef_gguf.convert(merge_folder, tmp_path / "merged-release-f32.gguf", "f32", mmproj=False)
@@ -178,6 +171,7 @@ def test_a_clef_finetune_merge_folder_is_marked_merged(tune, merge_folder, tmp_p
     assert report.exit_code == 7 and "update already" in report.summary, report.summary
 
 
+@pytest.mark.slow
 def test_llama_cpps_own_conversions_take_the_adapter_and_not_over_its_merge(tune, merge_folder, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (clef_gguf/testing/golden.py) writes none of our keys: the content check
     takes its conversion of the release and refuses its conversion of the merged folder."""

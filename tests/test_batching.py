@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import f16_tiles
-from test_server import TIMEOUT, BlockingModel, reuse_apart, start
+from server_helpers import ANSWER_TOLERANCE, TIMEOUT, BlockingModel, assert_close, reuse_apart, start
 
 import clef_gguf
 from clef_gguf.server.app import create_app
@@ -32,11 +32,8 @@ pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
 
 N_CTX = 8192
 # Hidden states (RMS about 1, largest values about 10): float noise, measured up to 1.3e-4 at f32. Probabilities:
-# at f32 the responses' rounding to 4 decimals can move a last digit; q8_0 requantizes every activation row to
-# 8 bits, so that noise flips roundings, layer after layer, as another ubatch size does (state_cache.cuts: up to
-# 0.0074): measured up to 0.0099, against the q8_0 parity tolerance of 0.035 (tests/test_parity.py).
+# server_helpers.ANSWER_TOLERANCE.
 HIDDEN_TOLERANCE = {"f32": 5e-4, "q8_0": 5e-2}
-ANSWER_TOLERANCE = {"f32": 1e-4 + 1e-9, "q8_0": 0.015}
 # On a device that rounds the products' operands to F16 (conftest.f16_tiles: llama.cpp's backbone, not the
 # head, which splits its products), a batch's hidden states are those alone to an F16 step or two of each value:
 # measured on lavapipe up to 0.0039 (one step at 4 to 8), f32 and q8_0. Its answers: up to 0.0008 (f32, batched
@@ -70,11 +67,6 @@ def loaded(ws, request) -> Any:
     model = clef_gguf.load(ws.gguf("untied_f32", file_type), max_prompt_tokens=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
     yield file_type, model
     model.close()
-
-
-def assert_close(one: dict[str, Any], other: dict[str, Any], tolerance: float) -> None:
-    assert one["usage"] == other["usage"]
-    assert largest_difference(response_probabilities(one), response_probabilities(other)) <= tolerance
 
 
 def test_batched_hidden_states_and_answers_are_those_alone(loaded):

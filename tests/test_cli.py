@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 import clef_gguf as clef_gguf_api
@@ -52,6 +53,7 @@ def test_decide_prints_exactly_the_api_response(ws, tmp_path):
     assert json.loads(from_stdin.stdout) == json.loads(run.stdout)
 
 
+@pytest.mark.slow
 def test_decide_reads_images_as_the_api_does(ws, tmp_path):
     model, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
     picture = io.BytesIO()

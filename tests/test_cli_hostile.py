@@ -6,7 +6,6 @@ exit code (or a bounded wait), never a traceback.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli as cli  # the CLI in this process
 
 from clef_gguf.check import remote
 from clef_gguf.check.report import Verdict
@@ -27,17 +27,6 @@ from clef_gguf.testing.processes import free_port
 
 NOUL = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
 LIMIT = MAX_REQUEST_NESTING
-
-
-# Wide enough that Rich (typer's usage errors) never wraps a message across lines.
-WIDE = {**os.environ, "COLUMNS": "300"}
-
-
-def cli(*args: str, stdin: bytes | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    run = subprocess.run(
-        [sys.executable, "-m", "clef_gguf.cli", *args], input=stdin, capture_output=True, timeout=300, env=env or WIDE
-    )
-    return subprocess.CompletedProcess(run.args, run.returncode, run.stdout.decode(errors="replace"), run.stderr.decode())
 
 
 def assert_one_line_error(run: subprocess.CompletedProcess[str], code: int, says: str) -> None:
@@ -135,7 +124,7 @@ def test_serve_refuses_options_that_cannot_work():
         assert run.returncode == 2 and "Invalid value for '--port'" in run.stderr, run.stderr
     run = cli("serve", model, "--api-key", "")
     assert run.returncode == 2 and "the key is empty" in run.stderr, run.stderr
-    run = cli("serve", model, env={**os.environ, "CLEF_GGUF_API_KEY": ""})
+    run = cli("serve", model, env={"CLEF_GGUF_API_KEY": ""})
     assert run.returncode == 2 and "set but empty" in run.stderr, run.stderr
     for key in ("clé-secrète", "two words", "tab\tkey"):
         run = cli("serve", model, "--api-key", key)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from test_outputs import mounted_tmpfs, read_only_folder
+from cli_helpers import run_cli as cli  # the CLI in this process; the kills are of real processes
+from file_helpers import mounted_tmpfs, read_only_folder
 
 from clef_gguf.cli import errors as cli_errors
 from clef_gguf.conversion.convert import backbone_tensors, default_mmproj_path
@@ -41,10 +42,6 @@ SLOW = ReleaseSpec(
 )
 KILL_WAIT_S = 120.0
 POLL_S = 0.002
-
-
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +115,7 @@ def kill_at(release: Path, out: Path, file_type: str, point: Callable[[Path], bo
     return process, log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 @pytest.mark.parametrize("point", list(POINTS))
 def test_a_caught_signal_removes_everything_it_wrote(slow_release, tmp_path, point, signum):
@@ -158,6 +156,7 @@ def test_inside_callback_tells_llamas_log_callback_from_elsewhere():
     assert seen == [True] and not llama_log.inside_callback()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", list(POINTS))
 def test_after_sigkill_the_next_run_removes_the_leftovers(slow_release, tmp_path, point):
     out = tmp_path / "out" / "model.gguf"

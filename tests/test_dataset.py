@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 from PIL import Image
 
 import clef_gguf
@@ -40,7 +41,8 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 
 def decide(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, timeout=600)
+    """`decide` in this process (cli_helpers); a run to kill, or on a terminal, is a real process (CLI)."""
+    return run_cli(*CLI[3:], *args, stdin=stdin, text=False)
 
 
 @pytest.fixture(scope="module")

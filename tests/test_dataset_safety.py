@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 from PIL import Image
 
 import clef_gguf
@@ -26,8 +27,9 @@ def _lines(n: int) -> str:
     return "".join(json.dumps({**DEMO, "id": f"r{i}", "state": {"ticket": f"ticket {i}"}}) + "\n" for i in range(n))
 
 
-def _decide(*args: str, model: Path = DEMO_MODEL, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*DECIDE, str(model), *args], capture_output=True, text=True, timeout=600, **kwargs)
+def _decide(*args: str, model: Path = DEMO_MODEL) -> subprocess.CompletedProcess[str]:
+    """`decide` in this process (cli_helpers); from a shell, or under a file size limit, a real process (DECIDE)."""
+    return run_cli(*DECIDE[3:], model, *args)
 
 
 def test_a_pipe_and_a_fifo_are_read_as_stdin_is(tmp_path):

@@ -8,14 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import DEVICE_QUICK, NOT_ON_DEVICE
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The modules the two lists name: where their tests must be (collecting every module imports Ray and the rest, twice).
+MODULES = sorted({case.split("::")[0] for case in DEVICE_QUICK + NOT_ON_DEVICE})
+
+
 def _collected(marks: str) -> list[str]:
     listed = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", marks],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", marks, *MODULES],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -25,6 +30,7 @@ def _collected(marks: str) -> list[str]:
     return [line for line in listed.stdout.splitlines() if line.startswith("tests/")]
 
 
+@pytest.mark.slow
 def test_every_quick_device_case_is_a_device_test_that_exists():
     collected = _collected("device_quick and device")
     missing = [case for case in DEVICE_QUICK if not any(node.startswith(case) for node in collected)]
@@ -33,6 +39,7 @@ def test_every_quick_device_case_is_a_device_test_that_exists():
     assert not [node for node in collected if node.startswith(NOT_ON_DEVICE)]
 
 
+@pytest.mark.slow
 def test_every_test_the_device_set_leaves_out_is_in_a_device_module():
     collected = _collected("device")  # (without --on-device, which leaves them out)
     missing = [case for case in NOT_ON_DEVICE if not any(node.startswith(case) for node in collected)]

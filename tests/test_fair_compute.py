@@ -13,8 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_batching import ANSWER_TOLERANCE, assert_close
-from test_server import TIMEOUT, reuse_apart, start
+from server_helpers import ANSWER_TOLERANCE, TIMEOUT, assert_close, reuse_apart, start
 
 import clef_gguf
 from clef_gguf.data import DEMO_MODEL
@@ -43,6 +42,7 @@ def model() -> Any:
         yield loaded
 
 
+@pytest.mark.slow
 def test_a_small_request_is_answered_while_a_heavy_one_is_prefilled(model):
     first, second = heavy(), heavy(state="Ticket: the scanner on floor 2 jams.")
     assert model.stepped(model.encode(first)) and len(model.encode(first).tokens) > 30 * UBATCH

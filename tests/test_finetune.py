@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 
 import clef_gguf
 from clef_gguf.errors import ReleaseError
 from clef_gguf.quality.labelled import BadLine, read_labelled
 from clef_gguf.testing import finetune
 
+pytestmark = pytest.mark.slow  # clef-finetune's train, merge and eval: minutes
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
-CLI = [sys.executable, "-m", "clef_gguf.cli"]
 
 
 class FineTune:
@@ -104,10 +105,23 @@ def test_adapter_settings_merge_as_peft_merges_them(ws, tmp_path, lora):
     assert sum(not np.array_equal(a[n], before[n]) for n in a) > 0
 
 
+def test_a_configuration_trained_already_is_copied_naming_its_own_folders(tuned, tmp_path):
+    """finetune.train trains each configuration once per session (test_adapters, test_adapter_file and test_readme
+    ask for this one again): the same checkpoint, its train_config.json naming this call's release and output folder,
+    without a training (which takes a minute and more)."""
+    release = Path(shutil.copytree(tuned.base, tmp_path / "release"))  # the same files under another name
+    started = time.monotonic()
+    again = finetune.train(release, DATA, tmp_path / "again")
+    assert time.monotonic() - started < 2  # a copy takes milliseconds; a training's process takes seconds to import torch
+    for name in ("adapter/adapter_model.safetensors", "joint_head.safetensors"):
+        assert (again / name).read_bytes() == (tuned.checkpoint / name).read_bytes(), name
+    config = json.loads((again / "train_config.json").read_text())
+    assert (config["model"]["path"], config["output_dir"]) == (str(release), str(tmp_path / "again"))
+    assert str(tuned.base) not in (again / "train_config.json").read_text()
+
+
 def test_a_checkpoint_without_base_names_the_fix(tuned, tmp_path):
-    done = subprocess.run(
-        [*CLI, "convert", str(tuned.checkpoint), "-o", str(tmp_path / "x.gguf")], capture_output=True, text=True
-    )
+    done = run_cli("convert", str(tuned.checkpoint), "-o", str(tmp_path / "x.gguf"))
     assert done.returncode == 3
     assert "--base" in done.stderr and str(tuned.base) in done.stderr  # train_config.json's model.path
     assert "Traceback" not in done.stderr and not (tmp_path / "x.gguf").exists()
@@ -139,11 +153,7 @@ def test_refusals_name_the_fix(ws, tuned, tmp_path):
 def test_eval_equals_clef_finetune_eval(tuned, tmp_path):
     """The same metrics, names and shape as clef-finetune's tuned_metrics.json, within 0.01 (both float32)."""
     theirs = finetune.evaluate(tuned.merged, DATA, tmp_path / "theirs")["metrics"]
-    done = subprocess.run(
-        [*CLI, "eval", str(tuned.gguf("checkpoint")), str(DATA), "--json", "-o", str(tmp_path / "ours")],
-        capture_output=True,
-        text=True,
-    )
+    done = run_cli("eval", str(tuned.gguf("checkpoint")), str(DATA), "--json", "-o", str(tmp_path / "ours"))
     assert done.returncode == 0, done.stderr
     ours = json.loads(done.stdout)["metrics"]
     assert json.loads((tmp_path / "ours" / "metrics.json").read_text())["metrics"] == ours
@@ -168,11 +178,7 @@ def test_eval_equals_clef_finetune_eval(tuned, tmp_path):
 
 
 def test_compare_counts_are_those_of_decide_s_answers(tuned, tmp_path):
-    done = subprocess.run(
-        [*CLI, "compare", str(tuned.gguf("base")), str(tuned.gguf("checkpoint")), str(DATA), "--json", "-o", str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
+    done = run_cli("compare", str(tuned.gguf("base")), str(tuned.gguf("checkpoint")), str(DATA), "--json", "-o", str(tmp_path))
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert (tmp_path / "report.md").is_file() and "metrics" in result  # the data is labelled: both models' metrics
@@ -213,7 +219,7 @@ def test_bad_labels_are_reported_with_line_numbers(tuned, tmp_path):
     bad[2]["labels"]["mood"] = "angry"
     data = tmp_path / "bad.jsonl"
     data.write_text("\n".join([*map(json.dumps, bad), "{not json", lines[3]]) + "\n")
-    done = subprocess.run([*CLI, "eval", str(tuned.gguf("checkpoint")), str(data), "--json"], capture_output=True, text=True)
+    done = run_cli("eval", str(tuned.gguf("checkpoint")), str(data), "--json")
     assert done.returncode == 8, done.stderr  # some lines are errors; the others were counted
     result = json.loads(done.stdout)
     assert result["metrics"]["overall"]["n"] == 3

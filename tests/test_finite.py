@@ -6,18 +6,17 @@ joint_head.safetensors): one LoRA pair on layer 0's down_proj of the untied f32 
 
 from __future__ import annotations
 
-import json
-import shutil
 import struct
 import subprocess
-import sys
+import warnings
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from cli_helpers import run_cli
+from file_helpers import RELEASE, make_checkpoint
+from safetensors.numpy import load_file
 
 import clef_gguf
 from clef_gguf.check.finite import count_nonfinite
@@ -29,45 +28,19 @@ from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.qwen35_view import write_backbone_gguf
 from clef_gguf.testing.gguf_bytes import poke
 
-RELEASE = "untied_f32"
-MODULE = "model.language_model.layers.0.mlp.down_proj"  # (64, 128) in the fixture
 TENSOR = "blk.0.ffn_down.weight"  # its name in the GGUF
-# -W error::RuntimeWarning: a numpy warning on the way is a failure, not a line on stderr.
-CLI = [sys.executable, "-W", "error::RuntimeWarning", "-m", "clef_gguf.cli"]
 GT = gguf.GGMLQuantizationType
 
 
-def make_checkpoint(
-    release: Path,
-    folder: Path,
-    *,
-    config: dict[str, Any] | None = None,
-    a: np.ndarray | None = None,
-    b: np.ndarray | None = None,
-    head: dict[str, np.ndarray] | None = None,
-) -> Path:
-    """A clef-finetune checkpoint in PEFT's layout: LoRA A (4, 128) and B (64, 4) on MODULE, r 4, alpha 8."""
-    rng = np.random.default_rng(0)
-    checkpoint = folder / "checkpoint"
-    (checkpoint / "adapter").mkdir(parents=True)
-    a = rng.normal(0, 0.05, (4, 128)).astype(np.float32) if a is None else a
-    b = rng.normal(0, 0.05, (64, 4)).astype(np.float32) if b is None else b
-    prefix = f"base_model.model.{MODULE}"
-    save_file(
-        {f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}, str(checkpoint / "adapter" / "adapter_model.safetensors")
-    )
-    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["down_proj"], **(config or {})}
-    (checkpoint / "adapter" / "adapter_config.json").write_text(json.dumps(settings))
-    if head is None:
-        shutil.copy(release / "joint_head.safetensors", checkpoint / "joint_head.safetensors")
-    else:
-        save_file(head, str(checkpoint / "joint_head.safetensors"))
-    return checkpoint
+def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """The CLI in this process, a numpy warning on the way a failure (raised here), not a line on stderr."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (python -W error::RuntimeWarning)
+        return run_cli(*args)
 
 
 def _convert_cli(checkpoint: Path, base: Path, out: Path, file_type: str) -> subprocess.CompletedProcess[str]:
-    command = [*CLI, "convert", str(checkpoint), "--base", str(base), "-o", str(out), "-t", file_type, "--no-mmproj"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return _cli("convert", checkpoint, "--base", base, "-o", out, "-t", file_type, "--no-mmproj")
 
 
 def _one_line_refusal(run: subprocess.CompletedProcess[str], code: int, out: Path) -> str:
@@ -178,7 +151,7 @@ def test_plain_validate_reads_the_head_values(ws, tmp_path, file_type, value):
     assert f"head tensor {name} holds" in report.summary and "NaN or Inf" in report.summary, report.summary
     with pytest.raises(CorruptModelError, match=name):
         open_validated(broken)
-    run = subprocess.run([*CLI, "validate", str(broken)], capture_output=True, text=True, timeout=300)
+    run = _cli("validate", broken)
     assert run.returncode == 5 and name in run.stdout + run.stderr, (run.returncode, run.stdout, run.stderr)
     # The backbone, the bulk of a file, is read by --deep only.
     backbone_nan = _poked(src, tmp_path / "backbone.gguf", TENSOR, value)

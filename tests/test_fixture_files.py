@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from clef_gguf.check.validate import validate
 
 CHILD = """
@@ -18,6 +20,7 @@ print(json.dumps({"paths": {t: str(p) for t, p in paths.items()}, "torch": "torc
 """
 
 
+@pytest.mark.slow
 def test_benchmark_files_are_complete_and_leave_torch_out_of_the_caller(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], check=True, capture_output=True, text=True)
     result = json.loads(out.stdout.splitlines()[-1])

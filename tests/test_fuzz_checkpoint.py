@@ -1,6 +1,6 @@
 """Malformed checkpoints and safetensors headers: a clear ReleaseError (exit 3), never a traceback (issue 46, F7).
 
-The fuzz tests convert a hand-made checkpoint (tests/test_finite.py's make_checkpoint) whose
+The fuzz tests convert a hand-made checkpoint (tests/file_helpers.py's make_checkpoint) whose
 adapter_config.json, or whose adapter_model.safetensors header, hypothesis has damaged: the conversion either
 completes or raises ReleaseError. safetensors' header reader is the one release loading uses too. The LoRA data
 bytes are all below 0x40, so that whatever dtype a damaged header gives them, their values are finite (and a
@@ -14,19 +14,18 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
+from file_helpers import MODULE, RELEASE, make_checkpoint
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from safetensors.numpy import load_file
-from test_finite import MODULE, RELEASE, make_checkpoint
 
 import clef_gguf
 from clef_gguf.conversion.release import read_safetensors_index
@@ -37,7 +36,6 @@ set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "clef-gguf-hypothesi
 FUZZ = settings(
     max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
-CLI = [sys.executable, "-m", "clef_gguf.cli"]
 A, B = f"base_model.model.{MODULE}.lora_A.weight", f"base_model.model.{MODULE}.lora_B.weight"
 VALID_HEADER: dict[str, Any] = {
     "__metadata__": {"format": "pt"},
@@ -126,12 +124,7 @@ def test_a_release_s_malformed_header_is_a_release_error_too(ws, tmp_path):
 def test_the_cli_exits_3_on_r_0(ws, tmp_path):
     checkpoint = _with_config(ws, tmp_path, r=0)
     out = tmp_path / "out.gguf"
-    run = subprocess.run(
-        [*CLI, "convert", str(checkpoint), "--base", str(ws.release(RELEASE)), "-o", str(out), "-t", "f32", "--no-mmproj"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_cli("convert", checkpoint, "--base", ws.release(RELEASE), "-o", out, "-t", "f32", "--no-mmproj")
     assert run.returncode == 3 and "Traceback" not in run.stderr and "r is 0" in run.stderr, run.stderr
     assert not out.exists()
 
@@ -154,8 +147,7 @@ def test_a_transposed_head_tensor_is_a_release_error(ws, tmp_path):
     message = _refusal(checkpoint, ws.release(RELEASE), tmp_path / "out.gguf")
     assert f"tensor {name} is [32, 64] in the checkpoint, [64, 32] in the base's" in message, message
     out = tmp_path / "cli.gguf"
-    command = [*CLI, "convert", str(checkpoint), "--base", str(ws.release(RELEASE)), "-o", str(out), "-t", "f32", "--no-mmproj"]
-    assert subprocess.run(command, capture_output=True, text=True, timeout=300).returncode == 3
+    assert run_cli("convert", checkpoint, "--base", ws.release(RELEASE), "-o", out, "-t", "f32", "--no-mmproj").returncode == 3
 
 
 def test_an_adapter_folder_that_is_a_symlink_loop_is_named(ws, tmp_path):
@@ -200,6 +192,7 @@ OVERRIDES = st.fixed_dictionaries(
 DROPS = st.sets(st.sampled_from(["peft_type", "r", "lora_alpha", "target_modules"]), max_size=2)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(overrides=OVERRIDES, drops=DROPS, whole=st.none() | JSON)
 @example(overrides={"r": 0}, drops=set(), whole=None)  # the F7 cases: tracebacks before
@@ -260,6 +253,7 @@ def _damaged(edits: list[tuple]) -> bytes:
     return _safetensors(header, data, length)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(edits=st.lists(EDIT, min_size=1, max_size=3))
 def test_fuzz_safetensors_header(ws, edits):

@@ -25,6 +25,7 @@ from unittest import mock
 import gguf
 import numpy as np
 import pytest
+from fuzz_helpers import Edit, MemoryReader, anchors, apply_edits, edits_of
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
@@ -34,18 +35,15 @@ from clef_gguf.check.report import Verdict
 from clef_gguf.check.validate import open_validated, validate, validate_remote
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.format import contract as C
-from clef_gguf.format.header import GGUFFile, parse_header
+from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.qwen35_view import write_backbone_gguf
 from clef_gguf.testing.gguf_bytes import build, kvs_of, tensors_of
 
 EXAMPLES = int(os.environ.get("CLEF_FUZZ_EXAMPLES", "800"))
 TIME_LIMIT_S = 5.0
-INTERESTING = (0, 1, 2, 3, 4, 7, 8, 31, 32, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63, 2**64 - 1)
 GT = gguf.GGMLQuantizationType
 # Hypothesis writes failing-example patches under its home directory: keep them out of the work tree.
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "clef-gguf-hypothesis"))
-
-Edit = tuple  # ("poke", position, bytes) | ("truncate", position) | ("insert", position, bytes) | ("delete", position, n)
 
 
 # --- Seeds --------------------------------------------------------------------------------------------
@@ -69,18 +67,6 @@ def _backbone_only(f: GGUFFile) -> bytes:
         return out.read_bytes()
 
 
-def _anchors(data: bytes) -> tuple[int, ...]:
-    """Positions of the header's structure: counts, key and string lengths, value types, dims, types, offsets."""
-    h = parse_header(data)
-    points = {0, 4, 8, 16, 24, h.header_end, h.data_offset}
-    for field in h.fields.values():
-        points |= {field.start, field.start + 8, field.value_start, field.value_start + 4, field.value_start + 8}
-        points |= {field.value_start + 16, field.end - 1}
-    for t in h.tensors.values():
-        points |= {t.start, t.start + 8, t.end - 20, t.end - 12, t.end - 8, h.data_offset + t.offset}
-    return tuple(sorted(p for p in points if p < len(data)))
-
-
 @functools.cache
 def seeds() -> dict[str, tuple[bytes, tuple[int, ...]]]:
     f = GGUFFile.open(DEMO_MODEL)
@@ -88,51 +74,14 @@ def seeds() -> dict[str, tuple[bytes, tuple[int, ...]]]:
         files = {"clef_f32": DEMO_MODEL.read_bytes(), "clef_q8_0": _q8_0(f), "backbone_only": _backbone_only(f)}
     finally:
         f.close()
-    return {name: (data, _anchors(data)) for name, data in files.items()}
+    return {name: (data, anchors(data)) for name, data in files.items()}
 
 
 def damage(seed: str, edits: list[Edit]) -> bytes:
     return apply_edits(seeds()[seed][0], edits)
 
 
-def apply_edits(data: bytes, edits: list[Edit]) -> bytes:
-    for edit in edits:
-        kind, position = edit[0], min(edit[1], len(data))
-        if kind == "poke":
-            data = data[:position] + edit[2] + data[position + len(edit[2]) :]
-        elif kind == "truncate":
-            data = data[:position]
-        elif kind == "insert":
-            data = data[:position] + edit[2] + data[position:]
-        else:
-            data = data[:position] + data[position + edit[2] :]
-    return data
-
-
-# --- Strategies ---------------------------------------------------------------------------------------
-def _values() -> st.SearchStrategy[bytes]:
-    numbers = st.one_of(st.sampled_from(INTERESTING), st.integers(0, 2**64 - 1))
-    return st.one_of(
-        st.binary(min_size=1, max_size=8),
-        numbers.map(lambda n: struct.pack("<Q", n)),
-        numbers.map(lambda n: struct.pack("<I", n % 2**32)),
-        st.sampled_from([b"\xff", b"\x00" * 8, b"\x7f\x80\x00\x00", b"GGUF", "é".encode()]),
-    )
-
-
-@st.composite
-def edits_of(draw: st.DrawFn, data: bytes, anchors: tuple[int, ...]) -> list[Edit]:
-    """One to four edits of `data`: at one of its anchors, in its header (up to anchors[-1] + 64) or anywhere."""
-    positions = st.one_of(st.sampled_from(anchors), st.integers(0, anchors[-1] + 64), st.integers(0, len(data)))
-    edit = st.one_of(
-        st.tuples(st.just("poke"), positions, _values()),
-        st.tuples(st.just("truncate"), positions),
-        st.tuples(st.just("insert"), positions, st.binary(min_size=1, max_size=16)),
-        st.tuples(st.just("delete"), positions, st.integers(1, 16)),
-    )
-    return draw(st.lists(edit, min_size=1, max_size=4))
-
-
+# --- Strategies (fuzz_helpers.edits_of) --------------------------------------------------------------
 @st.composite
 def damaged_files(draw: st.DrawFn) -> tuple[str, list[Edit]]:
     seed = draw(st.sampled_from(sorted(seeds())))
@@ -140,19 +89,6 @@ def damaged_files(draw: st.DrawFn) -> tuple[str, list[Edit]]:
 
 
 # --- The property -------------------------------------------------------------------------------------
-class MemoryReader:
-    """validate_remote's reader over bytes in memory: the HTTP path without the network."""
-
-    def __init__(self, data: bytes, source: str) -> None:
-        self.data, self.source, self.size, self.bytes_read = data, source, None, 0
-
-    def read(self, start: int, end: int) -> bytes:
-        self.size = len(self.data)
-        chunk = self.data[start:end]
-        self.bytes_read += len(chunk)
-        return chunk
-
-
 def check_any_bytes(data: bytes, deep: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fuzzed.gguf"
@@ -184,6 +120,7 @@ REGRESSIONS: list[tuple[str, list[Edit], bool]] = [
 ]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

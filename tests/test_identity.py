@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 from safetensors.numpy import load_file, save_file
 
 import clef_gguf
@@ -26,7 +26,6 @@ from clef_gguf.testing.gguf_bytes import rebuild
 BASE = "k256"  # its MLP matrices (512 KiB in f32) are over the sample's 64 KiB: the identity samples them
 ADAPTED = "model.language_model.layers.1.mlp.down_proj.weight"
 DEMO = json.loads(DEMO_REQUEST.read_text())
-DECIDE = [sys.executable, "-m", "clef_gguf.cli", "decide", "--ctx", str(DEMO_CONTEXT)]
 
 
 def _fine_tune(release: Path, out: Path, seed: int) -> Path:
@@ -131,7 +130,7 @@ def _lines(n: int) -> str:
 
 
 def _decide(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*DECIDE, str(model), *args], capture_output=True, text=True, timeout=600)
+    return run_cli("decide", "--ctx", str(DEMO_CONTEXT), model, *args)  # in this process
 
 
 def test_resuming_a_base_s_answers_with_its_fine_tune_is_refused(ws, tunes, tmp_path):

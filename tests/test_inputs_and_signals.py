@@ -1,13 +1,15 @@
-"""Issue 54, items 3 and 4, through the real CLI (`python -m clef_gguf.cli`, the demo model): what a command reads by
-path is refused at once when it is not a regular file (a FIFO hung every command that opened one), a model given as
-an adapter is exit 6 everywhere, and every command stops within seconds of SIGINT or SIGTERM, whatever it waits on
-(a decision loop, a FIFO with no writer, Ray's connect in C++), with its partial output removed, exit 128+N.
+"""Issue 54, items 3 and 4, through the CLI (the demo model): what a command reads by path is refused at once when it
+is not a regular file (a FIFO hung every command that opened one), a model given as an adapter is exit 6 everywhere
+(both in this process: cli_helpers), and every command stops within seconds of SIGINT or SIGTERM, whatever it waits
+on (a decision loop, a FIFO with no writer, Ray's connect in C++), with its partial output removed, exit 128+N (real
+processes: `python -m clef_gguf.cli`).
 
-Each subprocess runs under a timeout: a hang fails the test, it never holds the suite.
+Each command runs under a timeout: a hang fails the test, it never holds the suite.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,10 +18,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
 from clef_gguf.cli.errors import STOP_S
 from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
@@ -29,16 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
 CLI = [sys.executable, "-m", "clef_gguf.cli"]
 CTX = ["--ctx", str(DEMO_CONTEXT)]
-QUICK = 90  # s: a refusal takes the CLI's start-up (and a model's header); a FIFO opened blocking never ends
+QUICK = 60  # s: a refusal takes a model's header at most; a FIFO opened blocking never ends
 STOPPED_WITHIN = STOP_S + 1.0  # s from the signal to the exit: the cleanups, or the watchdog's end
-# s from the start to the signal: Python's start-up and the demo's load take 2 to 4 s here; the runs stopped last a
-# minute and more (_stop fails a run that ended before its signal)
-UNDER_WAY_S = 6.0
+UNDER_WAY_S = 120.0  # s: the most a run may take to get under way (Python's start-up, the demo's load: 2 to 4 s here)
 ENV = {**os.environ, "COLUMNS": "300", "RAY_ADDRESS": ""}
 
 
-def cli(*args: str | Path, timeout: float = QUICK) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV)
+def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, env={"RAY_ADDRESS": ""}, timeout=QUICK)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,27 @@ def _stop(process: subprocess.Popen[bytes], signum: int) -> tuple[float, str]:
     return time.monotonic() - sent, stderr.decode(errors="replace")
 
 
+def _under_way(process: subprocess.Popen[bytes], ready: Callable[[], bool], what: str) -> None:
+    """Wait until `ready()` (polled), failing if the process ends first: the signal then comes mid-run, not at a
+    guessed time (the runs stopped last a minute and more)."""
+    deadline = time.monotonic() + UNDER_WAY_S
+    while not ready():
+        assert process.poll() is None, f"the command ended before {what}"
+        assert time.monotonic() < deadline, f"not {what} after {UNDER_WAY_S} s"
+        time.sleep(0.05)
+
+
+def _reading(process: subprocess.Popen[bytes], path: Path) -> Callable[[], bool]:
+    """Whether the process has `path` open (its model loaded: each command loads before it reads DATA)."""
+
+    def reading() -> bool:
+        with contextlib.suppress(OSError):  # (a descriptor closed while listed)
+            return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{process.pid}/fd").iterdir())
+        return False
+
+    return reading
+
+
 RUNS = {
     # name: arguments ({long} the long data, {out} an empty folder, left empty by eval, compare and calibrate)
     "eval": ["eval", DEMO_MODEL, "{long}", *CTX, "-o", "{out}"],
@@ -138,6 +160,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 @pytest.mark.parametrize("command", list(RUNS))
 def test_a_signal_mid_run_stops_it_at_once_with_whole_outputs_only(files, tmp_path, command, signum):
@@ -148,7 +171,11 @@ def test_a_signal_mid_run_stops_it_at_once_with_whole_outputs_only(files, tmp_pa
     argv = [*CLI, *(str(a).format(long=files["long"], out=out) for a in RUNS[command])]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
     try:
-        time.sleep(UNDER_WAY_S)
+        answers = out / "answers.jsonl"  # (decide: its first answer written; the others write at their end)
+        deciding = _reading(process, files["long"])
+        if command == "decide":
+            deciding = lambda: answers.exists() and answers.stat().st_size > 0  # noqa: E731
+        _under_way(process, deciding, "deciding")
         took, stderr = _stop(process, signum)
     finally:
         if process.poll() is None:
@@ -166,6 +193,7 @@ def test_a_signal_mid_run_stops_it_at_once_with_whole_outputs_only(files, tmp_pa
             assert line.endswith(b"\n") and "line" in json.loads(line), line[:200]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_stops_a_read_of_a_fifo_no_one_writes(files, tmp_path, signum):
     """eval's DATA may be a pipe or a FIFO, read as stdin is (docs/dataset.md): one with no writer waits, as `cat`
@@ -174,7 +202,8 @@ def test_a_signal_stops_a_read_of_a_fifo_no_one_writes(files, tmp_path, signum):
     os.mkfifo(fifo)
     process = subprocess.Popen([*CLI, "eval", str(DEMO_MODEL), str(fifo), *CTX], stderr=subprocess.PIPE, env=ENV)
     try:
-        time.sleep(UNDER_WAY_S)  # (the model loaded, DATA's open waiting for a writer)
+        # The model loaded, DATA's open waiting for a writer (the kernel's wait for a FIFO's other end).
+        _under_way(process, lambda: Path(f"/proc/{process.pid}/wchan").read_text() == "wait_for_partner", "waiting on the FIFO")
         took, stderr = _stop(process, signum)
     finally:
         if process.poll() is None:
@@ -185,9 +214,10 @@ def test_a_signal_stops_a_read_of_a_fifo_no_one_writes(files, tmp_path, signum):
 
 # --- decide --ray --address where no cluster answers --------------------------------------------------------------
 @pytest.fixture
-def silent_listener() -> Iterator[int]:
+def silent_listener() -> Iterator[tuple[int, list[socket.socket]]]:
     """A port on every interface (Ray resolves 127.0.0.1 to the node's IP) that accepts connections and never
-    answers: Ray's connect to it waits in C++, where no Python signal handler runs."""
+    answers: Ray's connect to it waits in C++, where no Python signal handler runs. The port, and the connections
+    it holds."""
     server = socket.create_server(("0.0.0.0", 0))
     held: list[socket.socket] = []
     stop = threading.Event()
@@ -202,7 +232,7 @@ def silent_listener() -> Iterator[int]:
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    yield server.getsockname()[1]
+    yield server.getsockname()[1], held
     stop.set()
     thread.join()
     for conn in held:
@@ -215,7 +245,8 @@ def test_decide_on_ray_at_an_address_with_no_cluster_is_refused_in_seconds(tmp_p
     pytest.importorskip("ray")
     started = time.monotonic()
     address = f"127.0.0.1:{free_port()}"
-    run = cli("decide", DEMO_MODEL, DATA, *CTX, "-o", tmp_path / "answers.jsonl", "--ray", "--address", address)
+    argv = [*CLI, "decide", str(DEMO_MODEL), str(DATA), *CTX, "-o", str(tmp_path / "answers.jsonl"), "--ray"]
+    run = subprocess.run([*argv, "--address", address], capture_output=True, text=True, timeout=QUICK, env=ENV)  # (Ray: apart)
     assert time.monotonic() - started < 30
     assert run.returncode == 2, run.stderr[-2000:]
     assert "no Ray cluster answers at 127.0.0.1:" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
@@ -223,14 +254,16 @@ def test_decide_on_ray_at_an_address_with_no_cluster_is_refused_in_seconds(tmp_p
     assert not (tmp_path / "answers.jsonl").exists()  # refused before OUT was created: no empty answers file left
 
 
+@pytest.mark.slow
 def test_sigterm_stops_ray_s_connect_while_it_waits_in_c(silent_listener, tmp_path):
     """Inside ray.init's connect (C++, minutes by default) SIGTERM used to wait: the watchdog ends the command."""
     pytest.importorskip("ray")
-    address = f"127.0.0.1:{silent_listener}"
-    argv = [*CLI, "decide", str(DEMO_MODEL), str(DATA), *CTX, "-o", str(tmp_path / "a.jsonl"), "--ray", "--address", address]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    port, held = silent_listener
+    argv = [*CLI, "decide", str(DEMO_MODEL), str(DATA), *CTX, "-o", str(tmp_path / "a.jsonl"), "--ray", "--address"]
+    process = subprocess.Popen([*argv, f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
     try:
-        time.sleep(8.0)  # (Ray imported, the address probed, ray.init waiting for a GCS that never answers)
+        # Ray imported, the address probed (one connection, closed), ray.init connecting to a GCS that never answers.
+        _under_way(process, lambda: len(held) >= 2, "connecting")
         took, stderr = _stop(process, signal.SIGTERM)
     finally:
         if process.poll() is None:

@@ -167,7 +167,7 @@ def test_the_check_reports_an_upward_import(tmp_path: Path) -> None:
 
 def test_the_plain_server_never_imports_ray():
     # Ray Serve is an optional extra (server/ray_serve.py, `serve --ray`): what `clef-gguf serve` imports must not load it.
-    code = "import sys, clef_gguf.cli, clef_gguf.server, clef_gguf.server.ray_local\n"
+    code = "import sys, clef_gguf.cli, clef_gguf.server, clef_gguf.runtime.ray_local\n"
     code += "print([m for m in sys.modules if m.split('.')[0] == 'ray'])"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr)
@@ -208,3 +208,169 @@ def test_internals_names_every_module() -> None:
     modules = [p for p in (ROOT / "clef_gguf").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     missing = [str(p.relative_to(ROOT)) for p in modules if f"`{p.stem}`" not in text and f"{p.name}" not in text]
     assert not missing, f"not in docs/internals.md: {missing}"
+
+
+# --- what a layer may know: HTTP only in server/, each command on its own, tests on their own ---------------------
+HTTP = ("fastapi", "starlette", "uvicorn")
+# cli/ modules that are no command: the app, and what the commands share.
+CLI_SHARED = {"__init__", "__main__", "app", "common", "errors", "options"}
+
+
+def _third_party(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of every absolute import in the file, function-level ones too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.partition(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module.partition(".")[0]))
+    return found
+
+
+def http_imports(root: Path) -> list[str]:
+    """Where a module below server/ imports server code or an HTTP framework, even lazily: the runtime raises typed
+    errors (errors.py), and the server alone maps them to HTTP."""
+    offenders = []
+    below = LAYERS[: LAYERS.index("server")]
+    for path in sorted((root / "clef_gguf").rglob("*.py")):
+        if _layer(_module(root, path)) not in below:
+            continue
+        name = path.relative_to(root)
+        offenders += [f"{name}:{line} imports {target}" for line, target in _imports(root, path) if _layer(target) == "server"]
+        offenders += [f"{name}:{line} imports {top}" for line, top in _third_party(path) if top in HTTP]
+    return offenders
+
+
+def command_imports(root: Path) -> list[str]:
+    """Where a CLI command module imports another command's module: what commands share lives in cli/common.py,
+    cli/options.py or cli/errors.py."""
+    cli = root / "clef_gguf" / "cli"
+    commands = {p.stem for p in cli.glob("*.py")} - CLI_SHARED
+    offenders = []
+    for path in sorted(cli.glob("*.py")):
+        if path.stem in commands:
+            others = {f"clef_gguf.cli.{c}" for c in commands - {path.stem}}
+            offenders += [f"cli/{path.name}:{line} imports {t}" for line, t in _imports(root, path) if t in others]
+    return offenders
+
+
+def imports_of_tests(root: Path) -> list[str]:
+    """Where a test module (tests/test_*.py) imports another: what tests share lives in helper modules (tests/*.py not
+    named test_*) or clef_gguf/testing."""
+    offenders = []
+    for path in sorted((root / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + ([a.name for a in node.names] if node.module in (None, "tests") else [])
+            else:
+                continue
+            offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    return offenders
+
+
+
+def test_runtime_and_the_layers_below_know_no_http() -> None:
+    offenders = http_imports(ROOT)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_command_imports_another_command() -> None:
+    offenders = command_imports(ROOT)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_test_module_imports_another() -> None:
+    offenders = imports_of_tests(ROOT)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_checks_report_http_commands_and_tests(tmp_path: Path) -> None:
+    for folder in ("clef_gguf", "clef_gguf/runtime", "clef_gguf/server", "clef_gguf/cli", "tests"):
+        (tmp_path / folder).mkdir()
+    for folder in ("clef_gguf", "clef_gguf/runtime", "clef_gguf/server", "clef_gguf/cli"):
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "clef_gguf/server/problems.py").write_text("import fastapi\n")  # the server's to import
+    (tmp_path / "clef_gguf/runtime/model.py").write_text("def f():\n    from starlette.requests import Request\n")
+    (tmp_path / "clef_gguf/runtime/dataset.py").write_text("from ..server import problems\n")
+    (tmp_path / "clef_gguf/cli/decide.py").write_text("from .options import x\n")
+    (tmp_path / "clef_gguf/cli/options.py").write_text("")
+    (tmp_path / "clef_gguf/cli/quality.py").write_text("from .common import y\nfrom .decide import SOME_ERRORS\n")
+    (tmp_path / "tests/helpers.py").write_text("")
+    (tmp_path / "tests/test_a.py").write_text("from helpers import z\nfrom test_b import w\nimport tests.test_b\n")
+    (tmp_path / "tests/test_b.py").write_text("from tests import test_a\nfrom . import test_a as again\n")
+    assert http_imports(tmp_path) == [
+        "clef_gguf/runtime/dataset.py:1 imports clef_gguf.server.problems",
+        "clef_gguf/runtime/model.py:2 imports starlette",
+    ]
+    assert command_imports(tmp_path) == ["cli/quality.py:2 imports clef_gguf.cli.decide"]
+    assert imports_of_tests(tmp_path) == [
+        "test_a.py:2 imports test_b",
+        "test_a.py:3 imports tests.test_b",
+        "test_b.py:1 imports test_a",
+        "test_b.py:2 imports test_a",
+    ]
+
+
+# --- what each part loads: docs/internals.md's claims, each checked in a fresh interpreter -------------------------
+# Python run first in the child: an import of a BLOCKED module (or of any of its submodules) fails, as if not installed.
+BLOCKER = """
+import importlib.abc, sys
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked here: this import must not need it")
+sys.meta_path.insert(0, Blocked())
+"""
+# Every `clef-gguf --help` and `clef-gguf COMMAND --help`, in the child: each exits 0 with its usage.
+HELPS = """
+import contextlib, io, typer.main
+from clef_gguf.cli.app import app
+group = typer.main.get_command(app)
+for argv in [["--help"], *([name, "--help"] for name in group.commands)]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        group.main(argv, prog_name="clef-gguf")
+    assert out.getvalue().startswith("Usage: clef-gguf"), (argv, out.getvalue()[:500])
+"""
+_CLAIM = re.compile(r"^- (.+?) imports? no (.+)$", re.M)
+
+
+def import_claims(text: str) -> list[tuple[list[str], list[str]]]:
+    """(subjects, modules they do not import) of each claim line under internals.md's "What each part imports"."""
+    section = text.split("## What each part imports", 1)[1].split("\n## ", 1)[0]
+    quoted = re.compile(r"`([^`]+)`")
+    return [(quoted.findall(subject), quoted.findall(modules)) for subject, modules in _CLAIM.findall(section)]
+
+
+def _subject_code(subject: str) -> str:
+    """What the child runs for a claim's subject: the CLI's helps, every module of a folder, or one module."""
+    if subject.startswith("clef-gguf"):
+        return HELPS
+    if subject.endswith("/"):
+        folder = ROOT / subject
+        return "".join(f"import {_module(ROOT, p)}\n" for p in sorted(folder.rglob("*.py")) if p.name != "__main__.py")
+    return f"import {subject}\n"
+
+
+def test_the_import_claims_of_internals_are_true() -> None:
+    """docs/internals.md says what --help, the catalog and the runtime load; each claim holds with the modules it
+    names made unimportable (a child interpreter each)."""
+    claims = import_claims((ROOT / "docs" / "internals.md").read_text())
+    subjects = {s for subject, _ in claims for s in subject}
+    assert {"clef-gguf --help", "clef_gguf.runtime.catalog", "clef_gguf/runtime/"} <= subjects, claims
+    failed = []
+    for subject, blocked in claims:
+        code = f"BLOCKED = {set(blocked)!r}\n{BLOCKER}" + "".join(dict.fromkeys(map(_subject_code, subject)))
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        if run.returncode:
+            failed.append(f"{subject} without {blocked}:\n{run.stderr[-3000:]}")
+    assert not failed, "\n\n".join(failed)
+
+
+def test_a_blocked_import_fails_the_claim() -> None:
+    """The check can fail: the runtime's model with llama_cpp blocked."""
+    code = f"BLOCKED = {{'llama_cpp'}}\n{BLOCKER}from clef_gguf.runtime import model\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode != 0 and "llama_cpp is blocked here" in run.stderr, run.stderr[-2000:]

@@ -15,6 +15,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli as cli  # the CLI in this process
 
 import clef_gguf
 from clef_gguf.conversion.release import resolve
@@ -31,13 +32,7 @@ from clef_gguf.settings import FileOptions
 ROOT = Path(__file__).resolve().parents[1]
 LABELLED = ROOT / "examples" / "labelled.jsonl"
 DEMO = json.loads(DEMO_REQUEST.read_text())
-WIDE = {**os.environ, "COLUMNS": "300"}
 BOM = b"\xef\xbb\xbf"
-
-
-def cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
-    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], input=stdin, capture_output=True, timeout=300, env=WIDE)
-    return subprocess.CompletedProcess(run.args, run.returncode, run.stdout.decode(errors="replace"), run.stderr.decode())
 
 
 @pytest.fixture(scope="module")

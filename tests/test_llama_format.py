@@ -46,6 +46,7 @@ def _probabilities(answer: dict) -> dict[str, float]:
     return answer.get("probabilities") or {"true": answer["noul"], "false": 1 - answer["noul"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("release", "file_type", "tolerance"), GOLDEN)
 def test_llama_cpp_converter_output_is_complete_and_decides_as_the_reference(
     golden, ws, oracle_probabilities, release, file_type, tolerance

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from live_server import served
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import BlockingModel, start
+from server_helpers import BlockingModel, start
 
 import clef_gguf
 from clef_gguf.runtime.state_cache import split_at_prefix
@@ -35,7 +35,7 @@ def model(ws):
 
 
 class GatedModel(BlockingModel):
-    """test_server's BlockingModel, open until a test shuts it (to hold the queue full for one 503), with the
+    """server_helpers' BlockingModel, open until a test shuts it (to hold the queue full for one 503), with the
     state cache the app reads its gauges from."""
 
     def __init__(self, model: Any) -> None:

@@ -46,6 +46,7 @@ def _fields(f: GGUFFile) -> dict[str, tuple[object, object, object]]:
     return {k: (v.type, v.item_type, v.value) for k, v in f.header.fields.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("release", "file_type"), [(r, t) for r in ["untied_f32"] for t in MMPROJ_TYPES] + [("tied_bf16", "f32")]
 )

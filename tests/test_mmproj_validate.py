@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli as cli  # the CLI in this process
+from fuzz_helpers import MemoryReader, anchors, apply_edits, edits_of
 from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fuzz_validate import MemoryReader, _anchors, apply_edits, edits_of
 
 import clef_gguf
 from clef_gguf.check.mmproj import describe_mmproj
@@ -26,10 +25,6 @@ from clef_gguf.errors import ModelFileError, NotADecisionModelError
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.gguf_bytes import f32_tensor, kv_array, kv_i32, kv_str, kv_u32, pack_str, poke, rebuild
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def kv_bool(key: str, value: bool) -> bytes:
@@ -188,7 +183,7 @@ def test_a_model_and_its_mmproj_pair(ws):
 def test_an_mmproj_of_another_backbone_is_refused(ws):
     model, mmproj = ws.gguf("k256", "f32"), ws.mmproj("untied_f32", "f32")  # hidden sizes 256 and 64
     pair = validate_pair(model, mmproj)
-    assert pair.model.ok and pair.mmproj.ok and pair.exit_code == 7
+    assert pair.first.ok and pair.second.ok and pair.exit_code == 7
     assert "64 wide, the model's hidden size is 256" in pair.summary
     run = cli("validate", str(model), "--mmproj", str(mmproj), "--json")
     assert run.returncode == 7
@@ -199,8 +194,8 @@ def test_an_mmproj_of_another_backbone_is_refused(ws):
 def test_the_pair_needs_an_mmproj_and_a_model(ws, tmp_path):
     model, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
     swapped = validate_pair(mmproj, model)
-    assert swapped.exit_code == 6 and "not an mmproj" in swapped.mmproj.summary
-    assert swapped.model.verdict is Verdict.NOT_A_DECISION_MODEL and "give the model first" in swapped.model.summary
+    assert swapped.exit_code == 6 and "not an mmproj" in swapped.second.summary
+    assert swapped.first.verdict is Verdict.NOT_A_DECISION_MODEL and "give the model first" in swapped.first.summary
     run = cli("validate", str(model), "--mmproj", str(model))
     assert run.returncode == 6 and "not an mmproj" in run.stdout
     run = cli("validate", str(model), "--mmproj", str(tmp_path / "missing.gguf"))
@@ -216,7 +211,7 @@ FUZZ_EXAMPLES = max(50, int(os.environ.get("CLEF_FUZZ_EXAMPLES", "800")) // 4)
 @pytest.fixture(scope="module")
 def mmproj_seed(ws) -> tuple[bytes, tuple[int, ...]]:
     data = ws.mmproj("untied_f32", "q8_0").read_bytes()
-    return data, _anchors(data)
+    return data, anchors(data)
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))

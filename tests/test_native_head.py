@@ -164,6 +164,7 @@ def test_one_ggml_in_the_process(ws):
     assert os.path.dirname(library_path()).endswith(os.path.join("clef_gguf", "_native"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ubatch", [16, 500])
 def test_prefill_in_ubatches_gives_the_same_hidden_states(ws, ubatch):
     path = ws.gguf("untied_f32", "f32")

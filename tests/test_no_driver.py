@@ -42,12 +42,21 @@ def test_import_works_and_the_first_use_says_why(env):
     assert "pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36" in done.stdout
 
 
-@pytest.mark.parametrize("args", [["demo"], ["demo", "-ngl", "-1"], ["--version"]])
+@pytest.mark.parametrize("args", [["demo"], ["demo", "-ngl", "-1"], ["plan", "model.gguf"]])
 def test_the_cli_is_one_line_and_exit_1(env, args):
     done = subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 1
     assert done.stderr.startswith("error: llama-cpp-python's libraries cannot load (libcuda.so.1")
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"), [(["--version"], "clef-gguf "), (["decide", "--help"], "Usage: python -m clef_gguf.cli decide")]
+)
+def test_version_and_help_need_no_library(env, args, says):
+    """--version and --help import no llama.cpp: they work where its libraries cannot load."""
+    done = subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(says), done.stderr
 
 
 def _installed_cuda_build_without_driver() -> str | None:

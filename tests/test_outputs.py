@@ -11,11 +11,11 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli as cli  # the CLI in this process
+from file_helpers import read_only_folder
 
 from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL
 from clef_gguf.errors import OutputError
@@ -23,15 +23,9 @@ from clef_gguf.outputs import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
-CLI = [sys.executable, "-m", "clef_gguf.cli"]
 CTX = ["--ctx", str(DEMO_CONTEXT)]
 OUTPUT_ERROR = 9
-QUICK = 90  # s: a refusal before any work takes the CLI's start-up; a run that waits on its FIFO input never ends
-
-
-def cli(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "300"}
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+QUICK = 60  # s: a refusal comes before any work; a run that waits on its FIFO input never ends (cli_helpers' timeout)
 
 
 def refused(run: subprocess.CompletedProcess[str], says: str, code: int = OUTPUT_ERROR) -> None:
@@ -48,34 +42,6 @@ def fifo(path: Path) -> Path:
 def unopened_input(tmp_path: Path) -> Path:
     """Labelled data as a FIFO nobody writes: a command that starts its work waits on it forever (the timeout)."""
     return fifo(tmp_path / "data-fifo.jsonl")
-
-
-@contextmanager
-def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A real small or read-only file system at `path`, a new folder (root only: skipped elsewhere)."""
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-@contextmanager
-def read_only_folder(path: Path) -> Iterator[Path]:
-    """A folder nobody may write in: permissions, or for root (whom they do not bind) a read-only tmpfs."""
-    if os.geteuid() == 0:
-        with mounted_tmpfs(path, "ro,size=1m") as folder:
-            yield folder
-        return
-    path.mkdir()
-    path.chmod(0o555)
-    try:
-        yield path
-    finally:
-        path.chmod(0o755)
 
 
 def char_device_link(tmp_path: Path, device: str = "/dev/full") -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 
 import clef_gguf
 from clef_gguf.errors import SettingsError
@@ -13,8 +14,8 @@ from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.backbone import MAX_UBATCH
-from clef_gguf.llama.plan import MIB, memory_plan, parse_size
-from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions
+from clef_gguf.llama.plan import MIB, memory_plan
+from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions, parse_size
 
 pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
 
@@ -157,23 +158,17 @@ def test_a_physical_batch_llama_cpp_cannot_plan_is_refused_before_loading(ws):
 
 def test_the_plan_command_prints_a_table_or_json(ws):
     import json
-    import subprocess
-    import sys
 
     path = str(ws.gguf("k256", "q4_k_m"))
-    run = subprocess.run(
-        [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "48MiB", "--json"], capture_output=True, text=True
-    )
+    run = run_cli("plan", path, "--vram", "48MiB", "--json")
     assert run.returncode == 0, run.stderr
     plan = json.loads(run.stdout)
     assert plan["max_prompt_tokens"] == memory_plan(path, vram=parse_size("48MiB")).max_prompt_tokens
     assert (plan["n_ctx"], plan["ubatch"]) == (LoadOptions.max_prompt_tokens, DEFAULT_UBATCH)  # what load uses
     assert {line["source"] for line in plan["lines"]} == {"file", "llama.cpp", "computed"}
-    table = subprocess.run(
-        [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "48MiB"], capture_output=True, text=True
-    )
+    table = run_cli("plan", path, "--vram", "48MiB")
     assert table.returncode == 0 and "largest prompt that fits 48MiB" in table.stdout
-    bad = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "plan", path, "--vram", "lots"], capture_output=True, text=True)
+    bad = run_cli("plan", path, "--vram", "lots")
     assert bad.returncode == 2 and "not a size" in bad.stderr
 
 
@@ -242,20 +237,19 @@ def test_an_adapter_is_planned_as_llama_cpp_allocates_its_lora(ws, default_gpu_l
 
 def test_plan_adapter_prints_a_line_each_and_their_total(ws, k256_adapters, tmp_path):
     import json
-    import subprocess
-    import sys
 
     path = str(ws.gguf("k256", "q4_k_m"))
     args = [arg for adapter in k256_adapters for arg in ("--adapter", str(adapter))]
-    command = [sys.executable, "-m", "clef_gguf.cli", "plan", path, "--ctx", "1024", *args]
-    table = subprocess.run(command, capture_output=True, text=True)
+    command = ["plan", path, "--ctx", "1024", *args]
+    table = run_cli(*command)
     assert table.returncode == 0, table.stderr
     assert "adapter a.adapter.gguf" in table.stdout and "adapter b.adapter.gguf" in table.stdout
     assert "2 adapters: " in table.stdout
-    data = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True, check=True).stdout)
+    listed = run_cli(*command, "--json")
+    assert listed.returncode == 0, listed.stderr
+    data = json.loads(listed.stdout)
     assert data["adapter_bytes"] == memory_plan(path, 1024, adapters=k256_adapters).adapter_bytes > 0
     assert [a["adapter"] for a in data["adapters"]] == [str(a) for a in k256_adapters]
     other = ws.gguf("untied_f32", "f32")  # another base: refused with validate's exit code for the pair
-    command = [sys.executable, "-m", "clef_gguf.cli", "plan", str(other), *args[:2]]
-    refused = subprocess.run(command, capture_output=True, text=True)
+    refused = run_cli("plan", other, *args[:2])
     assert refused.returncode == 7 and "does not fit the base" in refused.stderr, refused.stderr

@@ -1,9 +1,9 @@
-"""The problem table (clef_gguf/runtime/problem_table.py) is the one place an HTTP status is written, and its rows
-render as the server always answered.
+"""The error table (clef_gguf/errors.py: one row per kind of error a client meets) is the one place an HTTP status is
+written, and its rows render as the server always answered, with the headers the server adds (server/problems.py).
 
 The guard (test_no_status_outside_the_table) reads every .py under clef_gguf/ with `ast`, importing nothing. An int
 constant from 100 to 599 is an HTTP status, refused outside the table module, where it is:
-  1. an argument of a call to ApiError, HttpProblem, HTTPException or a *Response: ApiError(413, ...);
+  1. an argument of a call to ApiError, Failure, Problem, HTTPException or a *Response: ApiError(413, ...);
   2. the value of a keyword argument, or the default of a parameter, whose name holds "status": status_code=413;
   3. an operand beside a status-like expression of a comparison, an `or`/`and`, or a conditional expression, alone
      or in a tuple, list or set literal: status == 503, status in (401, 403), status or 500,
@@ -26,24 +26,39 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.errors import PromptTooLongError
-from clef_gguf.runtime import problem_table
-from clef_gguf.runtime.problem_table import (
+from clef_gguf import errors
+from clef_gguf.errors import (
     HEAD_TOO_LARGE,
     NO_SUCH_MODEL,
     ROWS,
     UNAUTHORIZED,
     URL_TOO_LONG,
-    HttpProblem,
+    AdapterUnavailableError,
+    ClefError,
+    ComputeError,
+    IncompleteModelError,
+    ModelOutputError,
+    Problem,
+    PromptTooLongError,
+    RequestError,
+    RequestTooLargeError,
+)
+from clef_gguf.runtime.failures import Failure, Invalid, error_object, from_request_error, internal, problem_of
+from clef_gguf.server.problems import (
+    REQUEST_ID_HEADER,
+    ROW_HEADERS,
+    X_REQUEST_ID,
+    ApiError,
+    headers_of,
+    overloaded,
+    render_problem,
     starlette_problem,
 )
-from clef_gguf.runtime.problems import ApiError, Invalid, error_object, from_request_error, internal, overloaded
-from clef_gguf.server.problems import REQUEST_ID_HEADER, X_REQUEST_ID, render_problem
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clef_gguf"
-TABLE = "runtime/problem_table.py"
+TABLE = "errors.py"
 CLIENTS = ("check/remote.py", "testing/")
-CALLEES = {"ApiError", "HttpProblem", "HTTPException"}
+CALLEES = {"ApiError", "Failure", "Problem", "HTTPException"}
 WORKERS_AI_PATH = "/client/v4/accounts/abc/ai/run/@cf/cloudflare/clef"
 
 
@@ -135,7 +150,7 @@ def status_literals(root: Path) -> list[str]:
 
 def test_no_status_outside_the_table() -> None:
     found = status_literals(PACKAGE)
-    assert not found, "HTTP statuses outside runtime/problem_table.py (name a row of the table instead):\n" + "\n".join(found)
+    assert not found, "HTTP statuses outside errors.py (name a row of the table instead):\n" + "\n".join(found)
 
 
 # Lines of the code before the table (server/body.py, app.py, problems.py, metrics.py, observe.py, protocol.py,
@@ -190,8 +205,7 @@ OLD_FOUND = [
 
 def test_the_guard_finds_the_old_inline_statuses(tmp_path: Path) -> None:
     (tmp_path / "old.py").write_text(OLD_CODE)
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "problem_table.py").write_text(OLD_CODE)  # the table's own statuses are its to write
+    (tmp_path / "errors.py").write_text(OLD_CODE)  # the table's own statuses are its to write
     (tmp_path / "check").mkdir()
     (tmp_path / "check" / "remote.py").write_text("def read(status):\n    return status in (206, 416)\n")  # a client's
     assert status_literals(tmp_path) == OLD_FOUND
@@ -215,14 +229,14 @@ def test_the_guard_finds_an_inline_status_in_a_copy_of_the_package(tmp_path: Pat
 def test_every_row_is_named_once_and_is_an_error() -> None:
     names = [row.name for row in ROWS]
     assert len(set(names)) == len(names)
-    in_module = {name: value for name, value in vars(problem_table).items() if isinstance(value, HttpProblem)}
+    in_module = {name: value for name, value in vars(errors).items() if isinstance(value, Problem)}
     assert in_module == {row.name: row for row in ROWS}, "each row is bound to its own name, and listed in ROWS"
     for row in ROWS:
         assert 400 <= row.status <= 599 and row.error_type
         assert row.workers_ai_code == row.status or 1000 <= row.workers_ai_code <= 9999
 
 
-def _rendered(path: str, problem: ApiError | Invalid) -> tuple[int, dict[str, str], object]:
+def _rendered(path: str, problem: Failure | Invalid) -> tuple[int, dict[str, str], object]:
     status, headers, body = render_problem(path, problem)
     assert headers.pop(REQUEST_ID_HEADER) == headers.pop(X_REQUEST_ID)
     return status, headers, json.loads(body)
@@ -244,7 +258,7 @@ def _envelope(code: int, message: str) -> dict[str, object]:
         (from_request_error(PromptTooLongError(9, 8), None), 413, {}, "prompt_too_long", 3006),
     ],
 )
-def test_rows_render_as_before(problem: ApiError, status: int, headers: dict[str, str], error_type: str, code: int) -> None:
+def test_rows_render_as_before(problem: Failure, status: int, headers: dict[str, str], error_type: str, code: int) -> None:
     message = problem.message
     assert _rendered("/v1/systemone", problem) == (status, headers, {"detail": {"error_type": error_type, "message": message}})
     assert _rendered(WORKERS_AI_PATH, problem) == (status, headers, _envelope(code, message))
@@ -262,13 +276,46 @@ def test_invalid_and_internal_render_as_before() -> None:
 
 def test_starlette_statuses_keep_their_own_headers() -> None:
     """Starlette's 404 and 405 (and any status it raised) map as app.py's _STATUS_TYPES did, with its headers only."""
-    assert [(p.status, p.error_type, p.headers) for p in map(starlette_problem, (401, 404, 405, 413, 418, 503))] == [
-        (401, "authentication_error", ()),
-        (404, "not_found_error", ()),
-        (405, "invalid_request_error", ()),
-        (413, "request_too_large", ()),
-        (418, "invalid_request_error", ()),
-        (503, "overloaded_error", ()),
+    rows = map(starlette_problem, (401, 404, 405, 413, 418, 503))
+    assert [(p.status, p.error_type, headers_of(ApiError(p, ""))) for p in rows] == [
+        (401, "authentication_error", {}),
+        (404, "not_found_error", {}),
+        (405, "invalid_request_error", {}),
+        (413, "request_too_large", {}),
+        (418, "invalid_request_error", {}),
+        (503, "overloaded_error", {}),
     ]
     allowed = ApiError(starlette_problem(405), "Method Not Allowed", {"Allow": "POST"})
     assert _rendered("/v1/systemone", allowed)[:2] == (405, {"Allow": "POST"})
+
+
+def _classes(base: type) -> list[type]:
+    return [base, *(c for sub in base.__subclasses__() for c in _classes(sub))]
+
+
+def test_every_error_class_names_a_row_and_headers_are_the_servers() -> None:
+    """Each error class declares its row (errors.py); the server's headers are declared for rows of the table."""
+    assert {c.__name__: c.problem in ROWS for c in _classes(ClefError)} == {c.__name__: True for c in _classes(ClefError)}
+    assert set(ROW_HEADERS) <= set(ROWS)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PromptTooLongError(9, 8),
+        RequestTooLargeError("the line is 9 bytes, over the limit of 8"),
+        RequestError("is required", "questions.q.type"),
+        AdapterUnavailableError("/srv/tunes/a.adapter.gguf changed while the request waited"),
+        IncompleteModelError("/srv/tunes/a.adapter.gguf: not an adapter"),
+        ModelOutputError("the scores are NaN"),
+        ComputeError("llama_decode failed"),
+        ValueError("a bug"),
+    ],
+)
+def test_a_dataset_line_holds_what_the_server_answers(error: Exception) -> None:
+    """`clef-gguf decide`'s error object (runtime/failures.error_object) is the status and body the server renders,
+    from the one table, with no HTTP in the runtime."""
+    problem = problem_of(error, {"questions": {"q": {}}})
+    status, _, body = render_problem("/v1/systemone", problem)
+    assert error_object(problem) == {"status": status, **json.loads(body)}
+    assert "/srv/" not in body.decode()

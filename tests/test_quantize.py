@@ -61,6 +61,7 @@ def test_q4_k_m_is_the_mixture_llama_quantize_makes(ws, tmp_path):
     mine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file_type", ["q4_k_m", "q5_k_m", "q6_k", "q4_0", "iq4_nl"])
 def test_quantized_files_agree_with_f32_on_the_top_option(ws, file_type):
     reference, quantized = ws.model("k256", "f32"), clef_gguf.load(ws.gguf("k256", file_type), max_prompt_tokens=8192)

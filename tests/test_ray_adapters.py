@@ -1,7 +1,7 @@
 """`clef-gguf serve --ray` with adapters (runtime/adapters.py): every replica is loaded with the same fine-tunes, and
 the ingress resolves a request's model name to the identity the replicas give it (runtime/catalog.py).
 
-One application start on a local Ray cluster on loopback (testing/ray_cluster.py, as tests/test_ray_serve.py): two
+One application start on the session's Ray cluster (conftest.py's ray_address, as tests/test_ray_serve.py's): two
 replicas, one adapter named (--adapter) and one in a folder (--adapter-dir, resolved by a replica on its first
 request), each answering as a ClefModel loaded with the same adapters answers in this process.
 """
@@ -9,6 +9,7 @@ request), each answering as a ClefModel loaded with the same adapters answers in
 from __future__ import annotations
 
 import json
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,15 +17,15 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
-
 pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
 
 from live_server import served  # noqa: E402
 from peft_adapters import peft_adapter  # noqa: E402
 
 import clef_gguf  # noqa: E402
+from clef_gguf.errors import SettingsError  # noqa: E402
 from clef_gguf.server.ray_serve import build_app, settings_from_args  # noqa: E402
+from clef_gguf.settings import AdapterSet, LoadOptions, ModelSpec  # noqa: E402
 from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests  # noqa: E402
 
 CONTEXT = 4096
@@ -34,18 +35,24 @@ DEPLOY_TIMEOUT_S = 300  # a Ray worker process per replica, on a 2-core machine 
 
 
 def test_every_replica_is_bound_with_the_adapter_settings():
-    """What each ClefReplica's load() is called with (its deployment's arguments, the same for every replica), and
-    the ingress's names."""
+    """What each ClefReplica builds its model from (its deployment's arguments, the same for every replica: one
+    ModelSpec, the adapters in its AdapterSet), and the ingress's encoder the same spec; a config's adapters sit in
+    their own table, `adapter_set` (under `load` they are refused, saying where they belong)."""
     expected = {"adapters": {"a": "/a.adapter.gguf"}, "adapter_dir": "/tunes", "max_adapters": 3, "adapter_memory": 1 << 30}
-    settings = settings_from_args({"model": "/m.gguf", "scale": {"replicas": 2}, "load": expected})
+    settings = settings_from_args({"model": "/m.gguf", "scale": {"replicas": 2}, "adapter_set": expected})
     ingress = build_app(settings)._bound_deployment
     replicas = ingress.init_args[0]._bound_deployment
     assert replicas.num_replicas == 2
-    for options in (replicas.init_args[1], ingress.init_args[3]):  # the replicas' LoadOptions, and the ingress's
-        assert {k: getattr(options, k) for k in expected} == expected
+    [spec] = replicas.init_args
+    assert ingress.init_args[1] == spec == ModelSpec("/m.gguf", LoadOptions(n_threads=1), AdapterSet(**expected))
+    pickle.loads(pickle.dumps(spec))  # (what Ray hands each replica)
+    with pytest.raises(SettingsError, match=r"load\.adapter_dir: not a setting here; it is adapter_set\.adapter_dir"):
+        settings_from_args({"model": "/m.gguf", "load": {"adapter_dir": "/tunes"}})
 
 
-def test_serve_on_ray_answers_each_model_by_its_name(ws, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_on_ray_answers_each_model_by_its_name(ws, tmp_path, ray_address, ray_serve_port):
     release, base = ws.release("untied_f32"), ws.gguf("untied_f32", "f32")
     named = peft_adapter(release, tmp_path, "triage")
     folder = tmp_path / "tunes"
@@ -61,9 +68,9 @@ def test_serve_on_ray_answers_each_model_by_its_name(ws, tmp_path):
     assert max(np.abs(np.subtract(want["triage", 0], want["urgency", 0]))) > 0.01
     args = ("--ray", "--replicas", "2", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
     args += ("--adapter", f"triage={named}", "--adapter-dir", str(folder))
+    on_ray = {"env": {"RAY_ADDRESS": ray_address}, "port": ray_serve_port, "log": tmp_path / "serve.log"}
     with (
-        ray_cluster.local_cluster(num_cpus=4) as address,
-        served(base, *args, env={"RAY_ADDRESS": address}, log=tmp_path / "serve.log", timeout_s=DEPLOY_TIMEOUT_S) as (url, _),
+        served(base, *args, **on_ray, timeout_s=DEPLOY_TIMEOUT_S) as (url, _),
         httpx.Client(base_url=url, timeout=TIMEOUT) as client,
     ):
         # Twice each, from 6 threads at once: both replicas decide, each loading the adapters it is asked for.

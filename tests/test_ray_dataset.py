@@ -1,13 +1,14 @@
 """`clef-gguf decide DATA.jsonl --ray` and `eval --ray`: the dataset mode on Ray Data, held to the local mode.
 
-One local Ray cluster on loopback for the module (testing/ray_cluster.py), this process its driver: the library runs
+The session's local Ray cluster on loopback (conftest.py's ray_address), this process its driver: the library runs
 in-process on it, and the CLI as a subprocess joins it (RAY_ADDRESS). The reference is the local mode's own answers
 file (runtime/dataset_file.decide_file) of the same input: byte for byte the same lines, but `cached_tokens` (what
 each actor's state cache held). Checked: a dataset with ids, error lines, a line over the limit, a byte order mark and
 blank lines, cut into several parts over two actors; --resume from a local run with --ray and the reverse; an actor
 killed mid-run (Ray Data restarts it and decides its part again) loses and repeats no line; images by path (read
-by the workers) and data URL; an adapter (`--adapter`) on every actor; `eval --ray` gives
-`eval`'s result; Ctrl-C leaves OUT whole (exit 130) and `--resume` finishes it.
+by the workers) and data URL; an adapter (`--adapter`) on every actor; `eval --ray` gives `eval`'s result; the command
+on Ray: Ctrl-C leaves OUT whole (exit 130), OUT is never overwritten unasked, and `--resume` finishes it with the
+local mode's summary. Each run starts a pool of actors (each loading the model): one run checks what one run can.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import base64
 import io
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -25,8 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
-
 pytest.importorskip("ray.data", reason="Ray Data is in the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
 
 import numpy as np  # noqa: E402
@@ -35,11 +35,11 @@ from PIL import Image  # noqa: E402
 
 import clef_gguf  # noqa: E402
 from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST  # noqa: E402
-from clef_gguf.errors import DeploymentError  # noqa: E402
+from clef_gguf.errors import DeploymentError, SettingsError  # noqa: E402
 from clef_gguf.quality import evaluate as evaluating  # noqa: E402
 from clef_gguf.runtime.dataset_file import decide_file  # noqa: E402
-from clef_gguf.server.ray_dataset import RayData, decide_file_on_ray, score_on_ray  # noqa: E402
-from clef_gguf.settings import FileOptions, LoadOptions  # noqa: E402
+from clef_gguf.runtime.dataset_ray import DecidePart, RayData, actors_for, decide_file_on_ray  # noqa: E402
+from clef_gguf.settings import FileOptions, ModelSpec  # noqa: E402
 from clef_gguf.testing.request_suite import mixed_request  # noqa: E402
 
 DEMO = json.loads(DEMO_REQUEST.read_text())
@@ -47,7 +47,7 @@ LOAD = {"max_prompt_tokens": DEMO_CONTEXT}
 LINES = FileOptions(max_line_bytes=4096)
 CLI = [sys.executable, "-m", "clef_gguf.cli", "decide", "--ctx", str(DEMO_CONTEXT)]
 CACHED = re.compile(rb'"cached_tokens":\d+')
-ACTOR = "_PartDecider"  # in the process title of Ray Data's actors: ray::MapWorker(MapBatches(_PartDecider))
+ACTOR = "_PartActor"  # in the process title of Ray Data's actors: ray::MapWorker(MapBatches(_PartActor))
 
 
 def _lines(n: int) -> list[str]:
@@ -71,12 +71,6 @@ def _same(a: bytes, b: bytes) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster.local_cluster(num_cpus=4) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, bytes]:
     """The requests and the local mode's answers to them."""
     folder = tmp_path_factory.mktemp("data")
@@ -87,56 +81,43 @@ def data(tmp_path_factory) -> tuple[Path, bytes]:
     return source, (folder / "local.jsonl").read_bytes()
 
 
+def test_the_actors_are_handed_one_placed_spec_and_a_typed_job(tmp_path, monkeypatch):
+    """What every actor gets (pickled by Ray): the CLI's ModelSpec with paths absolute, as every node sees them, and one
+    llama.cpp thread unless told; the model's identity read by the driver; decide's job with its FileOptions."""
+    monkeypatch.chdir(DEMO_MODEL.parent)
+    source = _write(tmp_path / "requests.jsonl", _lines(2))
+    actors, known = actors_for(ModelSpec.of(DEMO_MODEL.name, **LOAD), str(source))
+    assert actors.spec == ModelSpec.of(str(DEMO_MODEL.resolve()), **LOAD, n_threads=1) and actors.threads == 1
+    assert (actors.source, actors.identity, known.path) == (str(source), known.identity, DEMO_MODEL.resolve())
+    job = DecidePart(FileOptions(sort_by_state=True, max_line_bytes=4096), str(tmp_path))
+    assert pickle.loads(pickle.dumps((actors, job))) == (actors, job) and job.max_line_bytes == 4096
+    with pytest.raises(SettingsError, match="not - "):
+        actors_for(ModelSpec(DEMO_MODEL), "-")
+
+
 def _on_ray(source: Path, out: Path, workers: int = 2, part: int = 4, progress=None, **options) -> object:
-    settings = RayData(None, workers, LoadOptions(**LOAD), part)
-    return decide_file_on_ray(DEMO_MODEL, str(source), str(out), settings, FileOptions(max_line_bytes=4096, **options), progress)
+    spec, settings = ModelSpec.of(DEMO_MODEL, **LOAD), RayData(None, workers, part)
+    return decide_file_on_ray(spec, str(source), str(out), settings, FileOptions(max_line_bytes=4096, **options), progress)
 
 
-def test_the_answers_on_ray_are_the_local_modes_in_order(cluster, data, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_answers_on_ray_are_the_local_modes_in_order_and_resume_goes_across_modes_both_ways(ray_address, data, tmp_path):
     source, local = data
     summary = _on_ray(source, tmp_path / "ray.jsonl")  # 11 parts over 2 actors
-    written = (tmp_path / "ray.jsonl").read_bytes()
-    assert _same(written, local), "the answers on Ray differ from the local mode's"
+    on_ray = (tmp_path / "ray.jsonl").read_bytes()
+    assert _same(on_ray, local), "the answers on Ray differ from the local mode's"
     assert (summary.records, summary.answered, summary.errors, summary.workers) == (43, 40, 3, 2)
-
-
-def test_the_command_on_ray_joins_the_cluster_and_says_what_the_local_mode_says(cluster, data, tmp_path):
-    source, local = data
-    out = tmp_path / "answers.jsonl"
-    args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--json"]
-    run = subprocess.run(
-        [*CLI, *args, "--ray", "--workers", "1"], env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, timeout=600
-    )
-    assert run.returncode == 8, run.stderr.decode()[-3000:]
-    assert _same(out.read_bytes(), local)
-    summary = json.loads(run.stdout)
-    assert {k: summary[k] for k in ("records", "skipped", "answered", "errors", "exit_code")} == {
-        "records": 43,
-        "skipped": 0,
-        "answered": 40,
-        "errors": 3,
-        "exit_code": 8,
-    }
-    assert b"decided 43 records: 40 answered, 3 errors" in run.stderr
-    again = subprocess.run([*CLI, *args, "--ray"], env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, timeout=600)
-    assert again.returncode == 2 and b"--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
-
-
-def test_resume_goes_across_modes_both_ways(cluster, data, tmp_path):
-    source, local = data
+    started_on_ray = tmp_path / "ray-then-local.jsonl"  # a run on Ray stopped after 17 answers
+    started_on_ray.write_bytes(b"".join(on_ray.splitlines(keepends=True)[:17]))
+    with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
+        again = decide_file(model, str(source), str(started_on_ray), FileOptions(resume=True, max_line_bytes=4096))
+    assert _same(started_on_ray.read_bytes(), local) and again.skipped == 17
     lines = local.splitlines(keepends=True)
     started_here = tmp_path / "local-then-ray.jsonl"  # a local run stopped after 9 answers, mid-write of the 10th
     started_here.write_bytes(b"".join(lines[:9]) + lines[9][:30])
     summary = _on_ray(source, started_here, resume=True)
     assert _same(started_here.read_bytes(), local) and summary.skipped == 9
-    ray_run = tmp_path / "ray.jsonl"
-    _on_ray(source, ray_run, part=8)
-    on_ray = ray_run.read_bytes().splitlines(keepends=True)
-    started_on_ray = tmp_path / "ray-then-local.jsonl"  # a run on Ray stopped after 17 answers
-    started_on_ray.write_bytes(b"".join(on_ray[:17]))
-    with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
-        again = decide_file(model, str(source), str(started_on_ray), FileOptions(resume=True, max_line_bytes=4096))
-    assert _same(started_on_ray.read_bytes(), local) and again.skipped == 17
 
 
 def _actor_pids() -> list[int]:
@@ -147,7 +128,9 @@ def _actor_pids() -> list[int]:
     return found
 
 
-def test_an_actor_killed_mid_run_loses_no_answer_and_repeats_none(cluster, data, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_actor_killed_mid_run_loses_no_answer_and_repeats_none(ray_address, data, tmp_path):
     source, local = data
     killed: list[int] = []
 
@@ -181,33 +164,38 @@ def _labelled(path: Path) -> Path:
     return path
 
 
-def test_eval_on_ray_gives_evals_result(cluster, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_eval_on_ray_gives_evals_result(ray_address, tmp_path):
+    """`eval --ray` (quality/scoring_ray.py's scorer, over two actors) gives `eval`'s result and exit code."""
     data = _labelled(tmp_path / "labelled.jsonl")
     local = json.loads(json.dumps(evaluating.evaluate(DEMO_MODEL, data, **LOAD)))
-    on_ray = json.loads(json.dumps(evaluating.evaluate(DEMO_MODEL, data, score=score_on_ray(None, 2), **LOAD)))
     command = [sys.executable, "-m", "clef_gguf.cli", "eval", str(DEMO_MODEL), str(data), "--ctx", str(DEMO_CONTEXT)]
     run = subprocess.run(
-        [*command, "--ray", "--workers", "1", "--json"],
-        env={**os.environ, "RAY_ADDRESS": cluster},
+        [*command, "--ray", "--workers", "2", "--json"],
+        env={**os.environ, "RAY_ADDRESS": ray_address},
         capture_output=True,
         timeout=600,
     )
     assert run.returncode == 8, run.stderr.decode()[-3000:]  # (the bad line)
     timing = ("seconds", "records_per_s")
-    want = {k: v for k, v in local.items() if k not in timing}
-    assert {k: v for k, v in on_ray.items() if k not in timing} == want
-    assert {k: v for k, v in json.loads(run.stdout).items() if k not in timing} == want
+    on_ray = json.loads(run.stdout)
+    assert {k: v for k, v in on_ray.items() if k not in timing} == {k: v for k, v in local.items() if k not in timing}
     assert on_ray["rows"] == 72 and len(on_ray["errors"]) == 1
 
 
-def test_ctrl_c_leaves_out_whole_and_resume_finishes_it(cluster, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_command_on_ray_stops_at_ctrl_c_with_out_whole_and_resume_finishes_it(ray_address, tmp_path):
+    """`decide --ray` joining the cluster: Ctrl-C leaves OUT whole (exit 130), --resume finishes it with the local mode's
+    answers and summary (exit 8: error lines), and a run without --resume then refuses to overwrite it (exit 2)."""
     source = _write(tmp_path / "requests.jsonl", _lines(400))  # long enough to be stopped mid-run
     with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
         decide_file(model, str(source), str(tmp_path / "local.jsonl"), LINES)
     local = (tmp_path / "local.jsonl").read_bytes()
     out = tmp_path / "answers.jsonl"
-    env = {**os.environ, "RAY_ADDRESS": cluster}
-    args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--ray", "--workers", "1"]
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--ray", "--workers", "1", "--json"]
     process = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while process.poll() is None and not _actor_pids():  # the run's actor started: the cluster at work
@@ -224,18 +212,30 @@ def test_ctrl_c_leaves_out_whole_and_resume_finishes_it(cluster, tmp_path):
     assert _same(written, b"".join(local.splitlines(keepends=True)[: written.count(b"\n")]))  # whole answer lines
     run = subprocess.run([*CLI, *args, "--resume"], env=env, capture_output=True, timeout=600)
     assert run.returncode == 8, run.stderr.decode()[-3000:]
-    assert _same(out.read_bytes(), local)
+    answers = out.read_bytes()
+    assert _same(answers, local)
+    summary = json.loads(run.stdout)
+    counts = {k: summary[k] for k in ("records", "skipped", "answered", "errors", "exit_code")}
+    assert counts == {"records": 403, "skipped": written.count(b"\n"), "answered": 400, "errors": 3, "exit_code": 8}
+    assert b"decided 403 records: 400 answered, 3 errors" in run.stderr
+    again = subprocess.run([*CLI, *args], env=env, capture_output=True, timeout=600)
+    assert again.returncode == 2 and b"--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
+    assert out.read_bytes() == answers
 
 
-def test_a_worker_that_cannot_load_the_model_stops_the_run_and_says_why(cluster, data, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_worker_that_cannot_load_the_model_stops_the_run_and_says_why(ray_address, data, tmp_path):
     source, _ = data
-    settings = RayData(None, 1, LoadOptions(**LOAD, mmproj=str(tmp_path / "missing.mmproj.gguf")))  # (the actors open it)
+    spec = ModelSpec.of(DEMO_MODEL, **LOAD, mmproj=str(tmp_path / "missing.mmproj.gguf"))  # (the actors open it)
     with pytest.raises(DeploymentError, match=r"a Ray worker on \S+ cannot load the model: .*missing\.mmproj\.gguf"):
-        decide_file_on_ray(DEMO_MODEL, str(source), str(tmp_path / "out.jsonl"), settings, LINES)
+        decide_file_on_ray(spec, str(source), str(tmp_path / "out.jsonl"), RayData(None, 1), LINES)
     assert (tmp_path / "out.jsonl").read_bytes() == b""  # nothing decided, nothing written
 
 
-def test_images_by_path_and_data_url_give_the_local_answers(cluster, ws, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_images_by_path_and_data_url_give_the_local_answers(ray_address, ws, tmp_path):
     model, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
     picture = io.BytesIO()
     Image.fromarray(np.random.default_rng(7).integers(0, 256, (70, 130, 3), dtype=np.uint8)).save(picture, "WEBP")
@@ -247,12 +247,14 @@ def test_images_by_path_and_data_url_give_the_local_answers(cluster, ws, tmp_pat
     load = {"max_prompt_tokens": 4096, "mmproj": str(mmproj)}
     with clef_gguf.load(model, **load) as loaded:
         decide_file(loaded, str(source), str(tmp_path / "local.jsonl"))
-    decide_file_on_ray(model, str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, LoadOptions(**load), 2))
+    decide_file_on_ray(ModelSpec.of(model, **load), str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, 2))
     assert _same((tmp_path / "ray.jsonl").read_bytes(), (tmp_path / "local.jsonl").read_bytes())
     assert (tmp_path / "local.jsonl").read_bytes().count(b'"error"') == 2
 
 
-def test_an_adapter_decides_on_ray_as_it_does_locally(cluster, ws, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_adapter_decides_on_ray_as_it_does_locally(ray_address, ws, tmp_path):
     """`decide --adapter FILE --ray`: every actor loads the base and the adapter; the answers and their model_sha256
     (the base's and the adapter's identities together) are the local mode's."""
     from peft_adapters import peft_adapter
@@ -264,8 +266,7 @@ def test_an_adapter_decides_on_ray_as_it_does_locally(cluster, ws, tmp_path):
     with clef_gguf.load(base, **load) as model:
         decide_file(model, str(source), str(tmp_path / "local.jsonl"), LINES)
         identity = model.identity
-    settings = RayData(None, 2, LoadOptions(**LOAD), 4, adapter=str(adapter))
-    decide_file_on_ray(base, str(source), str(tmp_path / "ray.jsonl"), settings, LINES)
+    decide_file_on_ray(ModelSpec.of(base, **load), str(source), str(tmp_path / "ray.jsonl"), RayData(None, 2, 4), LINES)
     local, on_ray = (tmp_path / "local.jsonl").read_bytes(), (tmp_path / "ray.jsonl").read_bytes()
     assert _same(on_ray, local) and identity.encode() in on_ray
     with clef_gguf.load(base, **LOAD) as plain:

@@ -1,26 +1,22 @@
 """`clef-gguf serve --ray`: the plain server's app on Ray Serve, held to the plain server.
 
-This module starts a local Ray cluster on loopback (Ray's single-node mode: testing/ray_cluster.py) and
-runs `clef-gguf serve --ray --replicas 2` on it as a subprocess (RAY_ADDRESS), as an operator would; a
-plain `clef-gguf serve` of the same demo model is the reference. Checked: the same answers, byte for
-byte; the released clients (test_clients.py's own tests, unchanged) against the Ray endpoint; the same
-4xx for bad requests; a replica's process killed under load loses no request its client did not see
-fail with a retryable 503, and the replica comes back; the documented config file deploys with
-`serve run`, its API key and autoscaling included; a replica that cannot answer a decision never
-becomes ready; and, on a local cluster of its own, SIGTERM lets an admitted request finish, refuses new ones with
-our JSON 503, then closes the port, and leaves no Ray session folder behind.
+`clef-gguf serve --ray --replicas 2` joins the session's local Ray cluster on loopback (conftest.py's ray_address:
+Ray's single-node mode, testing/ray_cluster.py) as a subprocess (RAY_ADDRESS), as an operator would; a plain
+`clef-gguf serve` of the same demo model is the reference. Checked: the same answers, byte for byte; the released
+clients (server_helpers.py's checks, test_clients.py's) against the Ray endpoint; the same 4xx for bad requests; a
+replica's process killed under load loses no request its client did not see fail with a retryable 503, and the
+replica comes back; the documented config file deploys with `serve run`, its API key and autoscaling included; a
+replica that cannot answer a decision never becomes ready. SIGTERM on a local cluster `serve --ray` starts itself
+(drain, our 503, the port closed, no session folder left) is test_ray_installed.py's, on the installed package.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,32 +27,31 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clef_gguf.testing import ray_cluster  # before ray is imported: its cluster listens on 127.0.0.1 only
-
 pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
 
 import yaml  # noqa: E402  (Ray's own dependency, for `serve run` configs)
 from live_server import free_port, served  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.schema import ApplicationStatus  # noqa: E402
-
-# The released clients' own tests, collected here too: with this module's `demo` fixture, against the Ray endpoint.
-from test_clients import (  # noqa: E402, F401
-    test_clef_compactor_scores_64_chunks_in_one_request,
-    test_clef_evals_judges_a_choice_and_evaluates_a_set,
-    test_clef_rag_self_hosted_asks_about_a_state_of_more_than_20k_tokens,
-    test_clef_router_routes_through_its_base_url,
-    test_typesafe_sdk_parses_every_answer_type_and_gets_422_for_a_null_level,
-    workers_ai_env,
+from server_helpers import (  # noqa: E402
+    MALFORMED,
+    WORKERS_AI_PATHS,
+    answer_of,
+    check_clef_compactor,
+    check_clef_evals,
+    check_clef_rag,
+    check_clef_router,
+    check_typesafe_sdk,
+    open_body,
+    set_workers_ai_env,
 )
-from test_server import MALFORMED, WORKERS_AI_PATHS  # noqa: E402
-from test_slow_bodies import answer_of, open_body  # noqa: E402
 
 import clef_gguf  # noqa: E402
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
 from clef_gguf.errors import ModelFileError, SettingsError  # noqa: E402
 from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app, settings_from_args  # noqa: E402
-from clef_gguf.settings import HttpLimits, LoadOptions, RayScale, ServeSettings  # noqa: E402
+from clef_gguf.settings import HttpLimits, LoadOptions, ModelSpec, RayScale, ServeSettings  # noqa: E402
+from clef_gguf.testing import ray_cluster  # noqa: E402
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,22 +60,16 @@ DEPLOY_TIMEOUT_S = 300  # a Ray worker process per replica, on a 2-core machine 
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    # 4 CPUs for Ray to reserve: two replicas of one thread, and room to start a replacement before the
-    # controller has counted the dead one out (the machine's cores are shared all the same).
-    with ray_cluster.local_cluster(num_cpus=4) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
-def ray_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_url(ray_address: str, ray_serve_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("ray") / "serve.log"
     # No state cache, here and in plain_url: which replica saw a state before would show in usage.cached_tokens,
     # and the bodies are compared byte for byte (the cache's own answers are tested in test_state_cache.py). One
     # request at a time (--parallel 1) for the same reason: which requests a batch holds moves the answers by float
     # noise (tests/test_batching.py). A body rate of its own (the defaults are 5 s and 240 B/s), held at the ingress.
     args = ("--ray", "--replicas", "2", "--state-cache", "0", "--parallel", "1", "--body-grace", "1", "--min-body-rate", "1000")
-    with served(DEMO_MODEL, *args, env={"RAY_ADDRESS": cluster}, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, _):
+    on_ray = {"env": {"RAY_ADDRESS": ray_address}, "port": ray_serve_port, "log": log}
+    with served(DEMO_MODEL, *args, **on_ray, timeout_s=DEPLOY_TIMEOUT_S) as (url, process):
+        ray_cluster.wait_deployed(log, process, DEPLOY_TIMEOUT_S)  # both replicas up, not only the ingress
         yield url
 
 
@@ -88,12 +77,6 @@ def ray_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def plain_url() -> Iterator[str]:
     with served(DEMO_MODEL, "--state-cache", "0", "--parallel", "1") as (url, _):
         yield url
-
-
-@pytest.fixture(scope="module")
-def demo(ray_url: str) -> str:
-    """test_clients.py's fixture, here the Ray endpoint: its client tests run against it unchanged."""
-    return ray_url
 
 
 def replica_states() -> dict[str, int]:
@@ -111,104 +94,9 @@ def same_response(ray: httpx.Response, plain: httpx.Response) -> None:
         assert ray.headers.get(header) == plain.headers.get(header), header
 
 
-# --- Stopping (first: on a cluster of its own, started before this module's) -----------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone but for its parent
-
-
-@pytest.fixture
-def ray_tmp() -> Iterator[Path]:
-    """Ray's temporary folder (RAY_TMPDIR) for one run alone, so that its session folders can be counted; short: a
-    session's socket paths must fit in AF_UNIX's 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_sigterm_on_a_local_cluster_drains_with_our_503_then_refuses_and_leaves_no_session_folder(ray_tmp, tmp_path):
-    """`serve --ray` without RAY_ADDRESS, stopped with SIGTERM while a client keeps posting: a request admitted before
-    (its body still being sent) gets its 200, every other answer is a 200 or our JSON 503 with Retry-After (never Ray's
-    404 text/plain, which it answered from its application's deletion to its proxy's stop), then connections fail;
-    Ray's processes and this run's session folder are gone, and Ray reported no failed task."""
-    log = tmp_path / "serve.log"
-    env = {"RAY_ADDRESS": "", "RAY_TMPDIR": str(ray_tmp)}
-    body = DEMO_REQUEST.read_bytes()
-    release = threading.Event()
-    slow: list[httpx.Response | httpx.TransportError] = []
-    answers: list[tuple[int, str | None, str | None, bytes] | str] = []  # status, content type, Retry-After, body; or an error
-
-    def slow_body() -> Iterator[bytes]:
-        yield body[:100]
-        release.wait(TIMEOUT)
-        yield body[100:]
-
-    with served(DEMO_MODEL, "--ray", "--drain-timeout", "60", env=env, log=log, timeout_s=DEPLOY_TIMEOUT_S) as (url, process):
-        [session] = (ray_tmp / "ray").glob("session_2*")  # this run's, while it serves
-        headers = {"content-type": "application/json"}
-
-        def send_slowly() -> None:
-            try:
-                slow.append(httpx.post(f"{url}/v1/systemone", content=slow_body(), headers=headers, timeout=TIMEOUT))
-            except httpx.TransportError as e:
-                slow.append(e)
-
-        admitted = threading.Thread(target=send_slowly)
-        try:
-            deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-            # Deployed: the ingress answers /health as soon as it runs, before every replica is (serve.run returned).
-            while "serving clef-gguf on" not in log.read_text():
-                assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.1)
-            admitted.start()
-            while httpx.get(f"{url}/health", timeout=TIMEOUT).json()["reading"] != 1:  # its body is being read: it is inside
-                assert time.monotonic() < deadline, "the slow request never reached the ingress"
-                time.sleep(0.05)
-            process.send_signal(signal.SIGTERM)
-            with httpx.Client(base_url=url, timeout=30) as http:  # a request left unanswered would be a ReadTimeout
-                while process.poll() is None:
-                    try:
-                        r = http.post("/v1/systemone", content=body, headers=headers)
-                    except httpx.TransportError as e:
-                        answers.append(type(e).__name__)
-                    else:
-                        answers.append((r.status_code, r.headers.get("content-type"), r.headers.get("retry-after"), r.content))
-                        if r.status_code == 503:
-                            release.set()  # the doors are closed, the drain waits for the slow request: let it finish
-                    time.sleep(0.02)
-            release.set()  # (if no 503 came, the assertions below say so)
-            process.wait(TIMEOUT)
-            admitted.join(TIMEOUT)
-        finally:
-            release.set()  # on any failure too: the slow request's thread is not left waiting
-    output = log.read_text()
-    assert process.returncode == 0, output[-3000:]
-    refused = [a for a in answers if isinstance(a, tuple) and a[0] != 200]
-    for status, content_type, retry_after, content in refused:
-        assert (status, content_type, retry_after) == (503, "application/json", "1"), content
-        assert json.loads(content)["detail"]["error_type"] == "overloaded_error"
-    assert refused, answers  # the slow request was released on a 503
-    errors = {a for a in answers if isinstance(a, str)}
-    assert errors <= {"ConnectError", "ReadError", "RemoteProtocolError"}, errors  # no request left hanging
-    assert isinstance(answers[-1], str), answers[-3:]  # the port closed before the process exited
-    [answered] = slow
-    assert isinstance(answered, httpx.Response) and answered.status_code == 200, answered
-    assert "answers" in answered.json()
-    # No task failed by ray.kill (serve.shutdown's graceful_shutdown was one, at every stop).
-    assert "killed by `ray.kill`" not in output and "Traceback" not in output, output[-3000:]
-    pids = {int(pid) for pid in re.findall(r"pid=(\d+)", output)}  # Ray's prefixes: controller, proxy, replicas
-    assert pids
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, [pid for pid in pids if _alive(pid)]
-        time.sleep(0.2)
-    assert not session.exists() and not list((ray_tmp / "ray").glob("session_*")), list((ray_tmp / "ray").iterdir())
-
-
 # --- The same answers --------------------------------------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_replicas_answer_as_the_plain_server(ray_url, plain_url):
     assert replica_states() == {"RUNNING": 2}
     bodies = [DEMO_REQUEST.read_bytes()] + [json.dumps(r, ensure_ascii=False).encode() for r in all_requests().values()]
@@ -226,7 +114,40 @@ def test_two_replicas_answer_as_the_plain_server(ray_url, plain_url):
     assert httpx.get(f"{ray_url}/health").json() | {"pending": 0, "reading": 0} == httpx.get(f"{plain_url}/health").json()
 
 
+# --- The released clients, as test_clients.py runs them against the plain server ------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
+def test_typesafe_sdk_parses_every_answer_type_and_gets_422_for_a_null_level(ray_url):
+    check_typesafe_sdk(ray_url)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_clef_rag_self_hosted_asks_about_a_state_of_more_than_20k_tokens(ray_url, monkeypatch):
+    check_clef_rag(ray_url, monkeypatch)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_clef_evals_judges_a_choice_and_evaluates_a_set(ray_url, monkeypatch):
+    check_clef_evals(set_workers_ai_env(monkeypatch, ray_url))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_clef_compactor_scores_64_chunks_in_one_request(ray_url, monkeypatch):
+    check_clef_compactor(set_workers_ai_env(monkeypatch, ray_url))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_clef_router_routes_through_its_base_url(ray_url):
+    check_clef_router(ray_url)
+
+
 # --- The same errors -------------------------------------------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
 def test_the_ingress_counts_requests_and_answers_with_one_request_id(ray_url):
     """The ingress's own metrics (the plain server's series, but the replicas' state cache figures), and one
     X-Request-Id: the client's, or the one Ray's proxy made and handed the ingress, which it takes."""
@@ -271,6 +192,8 @@ def _bad_requests() -> dict[str, tuple[str, str, bytes, dict[str, str]]]:
     return cases
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_bad_requests()))
 def test_a_bad_request_gets_the_plain_servers_4xx(ray_url, plain_url, name):
     method, path, body, headers = _bad_requests()[name]
@@ -279,6 +202,8 @@ def test_a_bad_request_gets_the_plain_servers_4xx(ray_url, plain_url, name):
     same_response(ray, plain)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_the_min_body_rate_given_holds_at_the_ingress(ray_url):
     """ray_url's --body-grace 1 --min-body-rate 1000: a body stalled after 100 bytes gets the plain server's 408, at
     that rate (the ingress's limits were the defaults but for --body-timeout)."""
@@ -288,6 +213,8 @@ def test_the_min_body_rate_given_holds_at_the_ingress(ray_url):
 
 
 # --- A replica lost under load ---------------------------------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
     # About 1,450 tokens, 120 ms a decision on the demo model: with 4 clients a replica holds two decisions
     # most of the time (one deciding, one waiting), but not always (the ingress encodes, the router balances on
@@ -350,7 +277,9 @@ def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
 
 
 # --- `serve run` with the documented config file ---------------------------------------------------------------------
-def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(cluster, ray_url, tmp_path):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(ray_address, ray_url, tmp_path):
     """Last: it replaces the application the CLI deployed (same name, same route)."""
     config = yaml.safe_load((ROOT / "examples/ray-serve.yaml").read_text())
     [application] = config["applications"]
@@ -362,7 +291,7 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(clu
     path = tmp_path / "ray-serve.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", str(path)]
-    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=TIMEOUT)
+    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": ray_address}, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     body = DEMO_REQUEST.read_bytes()
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
@@ -439,19 +368,24 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
 
 
 def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they_are():
-    """Every HTTP limit reaches the ingress (its app is create_app's with them), the load options each replica."""
+    """Every HTTP limit reaches the ingress (its app is create_app's with them), the model's spec (its load options)
+    each replica and the ingress's encoder."""
     limits = HttpLimits(body_timeout=7, min_body_rate=1000, body_grace=1, max_body_buffer=1 << 21, max_body_readers=3)
     served_with = ServeSettings(api_key="k", max_queue=5, limits=limits, log_format="json")
     options = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0)
-    ingress = build_app(RaySettings(str(DEMO_MODEL), served_with, options, RayScale(replicas=3)))._bound_deployment
+    settings = RaySettings(str(DEMO_MODEL), served_with, options, scale=RayScale(replicas=3))
+    ingress = build_app(settings)._bound_deployment
     replicas = ingress.init_args[0]._bound_deployment
     threaded = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0, n_threads=1)  # 1 thread a replica by default
-    assert ingress.init_args[1:] == (str(DEMO_MODEL), served_with, threaded)
-    assert (replicas.init_args, replicas.init_kwargs, replicas.num_replicas) == ((str(DEMO_MODEL), threaded), {"queue": 5}, 3)
+    spec = ModelSpec(str(DEMO_MODEL), threaded)
+    assert ingress.init_args[1:] == (spec, served_with)
+    assert (replicas.init_args, replicas.init_kwargs, replicas.num_replicas) == ((spec,), {"queue": 5}, 3)
 
 
 # --- Readiness (last: its failed deployment deletes the application) -----------------------------------------------
-def test_a_replica_that_cannot_answer_never_serves_and_the_command_says_why(cluster):
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_replica_that_cannot_answer_never_serves_and_the_command_says_why(ray_address):
     # A context too small for the probe decision: the model loads, but cannot answer one, so its replica never
     # reports healthy; Ray gives up after its retries and the command exits with the replica's own error.
     command = [
@@ -466,7 +400,7 @@ def test_a_replica_that_cannot_answer_never_serves_and_the_command_says_why(clus
         "--port",
         str(free_port()),
     ]
-    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=TIMEOUT)
+    run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": ray_address}, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 1, run.stderr[-2000:]
     [line] = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert "ClefReplica: " in line and "PromptTooLongError" in line and "limit of 16 tokens" in line, line

@@ -212,6 +212,7 @@ def _run(argv: list[str], cwd: Path) -> str | None:
     return None if run.returncode == 0 else f"{shlex.join(argv[2:])}: exit {run.returncode}: {run.stderr[-2000:]}"
 
 
+@pytest.mark.slow
 def test_the_readme_commands_run_as_written(folder):
     root, release = folder
     lines = [args for args in command_lines(README.read_text()) if args and args[0] in RUN]
@@ -235,6 +236,7 @@ def test_the_readme_commands_run_as_written(folder):
     assert {args[0] for args in lines} == set(RUN)
 
 
+@pytest.mark.slow
 def test_the_readme_python_runs_as_written(folder):
     root, release = folder
     blocks = code_blocks(README.read_text(), ("python",))

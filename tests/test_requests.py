@@ -13,7 +13,8 @@ from PIL import Image
 
 import clef_gguf
 from clef_gguf import PromptTooLongError, RequestError
-from clef_gguf.runtime.encoder import PromptEncoder
+from clef_gguf.runtime.model import open_encoder
+from clef_gguf.settings import ModelSpec
 from clef_gguf.testing.request_suite import long_state_request, mixed_request
 
 
@@ -113,7 +114,7 @@ def test_the_prompt_encoder_encodes_as_the_model_without_its_weights(ws):
     # What the Ray Serve ingress encodes, a replica's ClefModel decides: the very prompt ClefModel.encode makes.
     path = ws.gguf("untied_f32", "f32")
     model = ws.model("untied_f32", "f32")
-    encoder = PromptEncoder(path, max_prompt_tokens=model.max_prompt_tokens)
+    encoder = open_encoder(ModelSpec.of(path, max_prompt_tokens=model.max_prompt_tokens))
     try:
         for request in (mixed_request(), long_state_request(paragraphs=3)):
             assert encoder.encode(request) == model.encode(request)
@@ -131,14 +132,14 @@ def test_the_prompt_encoder_sizes_images_as_the_model(ws, tmp_path):
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 200, 3), dtype=np.uint8)).save(image, "PNG")
     request = {**mixed_request(), "images": [image.getvalue()]}
     with clef_gguf.load(path, max_prompt_tokens=4096, mmproj=mmproj, state_cache=0) as model:
-        encoder = PromptEncoder(path, max_prompt_tokens=4096, mmproj=mmproj)
+        encoder = open_encoder(ModelSpec.of(path, max_prompt_tokens=4096, mmproj=mmproj))
         try:
             encoded = encoder.encode(request)
             assert encoded == model.encode(request) and len(encoded.images) == 1
             assert encoder.image_limits == model.image_limits
         finally:
             encoder.close()
-    without = PromptEncoder(path, max_prompt_tokens=4096)
+    without = open_encoder(ModelSpec.of(path, max_prompt_tokens=4096))
     try:
         with pytest.raises(RequestError, match="mmproj"):
             without.encode(request)

@@ -9,15 +9,10 @@ import json
 import math
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,45 +22,21 @@ import httpx2
 import numpy as np
 import pytest
 import typesafe_sdk as ts
-import uvicorn
+from cli_helpers import run_cli  # the CLI in this process
 from live_server import free_port, rss_bytes, serve_process, wait_healthy
+from server_helpers import MALFORMED, TIMEOUT, WORKERS_AI_PATHS, BlockingModel, Live, reuse_apart, start, with_change
 
 import clef_gguf
 from clef_gguf.errors import ModelFileError
 from clef_gguf.runtime.reader import MAX_REQUEST_NESTING
-from clef_gguf.server import HttpLimits, create_app, uvicorn_config
+from clef_gguf.server import create_app
 from clef_gguf.server.body import DECODERS
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request, within
 
-TIMEOUT = httpx.Timeout(120.0)
 Request = dict[str, Any]
 
 
 # --- A live server in this process (for the contract), or a `clef-gguf serve` subprocess ---------------------
-@dataclass
-class Live:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-
-
-def start(app: Any) -> Live:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; no race with other tests
-    server = uvicorn.Server(uvicorn_config(app, HttpLimits(), log_level="warning"))  # serve's protocol and limits
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    return Live(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread)
-
-
 @pytest.fixture(scope="module")
 def model(ws):
     return ws.model("untied_f32", "f32")
@@ -82,13 +53,6 @@ def live(model) -> Iterator[Live]:
 def client(live) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
         yield c
-
-
-def reuse_apart(body: dict[str, Any]) -> dict[str, Any]:
-    """A response without the state cache's count of reused tokens, which depends on the requests before it."""
-    usage = {k: v for k, v in body["usage"].items() if k != "input_tokens_details"}
-    assert set(body["usage"]) - set(usage) == {"input_tokens_details"}
-    return {**body, "usage": usage}
 
 
 @pytest.fixture(scope="module")
@@ -247,83 +211,6 @@ def test_unknown_fields_are_ignored_and_the_authorization_header_too(client, exp
 
 
 # --- Errors --------------------------------------------------------------------------------------------------
-def _with(change: Callable[[Request], Any]) -> Request:
-    request = copy.deepcopy(mixed_request())
-    change(request)
-    return request
-
-
-MALFORMED: dict[str, tuple[bytes | Request, list[Any]]] = {
-    "not JSON": (b'{"state": ', ["body", 10]),
-    "NaN": (b'{"model": "m", "state": NaN, "questions": {"q": {"type": "noul"}}}', ["body"]),
-    "not UTF-8": (b'{"state": "\xff"}', ["body", 11]),
-    "lone surrogate": (b'{"state": {"k": ["\\ud800"]}, "questions": {"q": {"type": "noul"}}}', ["body", "state", "k", 0]),
-    "nested too deeply": (b"[" * 100_000 + b"]" * 100_000, ["body"]),
-    "huge integer": (b'{"state": ' + b"9" * 5000 + b"}", ["body"]),
-    "an array": (b"[]", ["body"]),
-    "no state": (_with(lambda r: r.pop("state")), ["body", "state"]),
-    "state a number": (_with(lambda r: r.update(state=3)), ["body", "state"]),
-    "model a number": (_with(lambda r: r.update(model=3)), ["body", "model"]),
-    "no questions": (_with(lambda r: r.update(questions={})), ["body", "questions"]),
-    "65 questions": (_with(lambda r: r.update(questions={f"q{i}": {"type": "noul"} for i in range(65)})), ["body", "questions"]),
-    "empty id": (_with(lambda r: r["questions"].update({"": {"type": "noul"}})), ["body", "questions"]),
-    "question a string": (_with(lambda r: r["questions"].update({"a.b": "x"})), ["body", "questions", "a.b"]),
-    "unknown type": (_with(lambda r: r["questions"].update({"r": {"type": "rank"}})), ["body", "questions", "r", "type"]),
-    "instructions a number": (
-        _with(lambda r: r["questions"]["is_spam"].update(instructions=1)),
-        ["body", "questions", "is_spam", "instructions"],
-    ),
-    "choice with 1 option": (
-        _with(lambda r: r["questions"]["category"].update(criteria={"a": None})),
-        ["body", "questions", "category", "criteria"],
-    ),
-    "choice with 256 options": (
-        _with(lambda r: r["questions"]["category"].update(criteria={str(i): None for i in range(256)})),
-        ["body", "questions", "category", "criteria"],
-    ),
-    "choice description a number": (
-        _with(lambda r: r["questions"]["category"].update(criteria={"x.y": 1, "z": None})),
-        ["body", "questions", "category", "criteria", "x.y"],
-    ),
-    "score as a map": (
-        _with(lambda r: r["questions"]["severity"].update(criteria={"0": "low", "1": "high"})),
-        ["body", "questions", "severity", "criteria"],
-    ),
-    "score with 1 level": (
-        _with(lambda r: r["questions"]["severity"].update(criteria=["only"])),
-        ["body", "questions", "severity", "criteria"],
-    ),
-    "score with 11 levels": (
-        _with(lambda r: r["questions"]["severity"].update(criteria=list("abcdefghijk"))),
-        ["body", "questions", "severity", "criteria"],
-    ),
-    "score level a number": (
-        _with(lambda r: r["questions"]["severity"].update(criteria=["a", 2])),
-        ["body", "questions", "severity", "criteria", 1],
-    ),
-    # TypeSafe's schema has no null level, and typesafe-sdk cannot parse a null in the answer's legend.
-    "score level null": (
-        _with(lambda r: r["questions"]["severity"].update(criteria=["a", None])),
-        ["body", "questions", "severity", "criteria", 1],
-    ),
-    "noul with other keys": (
-        _with(lambda r: r["questions"].update(n={"type": "noul", "criteria": {"maybe": "x"}})),
-        ["body", "questions", "n", "criteria"],
-    ),
-    # This model is loaded without its vision tower (test_server_images.py has one).
-    "an image": (
-        _with(lambda r: r.update(assets={"img": {"type": "image", "format": "png", "data_base64": "AAAA"}})),
-        ["body", "assets"],
-    ),
-    "an image without its format": (
-        _with(lambda r: r.update(assets={"img": {"type": "image", "data_base64": "AAAA"}})),
-        ["body", "assets", "img", "format"],
-    ),
-    "images": (_with(lambda r: r.update(images=["data:image/png;base64,AAAA"])), ["body", "images"]),
-    "a video": (_with(lambda r: r.update(videos=["data:video/mp4;base64,AAAA"])), ["body", "videos"]),
-}
-
-
 @pytest.mark.parametrize("name", list(MALFORMED))
 def test_a_malformed_request_gets_422_with_the_location(client, name):
     body, loc = MALFORMED[name]
@@ -361,7 +248,7 @@ def test_a_byte_order_mark_starts_a_file_never_a_body(client, tmp_path):
     response = client.post("/v1/systemone", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 422 and response.json()["detail"][0]["type"] == "json_invalid"
     (tmp_path / "request.json").write_bytes(raw)
-    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "decide", str(tmp_path / "request.json")], capture_output=True)
+    run = run_cli("decide", tmp_path / "request.json")
     assert run.returncode == 0 and json.loads(run.stdout)["answers"]["q"]["noul"] >= 0, run.stderr[-2000:]
 
 
@@ -371,10 +258,8 @@ def test_the_server_and_the_cli_read_a_request_by_the_same_rules(client, name, t
     raw, read = STRICT[name]
     response = client.post("/v1/systemone", content=raw, headers={"content-type": "application/json"})
     (tmp_path / "request.json").write_bytes(raw)
-    run = subprocess.run(  # on the demo model: a request the reader refuses is refused before any model loads
-        [sys.executable, "-m", "clef_gguf.cli", "decide", str(tmp_path / "request.json")], capture_output=True, timeout=300
-    )
-    stderr = run.stderr.decode()
+    run = run_cli("decide", tmp_path / "request.json")  # the demo model: a request the reader refuses is refused before a load
+    stderr = run.stderr
     if read:
         assert response.status_code == 200 and run.returncode == 0, (response.text, stderr[-2000:])
         return
@@ -428,13 +313,6 @@ def test_compressed_bodies_are_read_and_bad_ones_are_4xx(client, expected):
 
 
 # --- The Workers AI route: the same answers in Cloudflare's envelope ---------------------------------------------
-WORKERS_AI_PATHS = [
-    f"{prefix}/accounts/acct-1/ai/run/{model_id}"
-    for prefix in ("", "/client/v4")
-    for model_id in ("@cf/cloudflare/clef", "@cf/cloudflare/clef-flash")
-]
-
-
 def _envelope_error(response: httpx.Response, status: int, code: int) -> str:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
@@ -484,7 +362,7 @@ def test_workers_ai_errors_keep_their_status_in_the_envelope(client):
     path = WORKERS_AI_PATHS[-1]
     unknown = client.post("/client/v4/accounts/a/ai/run/@cf/meta/llama-3.1-8b-instruct", json=mixed_request())
     assert "@cf/meta/llama-3.1-8b-instruct" in _envelope_error(unknown, 400, 5007)
-    null_level = _with(lambda r: r["questions"]["severity"].update(criteria=["a", None]))
+    null_level = with_change(lambda r: r["questions"]["severity"].update(criteria=["a", None]))
     assert _envelope_error(client.post(path, json=null_level), 422, 422).startswith("body.questions.severity.criteria.1: ")
     assert _envelope_error(client.post(path, content=b"{"), 422, 422).startswith("body.1: JSON decode error")
     too_long = _envelope_error(client.post(path, json=long_state_request(paragraphs=50)), 413, 3006)
@@ -570,39 +448,6 @@ def test_16_concurrent_clients_get_the_sequential_answers(live, expected):
     assert len(results) == 16 * per_client
     for i, status, body in results:
         assert status == 200 and within(reuse_apart(body), sequential[i], 1e-4 + 1e-9)
-
-
-class BlockingModel:
-    """A real model whose decide_batch waits for a release: to hold the queue full on purpose."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.name, self.path = model.name, model.path
-        self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
-        self.image_limits = model.image_limits  # the Encoder protocol's (runtime/protocols.py)
-        self.release = threading.Event()
-
-    def encode(self, request: Request) -> Any:
-        return self.model.encode(request)
-
-    def adapter_names(self) -> list[str]:
-        return self.model.adapter_names()
-
-    def model_name(self, prompt: Any) -> str:
-        return self.model.model_name(prompt)
-
-    def batchable(self, prompts: list[Any]) -> bool:
-        return self.model.batchable(prompts)
-
-    def decide_batch(self, prompts: list[Any]) -> list[Any]:
-        assert self.release.wait(60)
-        return self.model.decide_batch(prompts)
-
-    def submit(self, fn: Any) -> Any:
-        return self.model.submit(fn)
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_full_queue_gets_503_and_a_bad_request_never_waits(model, expected):
@@ -730,6 +575,7 @@ def test_a_missing_native_head_names_the_path_it_looked_in(monkeypatch, tmp_path
     assert str(tmp_path / "clef_gguf" / "_native" / native.LIBRARY_NAME) in str(missing.value)
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_under_repeated_requests(ws):
     """A short soak (tools/bench/load_test.py --soak runs 10,000): RSS after 450 more requests stays within 8 MiB."""
     port = free_port()
@@ -756,6 +602,7 @@ def test_memory_stays_flat_under_repeated_requests(ws):
         process.communicate(timeout=120)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits(ws, model):
     port = free_port()
     process = serve_process(ws.gguf("untied_f32", "f32"), port)

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from live_server import rss_bytes, served
+from server_helpers import parse_answer, post_head, receive
 
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.server import body_limit
@@ -62,30 +63,6 @@ class Answer:
     seconds: float  # from the first byte sent to the connection's end
 
 
-def parse_answer(raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    """An HTTP answer's status (0: none), headers (names in lower case) and body."""
-    if not raw:
-        return 0, {}, b""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), headers, body
-
-
-def receive(sock: socket.socket, deadline: float) -> bytes:
-    """What the server sends on `sock` until it closes the connection or time.perf_counter() reaches `deadline`."""
-    received = bytearray()
-    while select.select([sock], [], [], max(0.0, deadline - time.perf_counter()))[0]:
-        try:
-            data = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not data:
-            break
-        received += data
-    return bytes(received)
-
-
 def exchange(port: int, chunks: list[bytes], pause_s: float = 0.0, limit_s: float = 20.0) -> Answer:
     """Send `chunks` (pause_s apart) on one raw connection, reading whatever the server answers meanwhile,
     then read until the server closes (at most limit_s). Stops sending as soon as an answer arrives."""
@@ -112,11 +89,6 @@ def assert_json_error(answer: Answer, status: int) -> dict[str, Any]:
     assert answer.status == status, (answer.status, answer.body[:200])
     assert answer.headers["content-type"] == "application/json" and answer.headers["connection"] == "close"
     return json.loads(answer.body)
-
-
-def post_head(length: int | None = None, extra: str = "") -> bytes:
-    sized = f"content-length: {length}\r\n" if length is not None else ""
-    return f"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{sized}{extra}\r\n".encode()
 
 
 def normal_latency(client: httpx.Client) -> tuple[float, float]:
@@ -445,6 +417,7 @@ def test_requests_cut_off_by_the_drain_timeout_get_a_json_503(tmp_path):
     assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr, stderr
 
 
+@pytest.mark.slow
 def test_bodies_under_the_minimum_rate_cannot_lock_others_out():
     """Every intake slot taken by a connection trickling its body a byte at a time (the lock-out of issue 39: 503 for
     everyone until the body timeout): each gets 408 once the grace period has passed, a normal client is answered

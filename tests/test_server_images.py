@@ -22,15 +22,15 @@ import typesafe_sdk as ts
 from gguf import GGUFValueType as VT
 from live_server import served
 from PIL import Image
-from test_server import TIMEOUT, reuse_apart, start
+from server_helpers import TIMEOUT, reuse_apart, start
 
 import clef_gguf
 from clef_gguf.check.pair import validate_pair
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile, Header
 from clef_gguf.server import create_app
-from clef_gguf.server.body import IMAGE_ALLOWANCE, body_limit
 from clef_gguf.server.workers_ai import PREFIXES, ROUTE
+from clef_gguf.settings import IMAGE_ALLOWANCE, body_limit
 from clef_gguf.testing.gguf_bytes import kv_array, kv_f32, kv_i32, kv_str, kv_u32, pack_str, rebuild
 
 WORKERS_AI = (PREFIXES[0] + ROUTE).replace("{account_id}", "acct").replace("{model_id:path}", "@cf/cloudflare/clef-flash")
@@ -306,6 +306,7 @@ def _header_edits(rng: np.random.Generator, header: Header) -> list[tuple[str, b
 FUZZ_IMAGES = [(32, 32), (96, 160), (1, 300), (700, 40), (480, 640)]  # (height, width): aspect ratios up to 300
 
 
+@pytest.mark.slow
 def test_any_mmproj_header_validate_passes_serves_its_images(ws, tmp_path):
     """A seeded fuzz of the mmproj's header values over the keys validate reads: each file gets a validate refusal,
     or a `clef-gguf serve --mmproj` that starts and answers image requests 200 (or, for an image the reference's

@@ -8,38 +8,22 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
+import pytest
+from cli_helpers import run_cli  # the CLI in this process
 from live_server import served
-from test_server_abuse import parse_answer, post_head, receive
+from server_helpers import answer_of, open_body, post_head
 
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.testing.processes import free_port
 
+pytestmark = pytest.mark.slow  # servers with bodies held to their timeouts
+
 NORMAL: dict[str, Any] = json.loads(DEMO_REQUEST.read_text())
-
-
-@contextmanager
-def open_body(port: int, declared: int, sent: bytes = b" ") -> Iterator[socket.socket]:
-    """A connection that declared a body of `declared` bytes, sent `sent` of it and then waits (a trickler between
-    two bytes); closed on exit."""
-    sock = socket.create_connection(("127.0.0.1", port))
-    try:
-        sock.sendall(post_head(declared) + sent)
-        yield sock
-    finally:
-        sock.close()
-
-
-def answer_of(sock: socket.socket, limit_s: float) -> tuple[int, dict[str, str], bytes]:
-    """The answer on `sock` (status 0: none within limit_s, or closed without one), read until the server closes."""
-    return parse_answer(receive(sock, time.perf_counter() + limit_s))
 
 
 def wait_reading(url: str, count: int) -> None:
@@ -113,7 +97,6 @@ def test_the_body_buffer_and_the_readers_cap_refuse_new_bodies_with_a_503():
 
 def test_a_body_buffer_under_the_body_cap_is_refused_before_serving():
     """A --max-body-buffer no largest body fits would refuse those bodies forever: serve says so and exits 2."""
-    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--port", str(free_port())]
-    done = subprocess.run([*command, "--threads", "1", "--max-body-buffer", "64KiB"], capture_output=True, text=True, timeout=120)
+    done = run_cli("serve", DEMO_MODEL, "--port", str(free_port()), "--threads", "1", "--max-body-buffer", "64KiB", timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--max-body-buffer (65536 bytes) is under the body limit (1048576 bytes)" in done.stderr, done.stderr

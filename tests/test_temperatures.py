@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 
 import clef_gguf
 from clef_gguf.check.validate import validate
@@ -21,7 +20,6 @@ from clef_gguf.errors import IncompleteModelError
 from clef_gguf.testing.request_suite import temperature_buckets_request
 
 PREFIX = "clef.decision.temperature."
-CLI = [sys.executable, "-m", "clef_gguf.cli"]
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "labelled.jsonl"
 # A key at every bucket of choice; score by its fallback (3 levels) and a bucket (7 levels); noul by its type.
@@ -70,14 +68,14 @@ def test_the_keys_change_no_tensor_and_validate_lists_them(ws, keyed):
     report = validate(keyed)
     assert report.ok and report.temperatures == pytest.approx(KEYS, rel=1e-7)  # float32 in the file
     assert list(report.temperatures) == sorted(KEYS)
-    done = subprocess.run([*CLI, "validate", str(keyed), "--json"], capture_output=True, text=True)
+    done = run_cli("validate", str(keyed), "--json")
     assert json.loads(done.stdout)["temperatures"] == report.temperatures
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
 def test_validate_and_load_refuse_a_temperature_that_is_not_a_finite_positive_number(ws, tmp_path, value):
     path = rekey(ws.gguf("untied_f32", "f32"), tmp_path / "bad.gguf", {PREFIX + "choice": value})
-    done = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True)
+    done = run_cli("validate", str(path))
     assert done.returncode == 7
     assert f"{PREFIX}choice = {value!r}: a temperature must be a finite number > 0" in done.stdout
     with pytest.raises(IncompleteModelError, match=f"{PREFIX}choice"):
@@ -94,24 +92,23 @@ def test_a_key_no_question_can_use_is_a_note(ws, tmp_path):
 def test_calibrate_lowers_nll_and_eval_sees_the_calibrated_file(ws, tmp_path):
     model = ws.gguf("untied_f32", "f32")
     out = tmp_path / "calibrated.gguf"
-    done = subprocess.run([*CLI, "calibrate", str(model), str(DATA), "-o", str(out), "--json"], capture_output=True, text=True)
+    done = run_cli("calibrate", str(model), str(DATA), "-o", str(out), "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert set(result["temperatures"]) == {"noul", "choice", "score"}  # 24 labelled questions each: >= 20
     assert result["after"]["fit"]["nll"] < result["before"]["fit"]["nll"]
-    evaluated = subprocess.run([*CLI, "eval", str(out), str(DATA), "--json"], capture_output=True, text=True)
+    evaluated = run_cli("eval", str(out), str(DATA), "--json")
     assert json.loads(evaluated.stdout)["metrics"]["overall"]["nll"] == pytest.approx(result["after"]["fit"]["nll"], abs=1e-9)
     assert validate(out).temperatures == pytest.approx(result["temperatures"])
-    again = subprocess.run([*CLI, "calibrate", str(model), str(DATA), "-o", str(out)], capture_output=True, text=True)
+    again = run_cli("calibrate", str(model), str(DATA), "-o", str(out))
     assert again.returncode == 9 and "--force" in again.stderr  # an existing output is not overwritten
-    in_place = subprocess.run([*CLI, "calibrate", str(model), str(DATA), "-o", str(model), "--force"], capture_output=True)
+    in_place = run_cli("calibrate", str(model), str(DATA), "-o", str(model), "--force")
     assert in_place.returncode != 0 and validate(model).temperatures == {}
 
 
 def test_a_held_out_part_is_measured_apart(ws, tmp_path):
     out = tmp_path / "calibrated.gguf"
-    command = [*CLI, "calibrate", str(ws.gguf("untied_f32", "f32")), str(DATA), "-o", str(out), "--holdout", "0.3"]
-    done = subprocess.run([*command, "--json"], capture_output=True, text=True)
+    done = run_cli("calibrate", ws.gguf("untied_f32", "f32"), DATA, "-o", out, "--holdout", "0.3", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["before"]["holdout"]["n"] + result["before"]["fit"]["n"] == 72

@@ -24,11 +24,13 @@ import pytest
 from live_server import served
 from peft_adapters import peft_adapter
 from PIL import Image
-from test_server import start
+from server_helpers import start
 
 from clef_gguf.server.run import settings_app
 from clef_gguf.server.ui import CONTENT_SECURITY_POLICY, FILES, UI_DIR
 from clef_gguf.settings import API_KEY_ENV, ServeSettings
+
+pytestmark = pytest.mark.slow  # a browser against a served model
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "build" / "ui-screenshots"

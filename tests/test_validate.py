@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from cli_helpers import run_cli as clef_gguf_cli  # the CLI in this process
 
 import clef_gguf
 from clef_gguf.check import validate as V
@@ -34,10 +33,6 @@ FLASH_MESSAGE = (
     "427 backbone tensors, 0 of the 206 head tensors of Clef-flash (the 160 of joint_head.safetensors): "
     "this file can generate text but cannot make decisions"
 )
-
-
-def clef_gguf_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clef_gguf.cli", *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -428,9 +423,8 @@ def test_remote_urls_revisions_and_failures(server):
 
 
 def test_remote_cli(server):
-    import os
 
-    run = clef_gguf_cli("validate", "someone/clef-flash-early:backbone.gguf", env={**os.environ, "HF_ENDPOINT": server.url})
+    run = clef_gguf_cli("validate", "someone/clef-flash-early:backbone.gguf", env={"HF_ENDPOINT": server.url})
     assert run.returncode == 6, run.stderr
     assert FLASH_MESSAGE in run.stdout and "bytes over HTTP" in run.stdout
 
@@ -476,6 +470,5 @@ def test_a_model_whose_scores_overflow_is_refused_at_load(ws, tmp_path):
     with pytest.raises(ModelOutputError, match="not finite"):
         clef_gguf.load(edited, max_prompt_tokens=1024)
     request = json.dumps({"state": "s", "questions": {"q": {"type": "noul"}}})
-    command = [sys.executable, "-m", "clef_gguf.cli", "decide", str(edited), "-"]
-    run = subprocess.run(command, input=request, capture_output=True, text=True, timeout=300)
+    run = clef_gguf_cli("decide", str(edited), "-", stdin=request)
     assert run.returncode == 5 and "not finite" in run.stderr and run.stdout == "" and "Traceback" not in run.stderr

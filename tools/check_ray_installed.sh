@@ -2,7 +2,7 @@
 # `clef-gguf serve --ray` after a non-editable install, started with the working directory at a checkout's root.
 #
 # Ray puts the driver's working directory on its workers' sys.path: replicas used to import the checkout's
-# clef_gguf, which has no built libclef_head, and died at start-up (server/ray_local.py, imported_from_here).
+# clef_gguf, which has no built libclef_head, and died at start-up (runtime/ray_local.py, imported_from_here).
 # This builds the committed HEAD into a fresh virtual environment with `pip install '.[ray]'` (pip builds the
 # native head: minutes), then serves the demo model on a local Ray cluster of one replica from the clone's root
 # (a checkout with no build), and expects 200 from /health, /v1/systemone and /metrics.

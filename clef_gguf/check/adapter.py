@@ -226,7 +226,7 @@ def lora_values(f: GGUFFile, nonfinite: bool = True) -> list[Problem]:
 
 
 def is_headless(h: Header) -> bool:
-    """llama-server's variant of an adapter (convert --adapter --llama-server): its LoRA, no head keys or tensors."""
+    """llama-server's variant of an adapter (convert --to-adapter --llama-server): its LoRA, no head keys or tensors."""
     return is_adapter(h) and C.KEY_DECISION_TYPE not in h.fields and not any(C.is_head_tensor(n) for n in h.tensors)
 
 
@@ -235,8 +235,8 @@ def refuse_headless(h: Header, name: str) -> None:
     fine-tune's, unnoticed. What decide and serve call, unless asked for the base's head (--base-head, base_head)."""
     if is_headless(h):
         raise IncompleteModelError(
-            f"{name} is llama-server's variant of an adapter (convert --adapter --llama-server: a LoRA, no head), so the "
-            "fine-tune's head is not in it: convert the checkpoint with --adapter alone, or pass --base-head "
+            f"{name} is llama-server's variant of an adapter (convert --to-adapter --llama-server: a LoRA, no head), so the "
+            "fine-tune's head is not in it: convert the checkpoint with --to-adapter alone, or pass --base-head "
             "(base_head=True) to decide with the base's head"
         )
 

@@ -11,8 +11,7 @@ lora_b's ne[1] its ne[1]) and what clef-gguf's head needs (the head's shapes).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from ..errors import AdapterBaseError, SettingsError
 from ..format import adapter as A
@@ -20,7 +19,7 @@ from ..format import contract as C
 from ..format import lineage as L
 from ..format.header import GGUFFile, Header
 from .adapter import adapter_head_config, is_adapter, lora_pairs
-from .report import Problem, Report, Verdict
+from .report import PairReport, Problem, Verdict
 from .validate import judge_source
 
 CHECK = "pairing"
@@ -140,41 +139,9 @@ def require_adapter(base: GGUFFile, adapter: Header, source: str) -> None:
         raise AdapterBaseError(f"{source} does not fit the base {base.path.name}: {problems[0].message}{more}")
 
 
-@dataclass(frozen=True)
-class AdapterPairReport:
-    base: Report
-    adapter: Report
-    problems: tuple[Problem, ...]
-    basis: str = ""  # on what ground it fits (judge_pair)
-
-    @property
-    def exit_code(self) -> int:
-        for code in (self.base.exit_code, self.adapter.exit_code):
-            if code:
-                return code
-        return AdapterBaseError.exit_code if self.problems else 0
-
-    @property
-    def summary(self) -> str:
-        if not self.base.ok or not self.adapter.ok:
-            return "the pair was not compared: " + ("the base" if not self.base.ok else "the adapter") + " does not validate"
-        if self.problems:
-            more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
-            return f"the adapter does not fit this base: {self.problems[0].message}{more}"
-        return f"the adapter fits this base: {self.basis}; every LoRA pair and head tensor of the base's shapes"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "base": self.base.to_dict(),
-            "adapter": self.adapter.to_dict(),
-            "pairing": {"summary": self.summary, "problems": [p.message for p in self.problems], "basis": self.basis},
-            "exit_code": self.exit_code,
-        }
-
-
 def validate_adapter_pair(
     base: str | os.PathLike[str], adapter: str | os.PathLike[str], *, deep: bool = False
-) -> AdapterPairReport:
+) -> PairReport:
     """Validate a base model file, an adapter file, and whether the adapter was trained over that base (local files:
     the base's fingerprint reads its norms)."""
     for path in (base, adapter):
@@ -200,4 +167,6 @@ def validate_adapter_pair(
             problems, basis = judge_pair(f, adapter_header)
         finally:
             f.close()
-    return AdapterPairReport(base_report, adapter_report, tuple(problems), basis)
+    fits = f"the adapter fits this base: {basis}; every LoRA pair and head tensor of the base's shapes"
+    names = ("base", "adapter")
+    return PairReport(names, base_report, adapter_report, tuple(problems), fits, "the adapter does not fit this base", basis)

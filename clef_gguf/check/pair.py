@@ -7,8 +7,7 @@ model's), and what an image prompt needs of the model (the tokens that bracket e
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from gguf import Keys
 
@@ -17,7 +16,7 @@ from ..format import vision as V
 from ..format.header import Header
 from ..format.hparams import VisionDescription, backbone_shape
 from .mmproj import describe_mmproj, is_mmproj
-from .report import Problem, Report, Verdict
+from .report import PairReport, Problem, Report, Verdict
 from .validate import judge_source
 
 
@@ -48,43 +47,6 @@ def check_pairing(model: Header, mmproj: Header) -> list[Problem]:
     return problems
 
 
-@dataclass(frozen=True)
-class PairReport:
-    """validate MODEL --mmproj MMPROJ: both reports, and whether they belong together."""
-
-    model: Report
-    mmproj: Report
-    problems: tuple[Problem, ...]  # of the pairing (none when either file does not validate: see its report)
-
-    @property
-    def exit_code(self) -> int:
-        for code in (self.model.exit_code, self.mmproj.exit_code):
-            if code:
-                return code
-        return 7 if self.problems else 0
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-    @property
-    def summary(self) -> str:
-        if not self.model.ok or not self.mmproj.ok:
-            return "the pair was not compared: " + ("the model" if not self.model.ok else "the mmproj") + " does not validate"
-        if self.problems:
-            more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
-            return f"model and mmproj do not belong together: {self.problems[0].message}{more}"
-        return "model and mmproj belong together: the image embeddings are as wide as the backbone's hidden size"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.to_dict(),
-            "mmproj": self.mmproj.to_dict(),
-            "pairing": {"summary": self.summary, "problems": [p.message for p in self.problems]},
-            "exit_code": self.exit_code,
-        }
-
-
 def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str], *, deep: bool = False) -> PairReport:
     """Validate a model, an mmproj, and their pairing (each source local, on the Hub or a URL, as validate takes)."""
     model_report, model_header = judge_source(model, deep=deep)
@@ -100,7 +62,9 @@ def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str],
         )
     if model_report.ok and mmproj_report.ok and model_header is not None and mmproj_header is not None:
         problems += check_pairing(model_header, mmproj_header)
-    return PairReport(model_report, mmproj_report, tuple(problems))
+    fits = "model and mmproj belong together: the image embeddings are as wide as the backbone's hidden size"
+    names = ("model", "mmproj")
+    return PairReport(names, model_report, mmproj_report, tuple(problems), fits, "model and mmproj do not belong together")
 
 
 def _wrong_kind(report: Report, summary_line: str) -> Report:

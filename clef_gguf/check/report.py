@@ -11,7 +11,7 @@ from typing import Any
 
 from gguf import Keys
 
-from ..errors import CorruptModelError, IncompleteModelError, ModelFileError, NotADecisionModelError
+from ..errors import CorruptModelError, ExitCode, IncompleteModelError, ModelFileError, NotADecisionModelError
 from ..format import contract as C
 from ..format.header import Header
 from ..format.template import PromptTemplate
@@ -76,7 +76,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else _ERRORS[self.verdict].exit_code
+        return ExitCode.OK if self.ok else _ERRORS[self.verdict].exit_code
 
     def error(self) -> ModelFileError | None:
         """The typed error the runtime and the CLI raise for this verdict (None when complete)."""
@@ -92,6 +92,50 @@ class Report:
         out["verdict"] = self.verdict.value
         out["exit_code"] = self.exit_code
         return out
+
+
+@dataclass(frozen=True)
+class PairReport:
+    """Two files validated, and whether they belong together: validate MODEL --mmproj MMPROJ (check/pair.py),
+    validate BASE --adapter FILE (check/adapter_pair.py). `names` name the two in the summary and the JSON."""
+
+    names: tuple[str, str]  # ("model", "mmproj"), ("base", "adapter")
+    first: Report
+    second: Report
+    problems: tuple[Problem, ...]  # of the pairing (none when either file does not validate: see its report)
+    fits: str  # the summary when they belong together
+    misfit: str  # the summary's start when they do not
+    basis: str | None = None  # on what ground they belong together (an adapter's: lineage keys or content); None: none
+
+    @property
+    def exit_code(self) -> int:
+        for code in (self.first.exit_code, self.second.exit_code):
+            if code:
+                return code
+        return IncompleteModelError.exit_code if self.problems else ExitCode.OK
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == ExitCode.OK
+
+    @property
+    def summary(self) -> str:
+        if not self.first.ok or not self.second.ok:
+            name = self.names[0] if not self.first.ok else self.names[1]
+            return f"the pair was not compared: the {name} does not validate"
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
+            return f"{self.misfit}: {self.problems[0].message}{more}"
+        return self.fits
+
+    def to_dict(self) -> dict[str, Any]:
+        pairing = {"summary": self.summary, "problems": [p.message for p in self.problems]}
+        return {
+            self.names[0]: self.first.to_dict(),
+            self.names[1]: self.second.to_dict(),
+            "pairing": pairing if self.basis is None else {**pairing, "basis": self.basis},
+            "exit_code": self.exit_code,
+        }
 
 
 def corrupt(check: str, message: str) -> Problem:

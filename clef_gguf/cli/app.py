@@ -42,6 +42,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts print as written: Rich markup would eat `[ray]` of pip install 'clef-gguf[ray]'
 )
 
 

@@ -2,58 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ..conversion.adapter import DEFAULT_ADAPTER_TYPE, convert_adapter
 from ..conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES, Converted, convert_files
 from ..conversion.graft import graft as graft_head
-from .errors import err, fail, raise_pending, run, say, signals_clean_up
+from .common import run_with_progress
+from .errors import fail, say
 
 Out = Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")]
-
-
-@contextmanager
-def progress_bars() -> Iterator[Callable[[str, int, int, str], None]]:
-    """A progress callback (stage, done, total, item): one bar per stage; where a deferred signal is raised."""
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[item]}"),
-    )
-    with Progress(*columns, console=err, transient=False) as bar:
-        tasks: dict[str, TaskID] = {}
-
-        def update(stage: str, done: int, total: int, item: str) -> None:
-            raise_pending()
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total, item="")
-            bar.update(tasks[stage], completed=done, total=total, item=item)
-
-        yield update
-
-
-T = TypeVar("T")
-
-
-def run_with_progress(action: Callable[..., T], *args: Any, bars: bool = True, **kwargs: Any) -> T:
-    """action(*args, **kwargs) with the CLI's signals and errors (errors.run); with `bars`, progress=progress_bars()."""
-
-    def work() -> T:
-        with signals_clean_up():
-            if not bars:
-                return action(*args, **kwargs)
-            with progress_bars() as progress:
-                return action(*args, progress=progress, **kwargs)
-
-    return run(work)
 
 
 SourceOption = Annotated[
@@ -102,20 +62,23 @@ TypeOption = Annotated[
         "--type",
         "-t",
         help=f"Backbone type: {', '.join(FILE_TYPES)} (default {DEFAULT_FILE_TYPE}); "
-        f"with --adapter, the LoRA's: f32, f16 or q8_0 (default {DEFAULT_ADAPTER_TYPE}).",
+        f"with --to-adapter, the LoRA's: f32, f16 or q8_0 (default {DEFAULT_ADAPTER_TYPE}).",
         show_default=False,
     ),
 ]
-AdapterOption = Annotated[
+ToAdapterOption = Annotated[
     bool,
     typer.Option(
-        "--adapter",
+        "--to-adapter",
         help="With a checkpoint and --base: write an adapter file (the LoRA in llama.cpp's adapter layout, the head "
         "tensors that differ from the base's) to load over the base's GGUF, instead of a merged model.",
     ),
 ]
+# --to-adapter's spelling until 0.2.0, where every other command's --adapter names an adapter FILE: kept for one
+# release, hidden, with a line on stderr (CHANGELOG.md).
+OldAdapterOption = Annotated[bool, typer.Option("--adapter", hidden=True)]
 LlamaServerOption = Annotated[
-    bool, typer.Option("--llama-server", help="With --adapter: the variant llama-server's --lora loads (no head tensors).")
+    bool, typer.Option("--llama-server", help="With --to-adapter: the variant llama-server's --lora loads (no head tensors).")
 ]
 
 
@@ -130,17 +93,24 @@ def convert(
     no_mmproj: Annotated[bool, typer.Option("--no-mmproj", help="Do not convert the vision tower.")] = False,
     mmproj_type: MmprojTypeOption = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT (and the mmproj) if they exist.")] = False,
-    adapter: AdapterOption = False,
+    to_adapter: ToAdapterOption = False,
     llama_server: LlamaServerOption = False,
+    old_adapter: OldAdapterOption = False,
 ) -> None:
     """Convert a Clef release into one GGUF file (backbone, head, tokenizer, decision metadata), and its vision
     tower into llama.cpp's mmproj file beside it. A clef-finetune checkpoint with --base: the base release with the
-    checkpoint's LoRA merged in and its head, or with --adapter an adapter file over the base's GGUF."""
+    checkpoint's LoRA merged in and its head, or with --to-adapter an adapter file over the base's GGUF."""
+    if old_adapter:
+        say(
+            "warning: convert --adapter is now --to-adapter (--adapter names an adapter file in every other command); "
+            "the old spelling goes in the next release"
+        )
+    adapter = to_adapter or old_adapter
     if no_mmproj and mmproj is not None:
         fail("--mmproj and --no-mmproj exclude each other")
     if adapter or llama_server:
         if mmproj is not None or imatrix is not None or mmproj_type != "auto":
-            fail("--adapter writes a LoRA and a head, no mmproj and no llama.cpp quantization: drop --mmproj and --imatrix")
+            fail("--to-adapter writes a LoRA and a head, no mmproj and no llama.cpp quantization: drop --mmproj and --imatrix")
         _convert_adapter(source, out, base, file_type, head_type, adapter, llama_server, force)
         return
     options = {"base": base, "head_type": head_type, "imatrix": imatrix, "mmproj_type": mmproj_type, "force": force}
@@ -164,9 +134,9 @@ def _convert_adapter(
     force: bool,
 ) -> None:
     if not adapter:
-        fail("--llama-server is a variant of --adapter: give both")
+        fail("--llama-server is a variant of --to-adapter: give both")
     if base is None:
-        fail("--adapter converts a clef-finetune checkpoint over its base: give the release it was trained from with --base")
+        fail("--to-adapter converts a clef-finetune checkpoint over its base: give the release it was trained from with --base")
     options = {"head_type": head_type, "llama_server": llama_server, "force": force}
     written = run_with_progress(convert_adapter, source, base, out, file_type or DEFAULT_ADAPTER_TYPE, **options)
     say(f"wrote {written} (an adapter over {base}'s GGUF" + (", for llama-server's --lora)" if llama_server else ")"))

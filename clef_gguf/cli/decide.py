@@ -1,5 +1,7 @@
 """`clef-gguf decide` and `clef-gguf demo`: one request answered, its response JSON on stdout; or a JSON Lines
-file of requests decided into a JSON Lines file of answers (runtime/dataset_file.py), with a progress bar."""
+file of requests decided into a JSON Lines file of answers (runtime/dataset_file.py), with a progress bar.
+
+The runtime (and so llama.cpp) is imported when a command runs, not with the module: --help loads neither."""
 
 from __future__ import annotations
 
@@ -7,48 +9,53 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from ..data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
-from ..errors import SettingsError
-from ..runtime.dataset_file import Summary, decide_file
-from ..runtime.model import load
-from ..runtime.reader import read_request
-from ..settings import FileOptions, LoadOptions
+from ..errors import ExitCode
+from ..settings import AdapterSet, FileOptions, LoadOptions, ModelSpec
+from .common import on_ray
 from .errors import err, fail, run, say, signals_clean_up
 from .options import (
     AdapterFile,
+    AddressOption,
     BaseHead,
     GpuLayers,
     MaxLineBytes,
     MaxPrompt,
     Mmproj,
+    OnRayOption,
     Parallel,
     Threads,
     Ubatch,
+    WorkersOption,
     check_ubatch,
     line_limit,
     state_cache_option,
 )
 
-# Some requests of a JSON Lines run got an error line. Not 3, the issue's first pick: that is ReleaseError's code
-# (clef_gguf/errors.py uses 1 to 7), and a wrapper script must tell "every line has its answer, some are errors"
-# from any error that stopped the run.
-SOME_ERRORS = 8
+if TYPE_CHECKING:
+    from ..runtime.dataset_file import Summary
+
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
-def _decide_one(model_path: Path, request_path: str, images: list[Path], options: LoadOptions, adapter: Path | None) -> None:
-    """The one-request mode (and demo's): its answer on stdout."""
+def _decide_one(spec: ModelSpec, request_path: str, images: list[Path], note: str = "") -> None:
+    """The one-request mode (and demo's): its answer on stdout; `note` (Rich markup) on stderr once the model loaded,
+    so that a llama.cpp that cannot load here is the one line it says."""
 
     def decided() -> dict[str, Any]:
+        from ..runtime.model import ClefModel
+        from ..runtime.reader import read_request
+
         request = read_request(request_path, images)  # before loading: a bad request is refused at once
-        with load(model_path, adapter=adapter, **options.kwargs()) as model:
+        with ClefModel(spec) as model:
+            if note:
+                err.print(note)
             return model.decide(request)
 
     typer.echo(json.dumps(run(decided), ensure_ascii=False, indent=2))
@@ -84,59 +91,35 @@ def _summary_line(summary: Summary, code: int) -> str:
     if summary.skipped:
         done += f", {summary.skipped} answered before (--resume)"
     rates = f"{s['records_per_s']} records/s, {s['tokens_per_s']:,} tokens/s, {summary.cache_hits} cache hits"
-    outcome = "exit 0: every line answered" if code == 0 else f"exit {code}: {summary.errors} lines are errors"
+    outcome = f"exit {code}: every line answered" if code == ExitCode.OK else f"exit {code}: {summary.errors} lines are errors"
     return f"decided {done} in {s['seconds']} s ({rates}) into {summary.out}; {outcome}"
 
 
-def on_ray(address: str | None) -> Any:
-    """server/ray_dataset.py, imported after ray_local.loopback_only when the cluster is to be started here."""
-    from ..server.ray_local import bounded_connect, loopback_only
-
-    if address is None:
-        loopback_only()  # the cluster started here listens on 127.0.0.1 only; before ray is imported
-    else:
-        bounded_connect()  # an address where no cluster answers: refused in seconds, not minutes
-    try:
-        from ..server import ray_dataset
-    except ModuleNotFoundError as e:
-        if (e.name or "").partition(".")[0] not in ("ray", "pandas", "pyarrow"):
-            raise
-        raise SettingsError("--ray needs Ray Data: pip install 'clef-gguf[ray]'") from None
-    return ray_dataset
-
-
-def ray_scorer(address: str | None, workers: int | None) -> Callable[..., Any]:
-    """`eval --ray`'s scorer (quality.evaluate's `score`): Ray imported once the run starts (its errors the CLI's)."""
-
-    def score(*args: Any, **kwargs: Any) -> Any:
-        return on_ray(address).score_on_ray(address, workers)(*args, **kwargs)
-
-    return score
-
-
 def _decide_jsonl(
-    model_path: Path,
+    spec: ModelSpec,
     source: str,
     out: str,
-    options: LoadOptions,
     file: FileOptions,
     *,
-    adapter: Path | None,
     json_summary: bool,
     ray: tuple[str | None, int | None] | None,
 ) -> NoReturn:
-    """The JSON Lines mode: the answers into `out`, a progress bar on a terminal, the summary; exits 0, or SOME_ERRORS."""
+    """The JSON Lines mode: the answers into `out`, a progress bar on a terminal, the summary; exits 0 (OK), or 8
+    (SOME_ERRORS)."""
     bar = err.is_terminal and not (out == "-" and sys.stdout.isatty())  # (answers on this terminal would tear the bar)
 
     def decided(progress: Callable[[Summary, int | None], None] | None) -> Summary:
         if ray is not None:
-            if adapter is not None:  # checked against the model as loading checks it: before a cluster starts
-                from ..server.launch import check_files
+            if spec.adapter_set.adapter is not None:  # checked against the model as loading checks it: before a cluster
+                from ..runtime.encoder import check_spec  # starts
 
-                check_files(model_path, options.mmproj and Path(options.mmproj), options, adapter)
+                check_spec(spec)
             on = on_ray(ray[0])
-            return on.decide_file_on_ray(model_path, source, out, on.RayData(*ray, options, adapter=adapter), file, progress)
-        with load(model_path, adapter=adapter, **options.kwargs()) as model:
+            return on.decide_file_on_ray(spec, source, out, on.RayData(*ray), file, progress)  # (each actor builds spec)
+        from ..runtime.dataset_file import decide_file
+        from ..runtime.model import ClefModel
+
+        with ClefModel(spec) as model:
             return decide_file(model, source, out, file, progress)
 
     def work() -> Summary:
@@ -148,7 +131,7 @@ def _decide_jsonl(
 
     # After a signal the answers written are whole lines, fsynced on the way out.
     summary = run(work, stopped="the answers written are kept: --resume continues the run")
-    code = SOME_ERRORS if summary.errors else 0
+    code = ExitCode.SOME_ERRORS if summary.errors else ExitCode.OK
     say(_summary_line(summary, code))
     if json_summary:
         text = json.dumps({**summary.as_dict(), "exit_code": code})
@@ -178,28 +161,6 @@ SortByStateOption = Annotated[
 JsonSummaryOption = Annotated[
     bool, typer.Option("--json", help="JSON Lines: a JSON summary at the end (on stdout; on stderr when the answers are).")
 ]
-OnRayOption = Annotated[
-    bool,
-    typer.Option("--ray", help="JSON Lines: decide on a Ray cluster (Ray Data), the same answers in order (docs/dataset.md)."),
-]
-WorkersOption = Annotated[
-    int | None,
-    typer.Option(
-        "--workers",
-        min=1,
-        help="With --ray: actors, each loading the model (default: the cluster's CPUs / --threads).",
-        show_default=False,
-    ),
-]
-AddressOption = Annotated[
-    str | None,
-    typer.Option(
-        "--address",
-        envvar="RAY_ADDRESS",
-        help="With --ray: the Ray cluster to join (default: a local one, started and stopped here, on loopback).",
-        show_default=False,
-    ),
-]
 ImagesAnywhereOption = Annotated[
     bool,
     typer.Option(
@@ -228,7 +189,7 @@ def decide(
     n_threads: Threads = LoadOptions.n_threads,
     max_line_bytes: MaxLineBytes = None,
     adapter: AdapterFile = None,
-    base_head: BaseHead = LoadOptions.base_head,
+    base_head: BaseHead = AdapterSet.base_head,
     ray: OnRayOption = False,
     workers: WorkersOption = None,
     address: AddressOption = None,
@@ -246,27 +207,29 @@ def decide(
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     check_ubatch(ubatch, max_prompt_tokens)
-    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, mmproj=mmproj, base_head=base_head)
-    if jsonl or request_path.lower().endswith(JSONL_SUFFIXES):
+    many = jsonl or request_path.lower().endswith(JSONL_SUFFIXES)  # (nothing to reuse in one request: no state cache)
+    cache = state_cache if state_cache is not None else LoadOptions.state_cache if many else 0
+    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, cache, mmproj)
+    spec = ModelSpec(model_path, options, AdapterSet(adapter=adapter, base_head=base_head))
+    if many:
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")
         file = FileOptions(resume, force, sort_by_state, images_anywhere, line_limit(max_line_bytes, max_prompt_tokens, mmproj))
         if workers is not None and not ray:
             fail("--workers is for --ray")
-        options = replace(options, state_cache=LoadOptions.state_cache if state_cache is None else state_cache)
         on = (address, workers) if ray else None
-        _decide_jsonl(model_path, request_path, out, options, file, adapter=adapter, json_summary=json_summary, ray=on)  # exits
+        _decide_jsonl(spec, request_path, out, file, json_summary=json_summary, ray=on)  # exits
     jsonl_only = {"-o": out != "-", "--resume": resume, "--force": force, "--sort-by-state": sort_by_state, "--ray": ray}
     jsonl_only |= {"--json": json_summary, "--allow-image-paths-anywhere": images_anywhere}
     jsonl_only |= {"--max-line-bytes": max_line_bytes}
     given = [name for name, on in jsonl_only.items() if on]
     if given:
         fail(f"{given[0]} is for JSON Lines requests (a *.jsonl file, or --jsonl)")
-    _decide_one(model_path, request_path, image or [], replace(options, state_cache=state_cache or 0), adapter)
+    _decide_one(spec, request_path, image or [])
 
 
 def demo(n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers) -> None:
     """Run the bundled tiny demo model on a bundled request. Its weights are random: so are its answers."""
-    err.print("[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]")
+    note = "[yellow]demo model: a tiny Clef with RANDOM weights; the answers show the format, not a judgement.[/]"
     options = LoadOptions(n_gpu_layers=n_gpu_layers, max_prompt_tokens=DEMO_CONTEXT, state_cache=0)
-    _decide_one(DEMO_MODEL, str(DEMO_REQUEST), [], options, None)
+    _decide_one(ModelSpec(DEMO_MODEL, options), str(DEMO_REQUEST), [], note)

@@ -1,9 +1,9 @@
-"""Where the command's outcomes become exit codes: a library error (clef_gguf/errors.py) one line on stderr
-and its exit code, a signal 128+N, never a traceback.
+"""Where the command's outcomes become exit codes (errors.ExitCode, the one table of them): a library error
+(clef_gguf/errors.py) one line on stderr and its class's exit code, a signal 128+N, never a traceback.
 
-SIGTERM and SIGHUP unwind like SIGINT, so that the library's finally blocks remove partial files; a signal
-that arrives inside llama.cpp's log callback (its quantizer logs through Python) waits for the next progress
-update, since ctypes drops an exception raised there.
+SIGTERM and SIGHUP (Windows: SIGBREAK, Ctrl+Break) unwind like SIGINT, so that the library's finally blocks remove
+partial files; a signal that arrives inside llama.cpp's log callback (its quantizer logs through Python) waits for
+the next progress update, since ctypes drops an exception raised there.
 
 A Python signal handler runs only when the main thread runs Python again: stuck in C code (Ray's connect, which
 retries for minutes; a read of a hung file system; a long llama.cpp computation), or in a cleanup that waits for a
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,8 +31,7 @@ import typer
 from rich.console import Console
 
 from ..check.report import printable
-from ..errors import ClefError
-from ..llama.log import inside_callback
+from ..errors import ClefError, ExitCode, signalled
 from ..outputs import remove_temporaries
 
 err = Console(stderr=True)
@@ -51,10 +52,10 @@ def error(message: object) -> None:
     err.print(f"error: {line(message)}", markup=False, highlight=False, soft_wrap=True, style="bold red")
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
+def fail(message: str) -> NoReturn:
     """Options that exclude each other, or that cannot work together: one line and exit 2, as for click's own."""
     error(message)
-    raise typer.Exit(code)
+    raise typer.Exit(ExitCode.BAD_INPUT)
 
 
 class Terminated(KeyboardInterrupt):
@@ -65,8 +66,17 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+def _in_llama_log(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside llama.cpp's log callback (llama/log.inside_callback). Only a process that loaded
+    llama/log.py can be there: the CLI imports no llama.cpp for this (--help loads none)."""
+    log = sys.modules.get("clef_gguf.llama.log")
+    return log is not None and log.inside_callback(frame)
+
+
 _pending: list[int] = []  # a signal that arrived where raising would have been lost
-STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Windows has no SIGHUP, and its consoles stop a program with Ctrl+C (SIGINT) or Ctrl+Break (SIGBREAK); SIGTERM
+# there comes only from the program itself (TerminateProcess, taskkill /F, cannot be caught anywhere).
+STOPPING = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK") if hasattr(signal, name))
 # After a signal, the most a command takes to end: its cleanups (partial files removed, a model's compute in
 # progress awaited) take milliseconds to a second, a local Ray cluster's stop about 2 s (measured: decide --ray);
 # past this the command is stuck, and ends at once (the watchdog).
@@ -86,6 +96,7 @@ class _Stopping:
 
 
 _state = _Stopping()
+_wakeup_pair: list[socket.socket] = []  # the watchdog's write end, alive as long as the process
 
 
 def _end_now(signum: int) -> None:
@@ -97,15 +108,17 @@ def _end_now(signum: int) -> None:
         text = f"error: stopped by {signal.Signals(signum).name}; {_state.stopped}\n"
         with suppress(OSError):
             os.write(2, text.encode(errors="replace"))
-    os._exit(128 + signum)
+    os._exit(signalled(signum))
 
 
-def _watch(wakeup: int) -> None:
+def _watch(wakeup: socket.socket) -> None:
     """The watchdog thread: each byte on `wakeup` is a signal that arrived (signal.set_wakeup_fd)."""
     while True:
         try:
-            got = os.read(wakeup, 64)
+            got = wakeup.recv(64)
         except OSError:
+            return
+        if not got:  # (the write end closed: no signal can come any more)
             return
         for signum in got:
             if signum in STOPPING and (_state.active or _state.ending):
@@ -118,15 +131,17 @@ def end_on_signals() -> None:
     functions (a test): a watchdog ends the whole process."""
     if threading.current_thread() is not threading.main_thread():
         return
-    wakeup, tripped = os.pipe()
-    os.set_blocking(tripped, False)  # (set_wakeup_fd requires it: a full pipe must not block a signal handler)
-    signal.set_wakeup_fd(tripped, warn_on_full_buffer=False)
+    # A socket pair, not a pipe: Windows' set_wakeup_fd takes a socket (and a pipe cannot be made non-blocking there).
+    wakeup, tripped = socket.socketpair()
+    tripped.setblocking(False)  # (set_wakeup_fd requires it: a full buffer must not block a signal handler)
+    signal.set_wakeup_fd(tripped.fileno(), warn_on_full_buffer=False)
+    _wakeup_pair.append(tripped)  # (kept open: set_wakeup_fd holds its descriptor, not the socket object)
     threading.Thread(target=_watch, args=(wakeup,), name="clef-signal-watchdog", daemon=True).start()
 
 
 def raise_pending() -> None:
     """Raise a signal deferred by the handler, once Python runs outside llama.cpp again (progress calls this)."""
-    if _pending and not inside_callback():
+    if _pending and not _in_llama_log(sys._getframe()):
         raise Terminated(_pending[0])
 
 
@@ -148,7 +163,7 @@ def signals_clean_up(stopped: str = PARTIAL_REMOVED) -> Iterator[None]:
         for s in signals:  # a second signal must not interrupt the cleanup the first one started
             signal.signal(s, signal.SIG_IGN)
         _pending.append(signum)
-        if not inside_callback(frame):
+        if not _in_llama_log(frame):
             raise Terminated(signum)
 
     previous = {s: signal.signal(s, unwind) for s in signals}
@@ -193,4 +208,4 @@ def run(action: Callable[[], T], *, stopped: str = PARTIAL_REMOVED, signals: boo
         signum = getattr(e, "signum", signal.SIGINT)
         error(f"stopped by {signal.Signals(signum).name}; {stopped}")
         _state.said = True
-        raise typer.Exit(128 + signum) from None
+        raise typer.Exit(signalled(signum)) from None

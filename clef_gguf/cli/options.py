@@ -11,14 +11,14 @@ from typing import Annotated, Any, get_type_hints
 
 import typer
 
-from ..llama.plan import parse_size
-from ..settings import DataFiles, LoadOptions, LogFormat, ServeSettings, bounds_of, help_of
+from ..errors import SettingsError
+from ..settings import AdapterSet, DataFiles, LoadOptions, LogFormat, ServeSettings, body_limit, bounds_of, help_of, parse_size
 from .errors import fail
 
 
-def _load(name: str) -> Any:
-    """A load option's help and bounds, as its table (settings.LoadOptions) gives them."""
-    return {"help": help_of(LoadOptions, name), **bounds_of(LoadOptions, name)}
+def _load(name: str, table: type = LoadOptions) -> Any:
+    """A load option's help and bounds, as its table (settings.LoadOptions, or AdapterSet) gives them."""
+    return {"help": help_of(table, name), **bounds_of(table, name)}
 
 
 GpuLayers = Annotated[
@@ -70,12 +70,13 @@ Threads = Annotated[
 ]
 
 
-def _size(value: str | int) -> int:
+def size_flag(value: str | int) -> int:
+    """A SIZE flag's parser: 8GiB, 512MiB, or bytes (settings.parse_size); its default as it is."""
     if isinstance(value, int):  # the default, which click hands to the parser too
         return value
     try:
         return parse_size(value)
-    except ValueError as e:
+    except SettingsError as e:
         raise typer.BadParameter(str(e)) from None
 
 
@@ -85,7 +86,7 @@ def state_cache_option(default: str | None = None) -> Any:
     return typer.Option(
         "--state-cache",
         metavar="SIZE",
-        parser=_size,
+        parser=size_flag,
         help=text if default is None else text.rsplit(" Default:", 1)[0] + f" Default: {default}.",
         show_default=False,
     )
@@ -94,19 +95,17 @@ def state_cache_option(default: str | None = None) -> Any:
 MaxLineBytes = Annotated[
     int | None,
     typer.Option(
-        "--max-line-bytes", metavar="SIZE", parser=_size, help=help_of(DataFiles, "max_line_bytes"), show_default=False
+        "--max-line-bytes", metavar="SIZE", parser=size_flag, help=help_of(DataFiles, "max_line_bytes"), show_default=False
     ),
 ]
 
 
 def line_limit(max_line_bytes: int | None, max_prompt_tokens: int, mmproj: Path | None) -> int:
-    """--max-line-bytes, or the server's body limit for these settings (server/body.py)."""
+    """--max-line-bytes, or the server's body limit for these settings (settings.body_limit)."""
     if max_line_bytes is not None:
         if max_line_bytes < 1:
             fail("--max-line-bytes must be at least 1 byte")
         return max_line_bytes
-    from ..server.body import body_limit  # (here: --help does not load the server)
-
     return body_limit(max_prompt_tokens, mmproj is not None)
 
 
@@ -124,32 +123,27 @@ LogFormatOption = Annotated[
 ]
 
 
-# Many fine-tunes over one base (runtime/adapters.py).
+# Many fine-tunes over one base (settings.AdapterSet).
 AdapterPairs = Annotated[
     list[str] | None,
-    typer.Option("--adapter", metavar="NAME=FILE", help=help_of(LoadOptions, "adapters"), show_default=False),
+    typer.Option("--adapter", metavar="NAME=FILE", help=help_of(AdapterSet, "adapters"), show_default=False),
 ]
 AdapterDir = Annotated[
-    Path | None, typer.Option("--adapter-dir", help=help_of(LoadOptions, "adapter_dir"), show_default=False)
+    Path | None, typer.Option("--adapter-dir", help=help_of(AdapterSet, "adapter_dir"), show_default=False)
 ]
-MaxAdapters = Annotated[int, typer.Option("--max-adapters", **_load("max_adapters"))]
+MaxAdapters = Annotated[int, typer.Option("--max-adapters", **_load("max_adapters", AdapterSet))]
 AdapterMemory = Annotated[
     int | None,
     typer.Option(
-        "--adapter-memory", metavar="SIZE", parser=_size, help=help_of(LoadOptions, "adapter_memory"), show_default=False
+        "--adapter-memory", metavar="SIZE", parser=size_flag, help=help_of(AdapterSet, "adapter_memory"), show_default=False
     ),
 ]
 AdapterFile = Annotated[
     Path | None,
-    typer.Option(
-        "--adapter",
-        metavar="FILE",
-        help="A fine-tune over MODEL (an adapter file: convert CHECKPOINT --base RELEASE --adapter) that answers every request.",
-        show_default=False,
-    ),
+    typer.Option("--adapter", metavar="FILE", help=help_of(AdapterSet, "adapter"), show_default=False),
 ]
 
-BaseHead = Annotated[bool, typer.Option("--base-head", help=help_of(LoadOptions, "base_head"))]
+BaseHead = Annotated[bool, typer.Option("--base-head", help=help_of(AdapterSet, "base_head"))]
 
 
 def adapter_pairs(values: list[str] | None) -> dict[str, Path] | None:
@@ -218,3 +212,28 @@ class ModelFlags(LoadFlags):
     """LoadFlags and --adapter, a fine-tune over the model (eval, calibrate; compare takes one for each side)."""
 
     adapter: AdapterFile = None
+
+
+# The dataset mode on a Ray cluster (decide's JSON Lines, eval): cli/common.on_ray.
+OnRayOption = Annotated[
+    bool,
+    typer.Option("--ray", help="JSON Lines: decide on a Ray cluster (Ray Data), the same answers in order (docs/dataset.md)."),
+]
+WorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        min=1,
+        help="With --ray: actors, each loading the model (default: the cluster's CPUs / --threads).",
+        show_default=False,
+    ),
+]
+AddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--address",
+        envvar="RAY_ADDRESS",
+        help="With --ray: the Ray cluster to join (default: a local one, started and stopped here, on loopback).",
+        show_default=False,
+    ),
+]

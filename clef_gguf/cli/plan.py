@@ -1,21 +1,23 @@
-"""`clef-gguf plan`: the memory a model needs at a prompt limit, as a table or JSON."""
+"""`clef-gguf plan`: the memory a model needs at a prompt limit, as a table or JSON (llama.cpp measures it: imported
+when the command runs, so --help loads none)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..llama.plan import Plan, memory_plan, parse_size
-from ..llama.threads import default_threads, physical_threads
-from ..settings import LoadOptions
+from ..settings import LoadOptions, parse_size
 from .errors import line, run
 from .options import GpuLayers, Mmproj, Parallel, Threads, Ubatch, check_ubatch
+
+if TYPE_CHECKING:
+    from ..llama.plan import Plan
 
 MIB = 1 << 20
 
@@ -48,10 +50,14 @@ def plan(
     check_ubatch(ubatch, max_prompt_tokens)
 
     def work() -> Plan:  # (a --vram that is no size is the library's SettingsError: exit 2)
+        from ..llama.plan import memory_plan  # (here: a llama.cpp that cannot load is run's one line)
+
         size = parse_size(vram) if vram else None
         return memory_plan(model, max_prompt_tokens, n_gpu_layers, size, ubatch, mmproj, parallel, adapters or ())
 
     result = run(work)
+    from ..llama.threads import default_threads, physical_threads  # (loaded by now)
+
     threads = n_threads or default_threads()
     if as_json:
         typer.echo(json.dumps({**result.to_dict(), "threads": threads}, indent=2))

@@ -1,5 +1,6 @@
 """`clef-gguf eval`, `compare` and `calibrate`: a model's metrics on labelled data, what changing the file did to the
-decisions, and the softmax temperatures fitted. Thin over clef_gguf.quality; a progress bar per stage on a terminal."""
+decisions, and the softmax temperatures fitted. Thin over clef_gguf.quality, imported when a command runs (--help
+loads no llama.cpp); a progress bar per stage on a terminal."""
 
 from __future__ import annotations
 
@@ -12,15 +13,11 @@ from typing import Annotated, Any
 
 import typer
 
-from ..quality import calibrate as calibrating
-from ..quality import compare as comparing
-from ..quality import evaluate as evaluating
+from ..errors import ExitCode
 from ..quality.metrics import DEFAULT_TARGET_PRECISIONS
-from ..quality.report import metrics_table
-from .convert import run_with_progress
-from .decide import SOME_ERRORS, AddressOption, OnRayOption, WorkersOption, ray_scorer
+from .common import ray_scorer, run_with_progress
 from .errors import err, fail, say
-from .options import LoadFlags, ModelFlags, flag_groups
+from .options import AddressOption, LoadFlags, ModelFlags, OnRayOption, WorkersOption, flag_groups
 
 Data = Annotated[
     Path,
@@ -93,7 +90,7 @@ def _finish(errors: list[str]) -> None:
         say(f"not counted: {line}")
     if len(errors) > 20:
         say(f"... and {len(errors) - 20} more lines not counted")
-    raise typer.Exit(SOME_ERRORS if errors else 0)
+    raise typer.Exit(ExitCode.SOME_ERRORS if errors else ExitCode.OK)
 
 
 def _work(
@@ -123,6 +120,9 @@ def eval_(
     same result (docs/dataset.md)."""
     if cluster.workers is not None and not cluster.ray:
         fail("--workers is for --ray")
+    from ..quality import evaluate as evaluating
+    from ..quality.report import metrics_table
+
     on = {"score": ray_scorer(cluster.address, cluster.workers)} if cluster.ray else {}
     chosen = {"out_dir": reports.out, "force": reports.force, **on}
     result = _work(evaluating.evaluate, (model_path, data), reports.target_precision, load, **chosen)
@@ -154,6 +154,8 @@ def compare(
     models are loaded one after the other, so that the two never take memory together."""
     if str(data) == "-":  # (each model reads DATA in turn)
         fail("compare reads DATA once per model: give a file, not - (stdin)")
+    from ..quality import compare as comparing
+
     chosen = {"out_dir": reports.out, "force": reports.force, "adapter_a": adapter_a, "adapter_b": adapter_b}
     result = _work(comparing.compare, (model_a, model_b, data), reports.target_precision, load, **chosen)
     typer.echo(json.dumps(result, indent=2) if reports.json_output else comparing.report_markdown(result))
@@ -181,6 +183,8 @@ def calibrate(
     and write MODEL with them as OUT: its tensor data byte for byte, llama-server and clef-gguf apply them alike.
     Prints the temperatures, and NLL, ECE and auto-decide coverage before and after (--holdout: on records kept
     out of the fit)."""
+    from ..quality import calibrate as calibrating
+
     fit = {"holdout_fraction": _holdout(holdout), "force": force}
     result = _work(calibrating.calibrate, (model_path, data, out), target_precision, load, **fit)
     typer.echo(json.dumps(result, indent=2) if json_output else calibrating.report_markdown(result))

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..settings import API_KEY_ENV, HttpLimits, LoadOptions, RayScale, ServeSettings, bounds_of, help_of
+from ..settings import (
+    API_KEY_ENV,
+    AdapterSet,
+    HttpLimits,
+    LoadOptions,
+    ModelSpec,
+    RayScale,
+    ServeSettings,
+    body_limit,
+    bounds_of,
+    help_of,
+)
 from .errors import fail, run
 from .options import (
     AdapterDir,
@@ -23,9 +33,9 @@ from .options import (
     Mmproj,
     Parallel,
     Ubatch,
-    _size,
     adapter_pairs,
     check_ubatch,
+    size_flag,
     state_cache_option,
 )
 
@@ -62,12 +72,12 @@ def _ray(name: str, **option: object) -> typer.models.OptionInfo:
 MaxBodyBuffer = Annotated[
     int,
     typer.Option(
-        "--max-body-buffer", metavar="SIZE", parser=_size, help=help_of(HttpLimits, "max_body_buffer"), show_default=False
+        "--max-body-buffer", metavar="SIZE", parser=size_flag, help=help_of(HttpLimits, "max_body_buffer"), show_default=False
     ),
 ]
 ApiKeyOption = Annotated[str | None, _serve("api_key", envvar=API_KEY_ENV, callback=_api_key)]
 NThreadsOption = Annotated[int | None, typer.Option("--threads", help=help_of(LoadOptions, "n_threads"), show_default=False)]
-OnRayOption = Annotated[
+ServeOnRayOption = Annotated[
     bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
 ]
 D, H = ServeSettings, HttpLimits  # (the defaults below)
@@ -76,8 +86,6 @@ D, H = ServeSettings, HttpLimits  # (the defaults below)
 def _http_limits(max_prompt_tokens: int, images: bool, limits: HttpLimits) -> HttpLimits:
     """`limits`, unless its body buffer is under the body limit (no largest body could be read): refused before the
     model loads."""
-    from ..server.body import body_limit
-
     if limits.max_body_buffer < (cap := body_limit(max_prompt_tokens, images)):
         fail(f"--max-body-buffer ({limits.max_body_buffer} bytes) is under the body limit ({cap} bytes): raise it or lower --ctx")
     return limits
@@ -108,10 +116,10 @@ def serve(
     mmproj: Mmproj = LoadOptions.mmproj,  # type: ignore[assignment]
     adapter: AdapterPairs = None,
     adapter_dir: AdapterDir = None,
-    max_adapters: MaxAdapters = LoadOptions.max_adapters,
-    adapter_memory: AdapterMemory = LoadOptions.adapter_memory,
-    base_head: BaseHead = LoadOptions.base_head,
-    on_ray: OnRayOption = False,
+    max_adapters: MaxAdapters = AdapterSet.max_adapters,
+    adapter_memory: AdapterMemory = AdapterSet.adapter_memory,
+    base_head: BaseHead = AdapterSet.base_head,
+    on_ray: ServeOnRayOption = False,
     replicas: Annotated[int | None, _ray("replicas")] = RayScale.replicas,
     autoscale: Annotated[str | None, _ray("autoscale", metavar="MIN:MAX")] = RayScale.autoscale,
     gpus_per_replica: Annotated[float, _ray("gpus")] = RayScale.gpus,
@@ -127,14 +135,14 @@ def serve(
     limits = _http_limits(max_prompt_tokens, mmproj is not None, HttpLimits(**http, max_body_readers=max_body_readers))
     settings = ServeSettings(host, port, api_key, max_queue, drain_timeout, limits, log_format, ui)
     options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, state_cache, mmproj)
-    many = {"adapters": adapter_pairs(adapter), "adapter_dir": adapter_dir}
-    options = replace(options, **many, max_adapters=max_adapters, adapter_memory=adapter_memory, base_head=base_head)
+    adapter_set = AdapterSet(adapter_pairs(adapter), adapter_dir, max_adapters, adapter_memory, base_head)
+    spec = ModelSpec(model, options, adapter_set)
     if on_ray:
         if replicas is not None and autoscale is not None:
             fail("--replicas and --autoscale exclude each other")
         scale = RayScale(replicas=replicas, autoscale=autoscale, gpus=gpus_per_replica, address=ray_address)
-        run(lambda: serve_on_ray(model, settings, options, scale), signals=False)  # (it drains at SIGTERM)
+        run(lambda: serve_on_ray(spec, settings, scale), signals=False)  # (it drains at SIGTERM)
     elif replicas is not None or autoscale is not None:
         fail("--replicas and --autoscale need --ray")
     else:
-        run(lambda: serve_file(model, settings, options), signals=False)  # (the server drains at SIGTERM)
+        run(lambda: serve_file(spec, settings), signals=False)  # (the server drains at SIGTERM)

@@ -7,9 +7,9 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from ..check.adapter_pair import AdapterPairReport, validate_adapter_pair
-from ..check.pair import PairReport, validate_pair
-from ..check.report import Report
+from ..check.adapter_pair import validate_adapter_pair
+from ..check.pair import validate_pair
+from ..check.report import PairReport, Report
 from ..check.validate import validate as validate_file
 from .errors import fail, line, run
 
@@ -31,7 +31,7 @@ def _print_report(report: Report) -> None:
         typer.echo(f"  read {read}{deep} of a {report.file_size}-byte file in {report.seconds:.3f} s")
 
 
-def _show(verdict: Report | PairReport | AdapterPairReport, as_json: bool, *reports: Report) -> NoReturn:
+def _show(verdict: Report | PairReport, as_json: bool, *reports: Report) -> NoReturn:
     """The verdict as JSON, or in lines: a file's report, or a pair's two reports and the pairing; exits with its code."""
     if as_json:
         typer.echo(json.dumps(verdict.to_dict(), indent=2))
@@ -95,10 +95,10 @@ def validate(
         if mmproj is not None or sha256 is not None:
             fail("--adapter checks a base and an adapter: validate --mmproj and --sha256 separately")
         adapted = run(lambda: validate_adapter_pair(source, adapter, deep=deep))
-        _show(adapted, as_json, adapted.base, adapted.adapter)
+        _show(adapted, as_json, adapted.first, adapted.second)
     if mmproj is None:
         _show(run(lambda: validate_file(source, deep=deep, sha256=sha256)), as_json)
     if sha256 is not None:
         fail("--sha256 checks one file: validate the model and the mmproj separately")
     pair = run(lambda: validate_pair(source, mmproj, deep=deep))
-    _show(pair, as_json, pair.model, pair.mmproj)
+    _show(pair, as_json, pair.first, pair.second)

@@ -1,4 +1,4 @@
-"""A clef-finetune checkpoint -> a Clef adapter file over its base release (`convert CHECKPOINT --base R --adapter`).
+"""A clef-finetune checkpoint -> a Clef adapter file over its base release (`convert CHECKPOINT --base R --to-adapter`).
 
 Instead of merging the LoRA (lora.py), its pairs are written in llama.cpp's adapter layout (format/adapter.py):
 each lora_A / lora_B follows the layout transform its weight follows in a model file (convert.apply_transform: a
@@ -126,7 +126,7 @@ def lora_pairs(tuned: Release, config: dict, alpha: float) -> list[LoraPair]:
         if target is None or target.gguf not in adaptable:
             raise ConversionError(
                 f"the adapter adapts {hf}, which llama.cpp applies no LoRA to in a Clef model (only the layers' "
-                "attention, linear attention and MLP projections): convert without --adapter to merge it"
+                "attention, linear attention and MLP projections): convert without --to-adapter to merge it"
             )
         lora = module_lora(config, hf.removesuffix(".weight"))
         factor = lora.alpha / alpha * (math.sqrt(lora.r) if config.get("use_rslora") else 1.0)

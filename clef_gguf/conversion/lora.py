@@ -189,7 +189,8 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
 def _adapter_config(adapter: Path) -> dict[str, Any]:
     path = adapter / ADAPTER_CONFIG
     if not path.exists() and not path.is_symlink():
-        raise ReleaseError(f"{adapter.parent.name}: {ADAPTER_DIR}/{ADAPTER_CONFIG} is missing: not a clef-finetune checkpoint")
+        where = path.relative_to(adapter.parent)  # (in the system's form: adapter\adapter_config.json on Windows)
+        raise ReleaseError(f"{adapter.parent.name}: {where} is missing: not a clef-finetune checkpoint")
     return read_adapter_config(path)
 
 
@@ -218,7 +219,7 @@ def _lora_pairs(adapter: Path) -> dict[str, dict[str, StoredTensor]]:
     path = adapter / ADAPTER_WEIGHTS
     if not path.is_file():
         raise ReleaseError(
-            f"{adapter.parent.name}: {ADAPTER_DIR}/{ADAPTER_WEIGHTS} is missing (a .bin adapter: save it as safetensors)"
+            f"{adapter.parent.name}: {path.relative_to(adapter.parent)} is missing (a .bin adapter: save it as safetensors)"
         )
     pairs: dict[str, dict[str, StoredTensor]] = {}
     for key, tensor in read_safetensors_index(path).items():

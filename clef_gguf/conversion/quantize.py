@@ -16,27 +16,27 @@ import numpy as np
 
 from ..errors import ConversionError
 from ..format.header import GGUFFile
-from ..llama import llama_cpp as L
-from ..llama import log as llama_log
 from .writer import Progress
 
-# --type name -> llama_ftype. Types that need an importance matrix (IQ1/IQ2/IQ3) are left out.
-LLAMA_FILE_TYPES: dict[str, int] = {
-    "q4_k_m": L.LLAMA_FTYPE_MOSTLY_Q4_K_M,
-    "q4_k_s": L.LLAMA_FTYPE_MOSTLY_Q4_K_S,
-    "q5_k_m": L.LLAMA_FTYPE_MOSTLY_Q5_K_M,
-    "q5_k_s": L.LLAMA_FTYPE_MOSTLY_Q5_K_S,
-    "q6_k": L.LLAMA_FTYPE_MOSTLY_Q6_K,
-    "q3_k_m": L.LLAMA_FTYPE_MOSTLY_Q3_K_M,
-    "q3_k_l": L.LLAMA_FTYPE_MOSTLY_Q3_K_L,
-    "q2_k": L.LLAMA_FTYPE_MOSTLY_Q2_K,
-    "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0,
-    "q4_1": L.LLAMA_FTYPE_MOSTLY_Q4_1,
-    "q5_0": L.LLAMA_FTYPE_MOSTLY_Q5_0,
-    "q5_1": L.LLAMA_FTYPE_MOSTLY_Q5_1,
-    "iq4_nl": L.LLAMA_FTYPE_MOSTLY_IQ4_NL,
-    "iq4_xs": L.LLAMA_FTYPE_MOSTLY_IQ4_XS,
-}
+# --type names of llama.cpp's quantizations, each llama_ftype constant LLAMA_FTYPE_MOSTLY_<NAME>, looked up when a file
+# is quantized: naming them (convert --help) loads no llama.cpp. Types that need an importance matrix (IQ1/IQ2/IQ3) are
+# left out.
+LLAMA_FILE_TYPES = (
+    "q4_k_m",
+    "q4_k_s",
+    "q5_k_m",
+    "q5_k_s",
+    "q6_k",
+    "q3_k_m",
+    "q3_k_l",
+    "q2_k",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "iq4_nl",
+    "iq4_xs",
+)
 # Bytes per weight, roughly, to check free disk space before starting.
 APPROX_BYTES_PER_WEIGHT = {"q2_k": 0.35, "q3_k_m": 0.45, "q3_k_l": 0.5, "q6_k": 0.82}
 _PROGRESS_LINE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
@@ -76,8 +76,11 @@ def load_imatrix(path: Path) -> dict[str, np.ndarray]:
 
 def quantize(src: Path, dst: Path, file_type: str, imatrix: Path | None = None, progress: Progress | None = None) -> None:
     """Quantize the qwen35 GGUF `src` into `dst` with llama.cpp."""
+    from ..llama import llama_cpp as L
+    from ..llama import log as llama_log
+
     params = L.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FILE_TYPES[file_type]
+    params.ftype = getattr(L, f"LLAMA_FTYPE_MOSTLY_{file_type.upper()}")
     params.nthread = os.cpu_count() or 1
     keep_alive: list[object] = []
     if imatrix is not None:

@@ -200,8 +200,9 @@ def layer_types(text_config: dict[str, Any]) -> list[str]:
 
 
 def _looks_local(source: str) -> bool:
-    """A path, not a Hub id: it starts with ./, ../, / or ~, or holds the system's own separator (Windows')."""
-    return source.startswith(("./", "../", "/", "~")) or (os.sep != "/" and os.sep in source)
+    """A path, not a Hub id: it starts with ./, ../, / or ~, holds the system's own separator (Windows') or a colon
+    (a drive, C:/models/base: a Hub id has none)."""
+    return source.startswith(("./", "../", "/", "~")) or (os.sep != "/" and os.sep in source) or ":" in source
 
 
 def resolve(source: str) -> Path:

@@ -33,9 +33,8 @@ import numpy as np
 from ..errors import ComputeError, ModelFileError, PromptTooLongError, SettingsError
 from ..format.header import GGUFFile
 from ..settings import MAX_PARALLEL
-from . import cpu_buffers
+from . import loader
 from . import log as llama_log
-from .qwen35_view import open_qwen35_view, view_tensor_names
 from .rows import RowTable
 from .threads import default_threads
 
@@ -64,18 +63,7 @@ def load_model(
     params.no_alloc = no_alloc
     if n_gpu_layers == 0:
         params.devices = ctypes.cast(_NO_DEVICES, ctypes.c_void_p)
-    params.load_mode = L.LLAMA_LOAD_MODE_NONE  # a FILE* from fopencookie cannot be mmapped
-    tensors = {n: f.header.tensors[n] for n in view_tensor_names(f, lean)}
-    cpu_buffers.placement(tensors, n_gpu_layers=n_gpu_layers).apply(params)  # never AMX: it segfaults
-    view = open_qwen35_view(f, lean)
-    try:
-        llama_log.clear_errors()
-        model = L.llama_model_load_from_file_ptr(view.fp, params)
-    finally:
-        view.close()
-    if not model:
-        raise ModelFileError(f"llama.cpp could not load the backbone of {f.path.name}: {llama_log.last_error('no reason given')}")
-    return model
+    return loader.load_model(f, lean, params)  # by the route CLEF_GGUF_LOADER picks, the CPU weights placed there
 
 
 # Vocabulary's memo of tokenized pieces: how many, and the longest piece it keeps (a state is usually longer).

@@ -7,7 +7,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-# libggml-<name>.so beside libllama.so: the backends llama-cpp-python was built with.
+# libggml-<name>.so beside libllama.so (libggml-<name>.dylib on macOS, ggml-<name>.dll on Windows): the backends
+# llama-cpp-python was built with.
 DEVICE_BACKENDS = {"cuda": "CUDA", "vulkan": "Vulkan", "metal": "Metal", "hip": "ROCm", "sycl": "SYCL"}
 CPU_REINSTALL = (
     "pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36, then pip install --force-reinstall "
@@ -27,7 +28,7 @@ def built_backends() -> list[str]:
     folder = library_folder()
     if folder is None:
         return []
-    return [label for name, label in DEVICE_BACKENDS.items() if any(folder.glob(f"libggml-{name}.so*"))]
+    return [label for name, label in DEVICE_BACKENDS.items() if any(folder.glob(f"*ggml-{name}.*"))]
 
 
 def explain_load_failure(error: Exception) -> str:

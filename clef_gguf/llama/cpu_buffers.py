@@ -14,6 +14,8 @@ ggml_backend_amx_mul_mat on the first decode of a Q8_0 or K-quant model
     11-26% slower (tools/bench/bench_cpu_repack.py, README), so it is not the default there.
   * AMX present and layers offloaded to a GPU: extra types off and no overrides (an
     override would pin a layer to the CPU).
+  * the portable loader (llama/loader.py), whose llama_model_init_from_user ignores
+    use_extra_bufts: CPU_REPACK by overrides, as with AMX (by_override=True).
 
 The native head keeps its weights in the CPU's default buffer type: never AMX.
 """
@@ -86,16 +88,20 @@ def _patterns(names: list[str]) -> list[str]:
     return patterns + [f"^{re.escape(name)}$" for name in singles]
 
 
-def placement(tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repack: bool | None = None) -> Placement:
+def placement(
+    tensors: Mapping[str, TensorInfo], *, n_gpu_layers: int = 0, repack: bool | None = None, by_override: bool = False
+) -> Placement:
     """How llama.cpp may place the CPU weights among `tensors` (the model it loads, as llama_model_params.n_gpu_layers).
 
     repack: whether CPU_REPACK may hold weights; None is the measured default (yes without AMX, no with it).
+    by_override: llama.cpp ignores use_extra_bufts (llama_model_init_from_user turns it off): CPU_REPACK by overrides
+    alone, as where AMX is present (with layers offloaded, then no CPU_REPACK at all).
     """
     offload = n_gpu_layers != 0 and bool(L.llama_supports_gpu_offload())
     available = extra_buffer_types()
     if repack is None:
         repack = AMX not in available
-    if AMX not in available:
+    if AMX not in available and not by_override:
         chosen = Placement(use_extra_bufts=repack)
     elif offload or not repack or REPACK not in available:
         chosen = Placement(use_extra_bufts=False)

@@ -3,7 +3,8 @@
 An adapter belongs to the llama.cpp model and a context applies a set of them to every token of a ubatch
 (`build_lora_mm`: W x + scale B (A x), scale = alpha / rank per pair, src/llama-graph.cpp of 0.3.36's llama.cpp).
 A Clef adapter file is shown to llama.cpp through a qwen35 view of its LoRA pairs (qwen35_view.open_adapter_view),
-as the model itself is. The context holds at most one adapter at a time here: a batch is one model's.
+as the model itself is, by the same route (llama/loader.py). The context holds at most one adapter at a time here:
+a batch is one model's.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import llama_cpp as L
 
 from ..errors import ModelFileError
 from ..format.header import GGUFFile
+from . import loader
 from . import log as llama_log
-from .qwen35_view import open_adapter_view
 
 Handle = Any  # a llama_adapter_lora * (llama-cpp-python's ctypes pointer)
 
@@ -26,12 +27,7 @@ def load_lora(model: L.llama_model_p, f: GGUFFile) -> Handle:
 
     The view reads `f.path` again: the runtime passes a private copy of one version of the adapter (runtime/
     adapter_files.py), never a file another process may rewrite, so that the LoRA is the bytes validated."""
-    view = open_adapter_view(f)
-    try:
-        llama_log.clear_errors()
-        handle = L.llama_adapter_lora_init_from_file_ptr(model, view.fp)
-    finally:
-        view.close()
+    handle = loader.load_adapter(model, f)  # by the backbone's route (llama/loader.py)
     if not handle:
         raise ModelFileError(f"llama.cpp could not load the LoRA of {f.path.name}: {llama_log.last_error('no reason given')}")
     return handle

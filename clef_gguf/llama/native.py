@@ -7,6 +7,8 @@ and, as its dependencies, llama_cpp/lib/libggml.so.0 and libggml-base.so.0. The 
 loader then resolves libclef_head's own dependencies (the same sonames) to those very
 objects; its RUNPATH ($ORIGIN/../../llama_cpp/lib) names the same files should it ever
 be loaded first. One ggml, one backend registry: the head finds the GPU llama.cpp uses.
+The same holds on macOS (install names, @loader_path) and on Windows, where a DLL already
+loaded (ggml.dll, by llama_cpp) is the one a later DLL's import of that name gets.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import llama_cpp  # noqa: F401  (loads llama.cpp's ggml before libclef_head asks
 
 from ..errors import ModelFileError
 
-LIBRARY_NAME = "libclef_head.so"
+# The file CMake makes of the clef_head target on each platform (CMakeLists.txt: no "lib" prefix on Windows, for
+# MSVC and MinGW alike).
+LIBRARY_NAMES = {"win32": "clef_head.dll", "darwin": "libclef_head.dylib"}
+LIBRARY_NAME = LIBRARY_NAMES.get(sys.platform, "libclef_head.so")
 ENV_LIBRARY = "CLEF_GGUF_NATIVE_LIB"  # a development build, instead of the installed one
 _i32p = ctypes.POINTER(ctypes.c_int32)
 _f32p = ctypes.POINTER(ctypes.c_float)

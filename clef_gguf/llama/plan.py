@@ -31,6 +31,7 @@ from ..format import hparams
 from ..format import vision as V
 from ..format.adapter import lora_target
 from ..format.header import GGUFFile
+from ..format.sizes import adapter_head_bytes, head_bytes
 from ..settings import LoadOptions, default_ubatch
 from . import log as llama_log
 from .backbone import MAX_UBATCH, context_params, load_model
@@ -144,31 +145,6 @@ def _on_device(name: str, n_layer: int, offloaded: int) -> bool:
     return name == "output_norm.weight" and offloaded > n_layer
 
 
-def _head_bytes(f: GGUFFile) -> int:
-    """The native head's weights in their stored types, plus the F32 transposed key weight of each
-    attention over the prompt (one per routing block and joint layer, width x width)."""
-    tensors = f.header.tensors
-    weights = sum(t.n_bytes for n, t in tensors.items() if C.is_head_tensor(n))
-    if not weights:
-        return 0
-    config = hparams.head_config(f.header, f.path.name)
-    return weights + (config.routing_layers + config.layers) * config.width * config.width * 4
-
-
-def lora_bytes(adapter: GGUFFile) -> int:
-    """An adapter file's LoRA pairs, in their stored types (what llama.cpp copies into its LoRA buffers)."""
-    return sum(t.n_bytes for n, t in adapter.header.tensors.items() if lora_target(n))
-
-
-def adapter_head_bytes(base: GGUFFile, adapter: GGUFFile) -> int:
-    """The whole head an adapter is served with (a head of its own in libclef_head): its head tensors where it has
-    them, else the base's, plus the F32 transposed keys, as _head_bytes counts them."""
-    tensors = {n: t for n, t in base.header.tensors.items() if C.is_head_tensor(n)}
-    tensors |= {n: t for n, t in adapter.header.tensors.items() if C.is_head_tensor(n)}
-    config = hparams.head_config(base.header, base.path.name)
-    return sum(t.n_bytes for t in tensors.values()) + (config.routing_layers + config.layers) * config.width**2 * 4
-
-
 # llama.cpp allocates each LoRA tensor in a buffer of its base weight's type, rounded up to the buffer's alignment
 # (ggml_backend_buft_get_alignment: 32 bytes on the CPU, 128 or less on the GPU backends).
 LORA_ALIGNMENT = 32
@@ -182,7 +158,8 @@ def adapter_cost(base: GGUFFile, path: str | Path, n_layer: int, offloaded: int)
     adapter = GGUFFile.read(path)  # (read once, not mapped: another process may change the file meanwhile)
     try:
         if not is_adapter(adapter.header):
-            raise NotADecisionModelError(f"{path} is not an adapter file (convert CHECKPOINT --base RELEASE --adapter makes one)")
+            why = "convert CHECKPOINT --base RELEASE --to-adapter makes one"
+            raise NotADecisionModelError(f"{path} is not an adapter file ({why})")
         require_adapter(base, adapter.header, str(path))
         lora = [0, 0]  # device, host
         for name, t in adapter.header.tensors.items():
@@ -211,7 +188,7 @@ def _lines(
             weights_device += t.n_bytes
         else:
             weights_host += t.n_bytes
-    head = _head_bytes(f)
+    head = head_bytes(f)
     identity = shape.n_embd * lean_vocab(f) * 4
 
     def split(total_mib: float, layers: list[int]) -> tuple[int, int]:
@@ -341,11 +318,3 @@ def _largest_fitting(device_bytes, vram: int, limit: int, step: int = 256) -> in
         else:
             high = mid - 1
     return low * step
-
-
-def parse_size(text: str) -> int:
-    """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise SettingsError(f"not a size: {text!r} (try 8GiB)")
-    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))

@@ -1,23 +1,22 @@
-"""A plain `qwen35` GGUF, seen through a FILE*, over the backbone of a Clef file.
+"""A plain `qwen35` GGUF, seen by llama.cpp, over the backbone of a Clef file.
 
 Stock llama.cpp refuses the `clef` architecture and any tensor it does not create.
-It does accept a `FILE*` (llama_model_load_from_file_ptr). So the runtime hands it
-a virtual file: a synthesized qwen35 header (the Clef file's tokenizer keys copied
-byte for byte, `clef.*` hyperparameters renamed `qwen35.*`, the backbone's tensor
-infos with offsets of a virtual data section) followed by that data section, whose
-reads are mapped to the extents of the file where each tensor's bytes really are.
-Tensor order is not part of the format (llama.cpp's converter and its quantizer
+So the runtime shows it a view (View): a synthesized qwen35 header (the Clef file's
+tokenizer keys copied byte for byte, `clef.*` hyperparameters renamed `qwen35.*`, the
+backbone's tensor infos with offsets of a virtual data section) followed by that data
+section, whose reads are mapped to the extents of the file where each tensor's bytes
+really are. Tensor order is not part of the format (llama.cpp's converter and its quantizer
 order differently): any order works, and the head's bytes are never read.
 
-The FILE* is glibc's fopencookie with read/seek callbacks: no second copy of the
-weights on disk, no patched llama.cpp. Its price: llama.cpp cannot mmap it, so it
-reads the weights into its own buffers (measured in the README).
+This module is the view alone, plain Python on any platform: no second copy of the weights
+on disk, no patched llama.cpp. How llama.cpp reads it (a glibc cookie FILE*, or a model
+initialized from the header with a callback that fills each tensor) is llama/loader.py's
+choice. Either way llama.cpp cannot mmap it and reads the weights into its own buffers.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
 import struct
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGUFValueType, Keys
 
-from ..errors import ModelFileError
 from ..format import adapter as A
 from ..format import contract as C
 from ..format.header import GGUF_MAGIC, GGUFFile
@@ -162,72 +160,47 @@ def qwen35_header(f: GGUFFile, extents: list[Extent], lean: bool = False) -> byt
     return header + bytes(-len(header) % h.alignment)
 
 
-# --- glibc fopencookie through ctypes ---------------------------------------------------------------------
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-_READ = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_WRITE = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_SEEK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int)
-_CLOSE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+class View:
+    """`header`, then a data section laid out by `extents`: the bytes llama.cpp is shown, read on demand.
 
-
-class _CookieIO(ctypes.Structure):
-    _fields_ = [("read", _READ), ("write", _WRITE), ("seek", _SEEK), ("close", _CLOSE)]
-
-
-_libc.fopencookie.restype = ctypes.c_void_p
-_libc.fopencookie.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CookieIO]
-_libc.fclose.argtypes = [ctypes.c_void_p]
-_libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
-_IOFBF = 0
-_BUFFER = 1 << 20  # fewer, larger callbacks while llama.cpp parses the header
-
-
-class VirtualFile:
-    """`header`, then a data section laid out by `extents`, as a read-only FILE*.
-
-    Each extent's bytes come from [data_offset + extent.offset, + extent.size) of the file
-    at `path`; the padding between extents reads as zeros.
+    Each extent's bytes come from [data_offset + extent.offset, + extent.size) of the file at `path`; the padding
+    between extents reads as zeros. Plain Python on an ordinary file object: the same on every platform
+    (llama/loader.py hands it to llama.cpp by one route or another). Not thread-safe: one reader at a time.
     """
 
     def __init__(self, header: bytes, path: os.PathLike[str] | str, data_offset: int, extents: list[Extent]) -> None:
-        self._header = header
-        self._extents = extents
+        self.header = header
+        self.extents = {e.name: e for e in extents}
+        self._ordered = extents
         self._starts = [e.start for e in extents]
-        self._fd = os.open(path, os.O_RDONLY)
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
         self._data_offset = data_offset
         last = extents[-1] if extents else None
         self.size = len(header) + (last.start + last.size if last else 0)
-        self._pos = 0
-        # Keep the callbacks referenced for as long as the FILE* lives.
-        self._io = _CookieIO(_READ(self._read), _WRITE(lambda *_: -1), _SEEK(self._seek), _CLOSE(lambda _: 0))
-        self.fp = _libc.fopencookie(None, b"rb", self._io)
-        if not self.fp:
-            os.close(self._fd)
-            raise ModelFileError(f"fopencookie failed (errno {ctypes.get_errno()})")
-        _libc.setvbuf(self.fp, None, _IOFBF, _BUFFER)
 
     def _fill(self, out: memoryview, pos: int) -> int:
         """Bytes of the view at `pos` into `out`, up to the end of the current extent or gap."""
-        if pos < len(self._header):
-            n = min(len(out), len(self._header) - pos)
-            out[:n] = self._header[pos : pos + n]
+        if pos < len(self.header):
+            n = min(len(out), len(self.header) - pos)
+            out[:n] = self.header[pos : pos + n]
             return n
-        data_pos = pos - len(self._header)
+        data_pos = pos - len(self.header)
         i = bisect.bisect_right(self._starts, data_pos) - 1
-        e = self._extents[i] if i >= 0 else None
+        e = self._ordered[i] if i >= 0 else None
         if e is not None and data_pos < e.start + e.size:
             n = min(len(out), e.start + e.size - data_pos)
             if e.identity:
                 e.made_up(data_pos - e.start, out[:n])
                 return n
-            return os.preadv(self._fd, [out[:n]], self._data_offset + e.offset + data_pos - e.start)
-        following = self._starts[i + 1] if i + 1 < len(self._starts) else self.size - len(self._header)
+            self._file.seek(self._data_offset + e.offset + data_pos - e.start)
+            return self._file.readinto(out[:n]) or 0  # 0 past the end of a file cut short
+        following = self._starts[i + 1] if i + 1 < len(self._starts) else self.size - len(self.header)
         n = min(len(out), following - data_pos)
         out[:n] = bytes(n)
         return n
 
     def readinto(self, out: memoryview, pos: int) -> int:
-        """Up to len(out) bytes of the view from `pos`; fewer only at its end."""
+        """Up to len(out) bytes of the view from `pos`; fewer only at its end (or a file cut short)."""
         done, end = 0, min(len(out), self.size - pos)
         while done < end:
             n = self._fill(out[done:end], pos + done)
@@ -236,35 +209,22 @@ class VirtualFile:
             done += n
         return done
 
-    def _read(self, _cookie: int, buf: int, size: int) -> int:
-        try:
-            done = self.readinto(memoryview((ctypes.c_char * size).from_address(buf)).cast("B"), self._pos)
-            self._pos += done
-            return done
-        except Exception:  # an exception must not cross into C: report an I/O error instead
-            return -1
-
-    def _seek(self, _cookie: int, offset: ctypes._Pointer, whence: int) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}.get(whence)
-        if base is None or base + offset[0] < 0:
-            return -1
-        self._pos = base + offset[0]
-        offset[0] = self._pos
-        return 0
-
     def close(self) -> None:
-        if self.fp:
-            _libc.fclose(self.fp)
-            self.fp = None
-            os.close(self._fd)
+        self._file.close()
+
+    def __enter__(self) -> View:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
-def open_qwen35_view(f: GGUFFile, lean: bool = False) -> VirtualFile:
+def open_qwen35_view(f: GGUFFile, lean: bool = False) -> View:
     extents = _extents(f, view_tensor_names(f, lean), lean)
-    return VirtualFile(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents)
+    return View(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents)
 
 
-def open_adapter_view(f: GGUFFile) -> VirtualFile:
+def open_adapter_view(f: GGUFFile) -> View:
     """A Clef adapter file seen as a qwen35 LoRA adapter: llama.cpp's loader wants the model's architecture and
     no tensor but `<weight>.lora_a` / `.lora_b`, so the view shows the file's adapter keys and LoRA pairs alone
     (its head and decision keys stay behind, for the native head and the runtime)."""
@@ -281,16 +241,18 @@ def open_adapter_view(f: GGUFFile) -> VirtualFile:
         start += -(-t.n_bytes // h.alignment) * h.alignment
     infos = [_pack_tensor_info(e.name, h.tensors[e.name].dims, h.tensors[e.name].type, e.start) for e in extents]
     header = GGUF_MAGIC + struct.pack("<IQQ", 3, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
-    return VirtualFile(header + bytes(-len(header) % h.alignment), f.path, h.data_offset, extents)
+    return View(header + bytes(-len(header) % h.alignment), f.path, h.data_offset, extents)
+
+
+def write_view(view: View, out: os.PathLike[str] | str) -> None:
+    """Write what a view shows as a real GGUF file."""
+    buffer = bytearray(min(64 << 20, view.size))  # chunks of at most 64 MiB
+    with open(out, "wb") as dst:
+        for pos in range(0, view.size, len(buffer)):
+            dst.write(buffer[: view.readinto(memoryview(buffer), pos)])
 
 
 def write_backbone_gguf(f: GGUFFile, out: os.PathLike[str] | str) -> None:
     """Write the backbone alone as a plain qwen35 GGUF (what the full view shows llama.cpp)."""
-    view = open_qwen35_view(f)
-    buffer = bytearray(min(64 << 20, view.size))  # chunks of at most 64 MiB
-    try:
-        with open(out, "wb") as dst:
-            for pos in range(0, view.size, len(buffer)):
-                dst.write(buffer[: view.readinto(memoryview(buffer), pos)])
-    finally:
-        view.close()
+    with open_qwen35_view(f) as view:
+        write_view(view, out)

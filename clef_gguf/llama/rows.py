@@ -8,6 +8,7 @@ values llama.cpp's get_rows would, for every type, in one call per gather.
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import llama_cpp
@@ -30,8 +31,10 @@ class _TypeTraits(ctypes.Structure):
     ]
 
 
-# The file libllama links (its soname), so that this is the ggml already in the process, not a second copy.
-_ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
+# The file libllama links (its soname; on macOS its install name, on Windows its DLL name), so that this is the ggml
+# already in the process, not a second copy: a wheel holds copies, not links, of libggml-base.so and .so.0.
+GGML_BASE = {"win32": "ggml-base.dll", "darwin": "libggml-base.0.dylib"}.get(sys.platform, "libggml-base.so.0")
+_ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / GGML_BASE))
 _ggml.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
 _ggml.ggml_get_type_traits.argtypes = [ctypes.c_int]
 _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)

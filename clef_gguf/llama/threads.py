@@ -11,6 +11,8 @@ oversubscription: beside one spinning neighbour, eval on 2 threads of a 2-CPU ma
 long as on 1 (docs/benchmarks.md, "Threads beside a busy neighbour"). So the default also takes off
 the cores the other processes kept busy over SAMPLE_SECONDS of /proc/stat, measured once a load
 (reused for REUSE_SECONDS, so that the backbone and the head of one load get the same count).
+Where there is no affinity mask (macOS, Windows) the default is the CPUs Python counts (available_cpus), and
+nothing under /proc is read; where /proc cannot be read, there is no quota and no busy core to take off.
 """
 
 from __future__ import annotations
@@ -55,16 +57,24 @@ def cgroup_quota() -> int | None:
         return None
 
 
+def available_cpus() -> int:
+    """The CPUs this process may use where there is no affinity mask to read (macOS, Windows): Python 3.13's
+    os.process_cpu_count (which honours what the platform restricts, and PYTHON_CPU_COUNT), else os.cpu_count()."""
+    count = getattr(os, "process_cpu_count", os.cpu_count)()
+    return max(1, count or 1)
+
+
 def physical_threads() -> int:
     """Physical cores available to this process (at least 1).
 
-    Without an affinity mask (not Linux) os.cpu_count(); without sysfs topology, the CPUs
-    of the mask (never more than the process may use).
+    Without an affinity mask (not Linux) available_cpus(); without sysfs topology, the CPUs
+    of the mask (never more than the process may use). /proc (the cgroup's quota) is read only
+    where the mask is, and a /proc that cannot be read means no quota.
     """
     try:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return available_cpus()
     cores = {_core(cpu) for cpu in allowed}
     count = len(allowed) if None in cores else len(cores)
     quota = cgroup_quota()

@@ -51,7 +51,7 @@ def evaluate(
     out_dir, the reports there too (result["written"] lists them; outputs.check_folder's rule, checked first)."""
     if out_dir is not None:
         check_folder(Path(out_dir), REPORTS, force=force, inputs=[model, data, load.get("mmproj")])
-    run = score(model, data, stage="eval", progress=progress, **load)  # (score_path; on Ray: server/ray_dataset.py's)
+    run = score(model, data, stage="eval", progress=progress, **load)  # (score_path; on Ray: scoring_ray.py's)
     rows = run.rows()
     if not rows:
         shown = "; ".join(run.errors[:3])

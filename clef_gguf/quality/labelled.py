@@ -142,7 +142,7 @@ def read_labelled(
 def labelled_records(
     records: Iterable[Record], *, require_labels: bool = True, max_line_bytes: int = MAX_LINE_BYTES
 ) -> Iterator[Labelled | BadLine]:
-    """read_labelled of records already read (a Ray worker's part of the file: server/ray_dataset.py)."""
+    """read_labelled of records already read (a Ray worker's part of the file: quality/scoring_ray.py)."""
     for line in records:
         if line.over:
             yield BadLine(line.line, None, (over_limit(line, max_line_bytes),))

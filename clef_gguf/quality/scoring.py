@@ -17,7 +17,7 @@ from ..errors import RequestError
 from ..runtime.dataset import decide_outcomes
 from ..runtime.dataset_file import count_records
 from ..runtime.model import ClefModel
-from ..settings import MAX_LINE_BYTES
+from ..settings import MAX_LINE_BYTES, ModelSpec
 from .labelled import BadLine, Labelled, read_labelled
 from .metrics import Row
 
@@ -91,8 +91,8 @@ def score_path(
     max_line_bytes: int = MAX_LINE_BYTES,
     **load: Any,
 ) -> Run:
-    """score_file with the model at `model` loaded (ClefModel's keyword arguments) for the run, then closed."""
-    with ClefModel(model, **load) as loaded:
+    """score_file with the model at `model` loaded (load()'s keyword arguments) for the run, then closed."""
+    with ClefModel(ModelSpec.of(model, **load)) as loaded:
         return score_file(
             loaded, data, require_labels=require_labels, progress=progress, stage=stage, max_line_bytes=max_line_bytes
         )
@@ -144,7 +144,7 @@ def score_records(
     each: Callable[[], None] | None = None,
 ) -> None:
     """Decide the labelled records of `items` into `run.decided`, each with its outcome, and keep the bad lines in
-    `run.bad` as they are read (score_file, and a Ray worker's part of the file: server/ray_dataset.py)."""
+    `run.bad` as they are read (score_file, and a Ray worker's part of the file: scoring_ray.py)."""
 
     def requests() -> Iterator[tuple[Labelled, dict[str, Any]]]:
         for item in items:

@@ -5,7 +5,7 @@ changed while read refused), into a private copy: a file in a folder of this pro
 close). The copy is what is validated, what the identity hashes, and what llama.cpp's LoRA loader and the native head
 read by path. Another process may then replace, truncate or delete the adapter file: nothing here maps or reopens it,
 so no answer mixes two versions and no truncation raises SIGBUS. A copy lives only while its version is validated or
-loaded (runtime/adapters.py re-reads a version it loads again, and refuses it if the file is no longer that version).
+loaded (runtime/decider.py re-reads a version it loads again, and refuses it if the file is no longer that version).
 
 A folder's names are listed again only when the folder changes (its mtime), never per request: a request for a name
 needs no listing (its file is stat'ed), and the listing serves /v1/models and the near matches of an unknown name.
@@ -32,7 +32,7 @@ from ..check.metadata import check_temperatures
 from ..check.validate import judge_source
 from ..errors import ClefError, IncompleteModelError, NotADecisionModelError
 from ..format.header import GGUFFile, Signature, copy_regular
-from ..llama.plan import adapter_head_bytes, lora_bytes
+from ..format.sizes import adapter_head_bytes, lora_bytes
 
 ADAPTER_SUFFIX = ".adapter.gguf"  # an adapter folder's files: NAME.adapter.gguf answers as NAME
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}")
@@ -111,7 +111,7 @@ def open_adapter(base: GGUFFile, path: Path, label: str | None = None, base_head
     if header is None or not is_adapter(header):
         # A file in the wrong place (a model as the adapter): exit 6, as validate BASE --adapter says it.
         raise NotADecisionModelError(
-            f"{label} is not an adapter file (clef-gguf convert CHECKPOINT --base RELEASE --adapter makes one)"
+            f"{label} is not an adapter file (clef-gguf convert CHECKPOINT --base RELEASE --to-adapter makes one)"
         )
     adapter = GGUFFile.open(path)
     try:

@@ -1,10 +1,10 @@
 """The models a base answers as, by name and by identity: the base itself and each version of its adapters.
 
 What a request's `model` (Workers AI's `lora`) resolves to needs only the base's file and the adapter files: their
-names, their identities (what a prompt carries, EncodedPrompt.model) and their temperatures. A Catalog is that part
-of runtime/adapters.py's Variants, which adds the loading (llama.cpp's LoRA, the head, the LRU). A PromptEncoder (the
-Ray ingress) holds a Catalog of its own built from the same settings as the replicas' Variants, so that both give a
-name the same identity and a replica decides what the ingress encoded.
+names, their identities and their temperatures, and no llama.cpp. A request's name is resolved once (Catalog.resolve),
+to a ModelRef that its prompt carries (EncodedPrompt.model) to the scheduler, the state cache, the decider (which loads
+the entry: runtime/decider.py) and the answer and metrics (its name). The encoder (runtime/encoder.py) holds the
+catalog; a Ray ingress's and its replicas' catalogs are built from one AdapterSet, so that a name has one identity.
 
 An adapter file's version (runtime/adapter_files.py) is read once into a private copy, validated, and named by the
 identity of those bytes. Each resolve stats the file (no lock held): a file changed since is a new version, read and
@@ -17,23 +17,23 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 import threading
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..check.description import ClefDescription
 from ..check.metadata import check_temperatures
 from ..errors import AdapterUnavailableError, ClefError, CorruptModelError, IncompleteModelError, RequestError, SettingsError
 from ..format.header import GGUFFile, Signature, signature_of
 from ..inputs import file_kind
+from ..settings import AdapterSet
 from .adapter_files import ADAPTER_SUFFIX, AdapterCopy, FolderListing, PrivateFolder, Version, read_version, servable
 from .adapter_files import unknown_name_message as _unknown_message
-from .prompt import EncodedPrompt, Request
 
 # Clef's public model names (System One's `model`, Workers AI's route): a request naming one is the base's.
 BASE_NAMES = ("clef", "clef-flash")
@@ -43,24 +43,32 @@ REFUSED_KEPT = 1 << 16  # folder files known not to load, by name, until they ch
 
 
 @dataclass(eq=False)
-class Variant:
-    """One model the loaded base answers as: the base itself (source None) or one version of an adapter over it."""
+class CatalogEntry:
+    """One model the base answers as: the base itself (source None) or one version of an adapter over it. Catalog data
+    only: loading it is the decider's (runtime/decider.py's LoadedAdapter)."""
 
     name: str
-    identity: str  # what its prompts carry (EncodedPrompt.model)
+    identity: str  # what its prompts' ModelRef carries; the state cache's keys and the batches follow it
     temperatures: Mapping[str, float]
     source: Path | None = None  # the adapter file as named (read again, and checked, when it is loaded again)
     signature: Signature | None = None  # that file's (st_dev, st_ino, st_size, st_mtime_ns) when this version was read
-    copy: AdapterCopy | None = None  # this version's bytes, private: while it is read, or loaded
     nbytes: int = 0  # its LoRA's and its head's bytes, loaded
-    lora: Any = None  # loaded: its LoRA in llama.cpp (llama.lora.Handle)
-    head: Any = None  # loaded: its head (llama.native_head.NativeHead; the base's own for the base)
     current: bool = True  # False once its name's file is another version: then it is never loaded again
 
-    @property
-    def file(self) -> GGUFFile | None:
-        """The private copy, mapped (while loaded)."""
-        return self.copy.file if self.copy is not None else None
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a request's model name resolved to, once (Catalog.resolve), carried by its prompt: the identity (one batch
+    is one model's; the state cache's keys), the name its answer and the metrics give, and the entry the decider
+    loads. Equal refs name the same model by the same name, whichever catalog resolved them."""
+
+    identity: str
+    name: str
+    entry: CatalogEntry = field(compare=False, repr=False)
+    catalog: str = field(default="", compare=False, repr=False)  # the key of the Catalog that resolved it
+
+
+Known = tuple[Signature, CatalogEntry]  # a name's file's version last read, and its entry
 
 
 def _name_of_file(path: Path) -> str:
@@ -110,38 +118,29 @@ class Catalog:
     """The base and its adapters, by name and by identity; thread-safe. The named adapters are validated against the
     base at once (a bad file is refused at load, not on a request); a folder's files when first named."""
 
-    def __init__(
-        self,
-        base: GGUFFile,
-        description: ClefDescription,
-        base_identity: str,
-        *,
-        adapters: Mapping[str, str | Path] | None = None,
-        adapter: str | Path | None = None,
-        adapter_dir: str | Path | None = None,
-        base_head: bool = False,
-    ) -> None:
-        self._base_file, self.base_head = base, base_head
-        self.base = Variant(description.name, base_identity, description.temperatures)
+    def __init__(self, base: GGUFFile, description: ClefDescription, base_identity: str, adapter_set: AdapterSet) -> None:
+        self._base_file, self.base_head = base, adapter_set.base_head
+        self.base = CatalogEntry(description.name, base_identity, description.temperatures)
+        self.key = secrets.token_hex(8)  # its ModelRefs' (a prompt resolved by another catalog is looked up: adopt)
         # Every name the base answers to, whatever adapters are served: no adapter may take one.
         self.base_names = frozenset((description.name, *BASE_NAMES, JEV_ALIAS))
-        if adapter is not None and (adapters or adapter_dir is not None):
-            raise SettingsError("adapter (one fine-tune answering every request) excludes adapters and adapter_dir")
-        self._dir = _adapter_folder(adapter_dir)
-        self._paths = {name: Path(path) for name, path in (adapters or {}).items()}
+        self._dir = _adapter_folder(adapter_set.adapter_dir)
+        self._paths = {name: Path(path) for name, path in (adapter_set.adapters or {}).items()}
         for name in self._paths:
             self._check_name(name)
-        if adapter is not None:  # (its name is only what answers say: a request cannot pick another)
-            self._paths[_name_of_file(Path(adapter))] = Path(adapter)
+        pinned = adapter_set.adapter
+        if pinned is not None:  # (its name is only what answers say: a request cannot pick another)
+            self._paths[_name_of_file(Path(pinned))] = Path(pinned)
         self._listing = FolderListing(self._dir, self.base_names) if self._dir is not None else None
         self._private = PrivateFolder()
         self._lock = threading.Lock()  # guards the dicts below, and never is held across I/O
-        self._known: dict[str, tuple[Signature, Variant]] = {}  # by name: the file's version last read, and its variant
-        self._by_identity: dict[str, Variant] = {base_identity: self.base}
-        self._retired: deque[Variant] = deque()  # versions replaced since, newest last
-        self._reading: dict[str, Future[Variant]] = {}  # by name: the read in progress (one per name)
+        self._known: dict[str, Known] = {}  # by name: the file's version last read, its entry
+        self._by_identity: dict[str, CatalogEntry] = {base_identity: self.base}
+        self._retired: deque[CatalogEntry] = deque()  # versions replaced since, newest last
+        self._held: set[str] = set()  # the identities the decider has loaded (hold): kept while loaded
+        self._reading: dict[str, Future[CatalogEntry]] = {}  # by name: the read in progress (one per name)
         self._refused: dict[str, tuple[Signature, type[ClefError], str]] = {}  # by name: files that do not load
-        self.pinned: Variant | None = None
+        self.pinned: CatalogEntry | None = None
         try:
             for name, path in self._paths.items():
                 try:
@@ -149,10 +148,10 @@ class Catalog:
                 except OSError as e:  # (at load: the path is the operator's own, so the message names it)
                     raise CorruptModelError(f"{path}: cannot read ({e.strerror or e})") from None
         except BaseException:
-            Catalog.close(self)
+            self.close()
             raise
         # With `adapter`, every request is that fine-tune's, whatever model it names (decide/eval --adapter).
-        self.pinned = self._known[next(iter(self._paths))][1] if adapter is not None else None
+        self.pinned = self._known[next(iter(self._paths))][1] if pinned is not None else None
 
     @property
     def serves_adapters(self) -> bool:
@@ -177,28 +176,31 @@ class Catalog:
         found = []
         for name in self._candidates():
             try:
-                self.resolve(name)
+                self.entry(name)
             except ClefError:
                 continue
             found.append(name)
         return found
 
-    def of_request(self, request: Request) -> Variant:
-        """The model a parsed request names: Workers AI's `lora`, else System One's `model`."""
-        return self.resolve(request.named)
+    def resolve(self, asked: str | None) -> ModelRef:
+        """The model a parsed request names (its `Request.named`: Workers AI's `lora`, else System One's `model`),
+        resolved once: the entry of its file's current version, and the name its answer and the metrics give: the name
+        the request asked for for an adapter (one file may answer to two names), else the entry's own (the base's
+        whatever name reached it; a pinned adapter's whatever the request named). Errors as `entry`."""
+        entry = self.entry(asked)
+        name = asked if isinstance(asked, str) and entry is not self.base and self.pinned is None else entry.name
+        return ModelRef(entry.identity, name, entry, self.key)
 
-    def name_of(self, prompt: EncodedPrompt) -> str | None:
-        """The name a prompt's answer and the metrics give its model (None: an identity this catalog does not know):
-        an adapter's name the request asked for (one file may answer to two names), else the variant's own (the base's
-        whatever name reached it; a pinned adapter's whatever the request named)."""
-        variant = self.of(prompt.model)
-        if variant is None:
-            return None
-        asked = prompt.request.named
-        return asked if variant is not self.base and self.pinned is None and isinstance(asked, str) else variant.name
+    def adopt(self, ref: ModelRef) -> ModelRef | None:
+        """A ref as this catalog's: itself when this catalog resolved it, else (a prompt encoded elsewhere: another
+        process, another load of the file) this catalog's entry of its identity; None when none has it."""
+        if ref.catalog == self.key:
+            return ref
+        entry = self.of(ref.identity)
+        return None if entry is None else ModelRef(entry.identity, ref.name, entry, self.key)
 
-    def resolve(self, name: str | None) -> Variant:
-        """The model a request names (None: the base), its file's current version. Without adapters every name is the
+    def entry(self, name: str | None) -> CatalogEntry:
+        """The model a name names (None: the base), its file's current version. Without adapters every name is the
         base's, as before. RequestError (a 422) for a name nothing answers as or a file that never loads;
         AdapterUnavailableError (a 503) for an adapter whose file is gone or broken now."""
         if self.pinned is not None:
@@ -242,7 +244,7 @@ class Catalog:
         why = "is gone" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
         return AdapterUnavailableError(f"the adapter {name!r} cannot be used now: its file {source.name} {why}")
 
-    def _refuse(self, name: str, source: Path, found: Signature, known: tuple[Signature, Variant] | None, why: str) -> ClefError:
+    def _refuse(self, name: str, source: Path, found: Signature, known: Known | None, why: str) -> ClefError:
         """A file that does not load: remembered until it changes. For an adapter that loaded before (or a named one)
         a 503, for it may be a file being replaced; else a 422 naming the file (never the server's path)."""
         if known is not None or name in self._paths:
@@ -255,7 +257,7 @@ class Catalog:
             self._refused[name] = (found, kind, message)
         return RequestError(message, "model") if kind is RequestError else AdapterUnavailableError(message)
 
-    def _read_once(self, name: str, source: Path, found: Signature, known: tuple[Signature, Variant] | None) -> Variant:
+    def _read_once(self, name: str, source: Path, found: Signature, known: Known | None) -> CatalogEntry:
         """_read, once at a time per name: a second request for a name being read waits for that read (and only it)."""
         with self._lock:
             now, pending = self._known.get(name), self._reading.get(name)
@@ -268,13 +270,13 @@ class Catalog:
             return pending.result()
         try:
             try:
-                variant = self._read(name, source, known, source.name)
+                entry = self._read(name, source, known, source.name)
             except OSError as e:
                 raise self._read_failed(name, source, known, e) from None
             except ClefError as e:
                 raise self._refuse(name, source, found, known, str(e)) from None
-            pending.set_result(variant)
-            return variant
+            pending.set_result(entry)
+            return entry
         except BaseException as e:
             pending.set_exception(e)
             raise
@@ -282,7 +284,7 @@ class Catalog:
             with self._lock:
                 del self._reading[name]
 
-    def _read_failed(self, name: str, source: Path, known: tuple[Signature, Variant] | None, e: OSError) -> ClefError:
+    def _read_failed(self, name: str, source: Path, known: Known | None, e: OSError) -> ClefError:
         """A file that could not be read: gone, not regular (swapped since the stat), unreadable, or changing."""
         if isinstance(e, FileNotFoundError):  # (deleted since the stat)
             return self._missing(name, source, e)
@@ -295,72 +297,75 @@ class Catalog:
         """`source` read into a private copy and validated (adapter_files.read_version); messages call it `label`."""
         return read_version(self._base_file, self.base.identity, source, self._private, label=label, base_head=self.base_head)
 
-    def _read(self, name: str, source: Path, known: tuple[Signature, Variant] | None, label: str) -> Variant:
+    def _read(self, name: str, source: Path, known: Known | None, label: str) -> CatalogEntry:
         """A new version of `name`'s file, read, validated and registered (the copy dropped: loading reads it again)."""
         version = self._version(source, label)
         version.copy.close()
         signature = version.copy.signature
         # An adapter without temperature keys of its own answers with its base's (calibrate writes its own).
         temperatures = version.temperatures or dict(self.base.temperatures)
-        new = Variant(name, version.identity, temperatures, source, signature, None, version.nbytes)
+        new = CatalogEntry(name, version.identity, temperatures, source, signature, version.nbytes)
         with self._lock:
-            variant = self._by_identity.get(new.identity, new)
-            if variant is not new:  # the same bytes again (a file restored, or one file under two names)
-                variant.source, variant.signature, variant.current = source, signature, True
-            self._by_identity[variant.identity] = variant
-            self._known[name] = (signature, variant)
+            entry = self._by_identity.get(new.identity, new)
+            if entry is not new:  # the same bytes again (a file restored, or one file under two names)
+                entry.source, entry.signature, entry.current = source, signature, True
+            self._by_identity[entry.identity] = entry
+            self._known[name] = (signature, entry)
             self._refused.pop(name, None)
-            if known is not None and known[1] is not variant:
+            if known is not None and known[1] is not entry:
                 self._retire(known[1])
-        return variant
+        return entry
 
-    def _retire(self, old: Variant) -> None:
+    def _retire(self, old: CatalogEntry) -> None:
         """(Under the lock) `old` is no name's current version any more: kept for the prompts encoded for it while it
         is loaded or among the RETIRED_KEPT newest replaced; never loaded again."""
-        if any(v is old for _, v in self._known.values()):
+        if any(e is old for _, e in self._known.values()):
             return  # (another name's file is that version still)
         old.current = False
         self._retired.append(old)
         while len(self._retired) > RETIRED_KEPT:
             dropped = self._retired.popleft()
-            if not dropped.current and dropped.head is None and self._by_identity.get(dropped.identity) is dropped:
+            if not dropped.current and dropped.identity not in self._held and self._by_identity.get(dropped.identity) is dropped:
                 del self._by_identity[dropped.identity]
 
-    def forget(self, variant: Variant) -> None:
-        """(Once unloaded) A replaced version no longer kept: prompts that name it are another model's now."""
+    def hold(self, entry: CatalogEntry) -> None:
+        """(The decider, once it loaded `entry`) Kept, replaced or not, while it is loaded."""
         with self._lock:
-            if not variant.current and variant not in self._retired and self._by_identity.get(variant.identity) is variant:
-                del self._by_identity[variant.identity]
+            self._held.add(entry.identity)
 
-    def reread(self, variant: Variant) -> AdapterCopy:
+    def release(self, entry: CatalogEntry) -> None:
+        """(The decider, once it unloaded `entry`) A replaced version no longer kept: another catalog's prompts that
+        name it are refused now (this catalog's own are, when they ask to load it again: reread)."""
+        with self._lock:
+            self._held.discard(entry.identity)
+            if not entry.current and entry not in self._retired and self._by_identity.get(entry.identity) is entry:
+                del self._by_identity[entry.identity]
+
+    def reread(self, entry: CatalogEntry) -> AdapterCopy:
         """The private copy of a version about to be loaded (again): its file read and validated again, and refused
         (AdapterUnavailableError) unless it is still that version, byte for byte as its signature and identity say."""
         with self._lock:
-            source, signature, current = variant.source, variant.signature, variant.current
+            source, signature, current = entry.source, entry.signature, entry.current
         assert source is not None
-        changed = f"the adapter {variant.name!r} changed after this request named it: send the request again"
+        changed = f"the adapter {entry.name!r} changed after this request named it: send the request again"
         if not current:
             raise AdapterUnavailableError(changed)
         try:
             again = self._version(source, source.name)
         except (OSError, ClefError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise AdapterUnavailableError(f"the adapter {variant.name!r} cannot be loaded now: {reason}") from None
-        if again.copy.signature != signature or again.identity != variant.identity:
+            raise AdapterUnavailableError(f"the adapter {entry.name!r} cannot be loaded now: {reason}") from None
+        if again.copy.signature != signature or again.identity != entry.identity:
             again.copy.close()
             raise AdapterUnavailableError(changed)
         return again.copy
 
-    def of(self, identity: str) -> Variant | None:
+    def of(self, identity: str) -> CatalogEntry | None:
         with self._lock:
             return self._by_identity.get(identity)
 
     def close(self) -> None:
-        """Drop the adapters' private copies."""
+        """Drop the private folder (the decider has closed the copies it loaded)."""
         with self._lock:
-            for variant in list(self._by_identity.values()):
-                if variant.copy is not None:
-                    variant.copy.close()
-                    variant.copy = None
             self._known.clear()
         self._private.close()

@@ -6,7 +6,7 @@ same llama_decode calls), and its state cache serves every request after the fir
 is still in the cache; the answers still come in input order.
 
 A request that cannot be decided gets the error object the server answers it with ({"status", "detail"}:
-runtime/problems.py), and the others go on.
+runtime/failures.py, by the error table of errors.py), and the others go on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from ..errors import PromptTooLongError, RequestError
 from .answers import Scores, response
 from .batching import each, take
-from .problems import error_object, problem_of
+from .failures import error_object, problem_of
 from .prompt import EncodedPrompt
 from .protocols import DecidingModel
 from .reader import parse_json, read_image
@@ -100,7 +100,7 @@ def _state_key(prompt: EncodedPrompt) -> bytes:
     return prefix_key(
         prompt.tokens[: prompt.state_prefix],
         [p.image.digest for p in prompt.images if p.start < prompt.state_prefix],
-        prompt.model,
+        prompt.identity,
     )
 
 
@@ -148,7 +148,7 @@ class _Window:
         """The requests in `order`, in batches the model decides together (runtime/batching.py)."""
         waiting = deque(order)
         while waiting:
-            yield take(waiting, self._fits, lambda i: self.prompts[i].model)
+            yield take(waiting, self._fits, lambda i: self.prompts[i].identity)
 
     def _fits(self, batch: list[int], i: int) -> bool:
         """Whether request i joins the batch: never two about one state the cache does not hold yet, which would

@@ -10,7 +10,7 @@ model, answers and usage, so they never meet):
   model_sha256    the model file's identity (GGUFFile.identity: its header, head and sampled weights), which --resume
                   checks: answers from two models (a base and its fine-tune too) never share a file;
 and, for a request that could not be decided, `error` in place of the response: {"status", "detail"}, the
-status and body the server answers it with (runtime/problems.py).
+status and body the server answers it with (runtime/failures.py).
 
 Nothing lost: each line is written whole and flushed as soon as it and the ones before it are decided, and the
 file is fsynced every FSYNC_EVERY lines and at the end. --resume continues a file: its lines must be the
@@ -21,7 +21,6 @@ again. One run writes a file at a time (an exclusive lock on it); a write that f
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sys
@@ -32,12 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import AnswersFileError, OutputError, RequestError
+from ..errors import AnswersFileError, OutputError, RequestError, RequestTooLargeError
 from ..outputs import check_in_place
 from ..settings import MAX_LINE_BYTES, FileOptions
 from .dataset import Outcome, decide_outcomes
-from .problem_table import REQUEST_TOO_LARGE
-from .problems import ApiError, error_object
+from .file_lock import lock_exclusive
 from .protocols import DecidingModel, FileModel
 from .reader import Record, count_records, over_limit, read_records
 
@@ -60,7 +58,7 @@ class Summary:
     cache_hits: int = 0  # answered requests whose state the state cache gave
     seconds: float = 0.0
     out: str = "-"
-    workers: int | None = None  # on Ray (server/ray_dataset.py): the actors deciding; not in as_dict, the local mode's
+    workers: int | None = None  # on Ray (dataset_ray.py): the actors deciding; not in as_dict, the local mode's
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     def count(self, outcome: Outcome) -> None:
@@ -98,8 +96,7 @@ Progress = Callable[[Summary, int | None], None]  # (the counts so far, the reco
 
 def _over_limit_outcome(record: Record, max_line_bytes: int) -> Outcome:
     """The server's answer to a body over its limit (413), for a line over the limit."""
-    problem = ApiError(REQUEST_TOO_LARGE, over_limit(record, max_line_bytes))
-    return Outcome(None, error_object(problem), None, reason=problem.text())
+    return Outcome.failed(RequestTooLargeError(over_limit(record, max_line_bytes)), None)
 
 
 def _writable_id(own: Any) -> bool:
@@ -179,13 +176,9 @@ def _fsync(file: IO[bytes]) -> None:
 
 def _lock(file: IO[bytes], out: str) -> None:
     """One writer per answers file: a second run on it is refused, not interleaved."""
-    try:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not lock_exclusive(file.fileno()):
         file.close()
-        raise AnswersFileError(f"{out} is being written by another run (it holds the file's lock)") from None
-    except OSError:  # a file system without locks (some network ones): nothing to hold
-        pass
+        raise AnswersFileError(f"{out} is being written by another run (it holds the file's lock)")
 
 
 def _open_output(
@@ -282,7 +275,7 @@ def answered_records(
     anywhere: bool = False,
 ) -> Iterator[tuple[Record, Outcome]]:
     """Each record with its outcome, in order: a line over max_line_bytes the server's 413, unread. What decide_file
-    writes, and what a Ray worker decides of its part of the file (server/ray_dataset.py)."""
+    writes, and what a Ray worker decides of its part of the file (dataset_ray.py)."""
     requests = ((r, _over_limit_outcome(r, max_line_bytes) if r.over else r.raw) for r in records)
     return decide_outcomes(model, requests, sort_by_state=sort_by_state, base=base, anywhere=anywhere)
 

@@ -1,84 +1,69 @@
-"""A Clef file's requests validated and tokenized without its weights: ClefModel.encode, nothing else.
+"""The encoding part of a model: requests validated and tokenized with its vocabulary and template, and the model each
+names resolved once by its catalog (runtime/catalog.py). It loads no weights and imports no llama.cpp: the tokenizer
+is handed to it (a ClefModel's backbone vocabulary, or the Ray ingress's own: runtime/model.py's open_encoder).
 
-Where decisions are made elsewhere (the Ray Serve ingress hands them to model replicas), the front
-still refuses every bad request itself, a prompt over the limit included, before any replica is
-busy with it: the same validation, template and llama.cpp tokenizer as ClefModel, hence the same
-prompts (ClefModel.decide takes them as they are) and the same errors. With adapters, it resolves a request's model
-name as ClefModel does (a Catalog of the same files, runtime/catalog.py): the same identity, the same 422 for a name
-it does not know.
+Where decisions are made elsewhere (the Ray Serve ingress hands them to model replicas), the front still refuses every
+bad request itself, a prompt over the limit included, before any replica is busy with it: the same validation,
+template and llama.cpp tokenizer as ClefModel, hence the same prompts (ClefModel.decide takes them as they are) and
+the same errors; its catalog, built from the same ModelSpec as the replicas', gives each name the same identity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from ..check.description import ValidatedFile
 from ..check.pair import open_vision
 from ..check.validate import open_validated
-from ..llama.backbone import Vocabulary
-from ..settings import LoadOptions, default_ubatch
+from ..settings import ModelSpec, default_ubatch
 from .catalog import Catalog
 from .images import image_limits
-from .prompt import EncodedPrompt, encode, parse_request
+from .prompt import EncodedPrompt, Tokenize, encode, parse_request
 
 
 class PromptEncoder:
-    """The encoding half of a ClefModel loaded with the same settings; it holds the vocabulary only."""
+    """A model's vocabulary (`tokenize`), template and catalog, from its validated file and its spec. Thread-safe."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        max_prompt_tokens: int = LoadOptions.max_prompt_tokens,
-        ubatch: int | None = None,
-        mmproj: str | Path | None = None,
-        adapters: Mapping[str, str | Path] | None = None,
-        adapter_dir: str | Path | None = None,
-        base_head: bool = False,
-    ) -> None:
-        self.path = Path(path)
-        self.max_prompt_tokens = max_prompt_tokens  # the replicas' limit: the front refuses what they would
-        self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
-        validated = open_validated(self.path)  # the header check ClefModel runs: the same refusals, the same messages
-        try:
-            d = validated.description
-            # ClefModel's identity (header and weights): a replica refuses a prompt stamped with anything else.
-            self.name, self.template, self.identity = d.name, d.template, validated.file.identity()
-            # The replicas' image limits: images are decoded and sized here, the tower runs on a replica.
-            self.image_limits = image_limits(open_vision(validated.file.header, mmproj)) if mmproj is not None else None
-            self.vocabulary = Vocabulary(validated.file, nfc=d.nfc)  # llama.cpp keeps its own copy: the file can close
-        except BaseException:
-            validated.close()
-            raise
-        try:
-            # The replicas' Variants' names and identities (an adapter folder's files are checked when first named:
-            # the base's file stays mapped for that while there are adapters).
-            many = {"adapters": adapters, "adapter_dir": adapter_dir, "base_head": base_head}
-            self.catalog = Catalog(validated.file, d, self.identity, **many)
-        except BaseException:
-            self.vocabulary.close()
-            validated.close()
-            raise
-        self._validated = validated if self.catalog.serves_adapters else None
-        if self._validated is None:
-            validated.close()
+    def __init__(self, spec: ModelSpec, validated: ValidatedFile, tokenize: Tokenize) -> None:
+        o, d = spec.options, validated.description
+        self.path = Path(spec.path)
+        self.max_prompt_tokens = o.max_prompt_tokens  # the decider's limit: a front refuses what it would
+        self.ubatch = default_ubatch(o.max_prompt_tokens) if o.ubatch is None else o.ubatch
+        self.name, self.template, self._tokenize = d.name, d.template, tokenize
+        self.owned = ExitStack()  # what close() closes after the catalog: what open_encoder opened for it alone
+        # The decider's image limits (its vision tower paired with this file): images are decoded and sized here.
+        mmproj = o.mmproj
+        self.image_limits = image_limits(open_vision(validated.file.header, mmproj)) if mmproj is not None else None
+        # The file's identity (header and weights): a decider refuses a prompt stamped with anything else.
+        self.catalog = Catalog(validated.file, d, validated.file.identity(), spec.adapter_set)
 
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
-        """Validate, tokenize and (images) decode and size a request; no compute. Raises RequestError."""
+        """Validate, tokenize and (images) decode and size a request, its model name resolved; no compute. Raises
+        RequestError (AdapterUnavailableError: a named adapter's file is gone or broken now)."""
         parsed = parse_request(request, self.image_limits)
-        return encode(parsed, self.template, self.vocabulary.tokenize, self.catalog.of_request(parsed).identity)
+        return encode(parsed, self.template, self._tokenize, self.catalog.resolve(parsed.named))
 
     def adapter_names(self) -> list[str]:
-        """The fine-tunes a request may name besides the base (the replicas', loaded with the same settings)."""
+        """The fine-tunes a request may name besides the base (its `model`, Workers AI's `lora`)."""
         return self.catalog.names()
 
-    def model_name(self, prompt: EncodedPrompt) -> str:
-        """The name of the model a prompt was encoded for: the base's or an adapter's."""
-        return self.catalog.name_of(prompt) or self.name
-
     def close(self) -> None:
-        self.vocabulary.close()
+        """Drop the catalog's private copies; close what it was opened with alone. A second close does nothing."""
         self.catalog.close()
-        if self._validated is not None:
-            self._validated.close()
+        self.owned.close()
+
+
+def check_spec(spec: ModelSpec) -> None:
+    """The header checks loading runs, nothing loaded: the model's, the mmproj's with its pairing, and the adapters'
+    against the model (the named ones, or the pinned one), as the catalog reads them at load: before a Ray cluster
+    starts, a file loading would refuse gets the same message and exit code."""
+    validated = open_validated(spec.path)
+    try:
+        if spec.options.mmproj is not None:
+            open_vision(validated.file.header, spec.options.mmproj)
+        if spec.adapter_set.serves_adapters or spec.adapter_set.adapter is not None:
+            Catalog(validated.file, validated.description, validated.file.identity(), spec.adapter_set).close()
+    finally:
+        validated.close()

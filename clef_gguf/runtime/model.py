@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 from PIL import Image
 
-from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
 from ..format.temperatures import temperature_of
-from ..llama.backbone import Backbone
-from ..llama.mtmd import VisionEncoder
+from ..llama.backbone import Vocabulary
 from ..llama.native_head import NativeHead
-from ..settings import LoadOptions, default_ubatch
-from .adapters import Variant, Variants
+from ..settings import AdapterSet, LoadOptions, ModelSpec
 from .answers import Scores, question_probabilities, response
 from .dataset import decide_many
-from .images import ImageLimits, image_limits
+from .decider import Decider, load_backbone
+from .encoder import PromptEncoder
 from .prefill import Prefill
-from .prompt import EncodedPrompt, encode, parse_request
+from .prompt import EncodedPrompt
 from .state_cache import StateCache
 from .steps import PromptSteps
 
@@ -48,58 +48,24 @@ def _probe(vision: bool) -> dict[str, Any]:
 
 
 class ClefModel:
-    """A loaded Clef GGUF: `clef_gguf.load(path, ...)` (this class) validates the file, loads it and runs one probe
-    decision. n_gpu_layers: the layers on llama-cpp-python's device backend (-1 all, 0 the CPU alone).
-    max_prompt_tokens is the largest prompt it will accept (default: Clef's 65,536), the
-    context llama.cpp is created with (its n_ctx).
-
-    ubatch: prompts are processed in ubatches of this many tokens, the state carried over,
-    so llama.cpp's compute buffer is bounded by the ubatch, not the prompt (default:
-    DEFAULT_UBATCH, or max_prompt_tokens if smaller); ubatch = max_prompt_tokens processes a prompt in one
-    physical batch.
-    state_cache: bytes of host memory for the backbone states of recent requests' state prefixes
-    (runtime/state_cache.py; default 1 GiB), so that a request repeating a state computes only its
-    schema; 0 turns it off. n_threads: default, the physical cores this process may use, less those busy (llama/threads.py).
-    mmproj: the vision tower (llama.cpp's mmproj GGUF, which `clef-gguf convert` writes beside the
-    model), so that requests may carry up to 4 images (runtime/images.py); without it they are refused.
-    parallel: at most this many requests prefilled together (decide_batch).
-    adapters: {name: adapter file} of fine-tunes over this base (runtime/adapters.py); adapter_dir: a folder of
-    NAME.adapter.gguf files, each loaded when first named; at most max_adapters (and adapter_memory bytes) loaded at
-    once. A request picks its model by name (its `model` field); without adapters every name is the base's.
-    adapter: one adapter file that answers every request, whatever model it names (`decide --adapter`).
-    base_head: an adapter without a head (llama-server's variant) decides with the base's head; else it is refused.
+    """A loaded Clef GGUF: `clef_gguf.load(path, ...)` validates the file, loads it as its ModelSpec says (settings.py:
+    LoadOptions, the fine-tunes' AdapterSet) and runs one probe decision. Two parts with one job each: the encoder
+    (runtime/encoder.py: the vocabulary, the template and the catalog of the models it answers as; no weights) and the
+    decider (runtime/decider.py: the backbone, the heads, the vision tower and the LRU of loaded adapters), on one
+    compute thread. A request's model name is resolved once, by the encoder, into its prompt (EncodedPrompt.model).
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        n_gpu_layers: int = LoadOptions.n_gpu_layers,
-        max_prompt_tokens: int = LoadOptions.max_prompt_tokens,
-        n_threads: int | None = None,
-        ubatch: int | None = None,
-        state_cache: int = LoadOptions.state_cache,
-        mmproj: str | Path | None = None,
-        parallel: int = LoadOptions.parallel,
-        adapters: Mapping[str, str | Path] | None = None,
-        adapter: str | Path | None = None,
-        adapter_dir: str | Path | None = None,
-        max_adapters: int = LoadOptions.max_adapters,
-        adapter_memory: int | None = None,
-        base_head: bool = False,
-    ) -> None:
-        self.state_cache = StateCache(state_cache)  # a bad size is refused before anything is loaded
-        self.ubatch = default_ubatch(max_prompt_tokens) if ubatch is None else ubatch
-        self.path = Path(path)
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.state_cache = StateCache(spec.options.state_cache)  # a bad size is refused before anything is loaded
+        self.path = Path(spec.path)
         self._closed = False
         self._busy = threading.Condition()  # guards _closed and _active
         self._active = 0  # API calls in progress: close() frees the model only once none is
         self._stepping: PromptSteps | None = None  # the prompt prefilled in steps now (begin), on the last sequence
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-compute", initializer=self._mark)
         try:
-            many = {"adapters": adapters, "adapter": adapter, "adapter_dir": adapter_dir}
-            many |= {"max_adapters": max_adapters, "adapter_memory": adapter_memory, "base_head": base_head}
-            self.compute(self._load, n_gpu_layers, max_prompt_tokens, n_threads, parallel, mmproj, many)
+            self.compute(self._load)
         except BaseException:
             self._compute.shutdown()
             raise
@@ -125,45 +91,24 @@ class ClefModel:
         """fn(*args) queued on the compute thread, not waited for: the server's worker drains its queue there."""
         return self._compute.submit(fn, *args)
 
-    def _load(
-        self,
-        n_gpu_layers: int,
-        max_prompt_tokens: int,
-        n_threads: int | None,
-        parallel: int,
-        mmproj: str | Path | None,
-        many: dict[str, Any],
-    ) -> None:
+    def _load(self) -> None:
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
             validated = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
             stack.callback(validated.close)
-            self.file, d = validated.file, validated.description
-            self.description, self.name, self.template = d, d.name, d.template
-            self.identity, self.header_digest = self.file.identity(), self.file.digest()  # prompts', model_sha256's
-            self.backbone = Backbone(
-                self.file,
-                n_gpu_layers=n_gpu_layers,
-                max_prompt_tokens=max_prompt_tokens,
-                n_threads=n_threads,
-                nfc=d.nfc,
-                ubatch=self.ubatch,
-                parallel=parallel,
-            )
+            self.file, self.description = validated.file, validated.description
+            self.header_digest = self.file.digest()  # an older clef-gguf's model_sha256
+            self.backbone = load_backbone(self.spec, validated)
             stack.callback(self.backbone.close)
-            # The head runs where the backbone runs: on the GPU when layers are offloaded.
-            self.head = NativeHead(self.file, d.head, gpu=n_gpu_layers != 0, n_threads=n_threads)
-            stack.callback(self.head.close)
-            gpu = n_gpu_layers != 0
-            self.variants = Variants(self.backbone, self.file, d, self.identity, self.head, gpu=gpu, n_threads=n_threads, **many)
-            stack.callback(self.variants.close)
-            if self.variants.pinned is not None:  # one fine-tune answers everything: its identity is the model's
-                self.identity, self.name = self.variants.pinned.identity, self.variants.pinned.name
-            self.vision: VisionEncoder | None = None
-            self.image_limits: ImageLimits | None = None
-            if mmproj is not None:
-                self.vision, self.image_limits = self._load_vision(Path(mmproj), n_gpu_layers != 0, n_threads)
-                stack.callback(self.vision.close)
+            self.encoder = PromptEncoder(self.spec, validated, self.backbone.tokenize)
+            stack.callback(self.encoder.close)
+            self.catalog = self.encoder.catalog
+            self.decider = Decider(self.spec, validated, self.backbone, self.catalog, self.encoder.image_limits)
+            stack.callback(self.decider.close)
+            # One fine-tune answers everything (decide --adapter): its identity and name are the model's.
+            answering = self.catalog.pinned or self.catalog.base
+            self.identity, self.name, self.template = answering.identity, answering.name, self.description.template
+            self.head, self.vision, self.image_limits = self.decider.head, self.decider.vision, self.encoder.image_limits
             # Weights that parse but overflow or hold NaN: refused now, not on every request. A context too
             # small for the probe leaves the check to the first request.
             with suppress(PromptTooLongError):
@@ -178,20 +123,13 @@ class ClefModel:
     def parallel(self) -> int:
         return self.backbone.parallel
 
-    def _load_vision(self, mmproj: Path, gpu: bool, n_threads: int | None) -> tuple[VisionEncoder, ImageLimits]:
-        """The vision tower, validated and paired with this model, in libmtmd over the lean backbone."""
-        limits = image_limits(open_vision(self.file.header, mmproj))
-        per_token = limits.factor**2
-        # mtmd's own token limits around the runtime's: it then takes every image runtime/images.py sized unresized.
-        tokens = (max(1, limits.min_pixels // per_token), -(-limits.max_pixels // per_token))
-        encoder = VisionEncoder(
-            mmproj, self.backbone.model, n_threads=n_threads, use_gpu=gpu, min_tokens=tokens[0], max_tokens=tokens[1]
-        )
-        return encoder, limits
+    @property
+    def ubatch(self) -> int:
+        return self.backbone.ubatch
 
     def adapter_names(self) -> list[str]:
         """The fine-tunes a request may name (its `model`, Workers AI's `lora`) besides the base."""
-        return self.variants.names()
+        return self.encoder.adapter_names()
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
@@ -211,24 +149,25 @@ class ClefModel:
                 self._busy.notify_all()
 
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
-        """Validate, tokenize and (images) decode and size a request; no compute. Raises RequestError."""
+        """Validate, tokenize and (images) decode and size a request, its model name resolved once (the base, or one
+        of its adapters); no compute. Raises RequestError."""
         with self._in_use():
-            parsed = parse_request(request, self.image_limits)
-            # The model it names (Workers AI's `lora`, else System One's `model`): the base, or one of its adapters.
-            variant = self.variants.of_request(parsed)
-            return encode(parsed, self.template, self.backbone.tokenize, variant.identity)
+            return self.encoder.encode(request)
 
-    def _check(self, prompt: Any) -> None:
-        """Refuse a prompt this model did not encode (another file's tokens would index other rows) or one forged."""
+    def _check(self, prompt: Any) -> EncodedPrompt:
+        """The prompt, its model this model's own (one encoded elsewhere, as by the Ray ingress, is looked up by its
+        identity); refused if another file's (its tokens would index other rows) or forged."""
         if not isinstance(prompt, EncodedPrompt):
             raise RequestError(f"a prompt is what model.encode(request) returns, not a {type(prompt).__name__}")
-        if self.variants.of(prompt.model) is None:
+        model = self.catalog.adopt(prompt.model) if prompt.model is not None else None
+        if model is None:
             raise RequestError("this prompt was encoded by another model (another file): encode it with this model")
         tokens, n_vocab = np.asarray(prompt.tokens), self.backbone.token_embd.n_rows
         if tokens.ndim != 1 or (tokens.size and (tokens.dtype.kind != "i" or tokens.min() < 0 or tokens.max() >= n_vocab)):
             raise RequestError(f"the prompt holds token ids outside this model's vocabulary (0..{n_vocab - 1})")
         if prompt.images and self.vision is None:
             raise RequestError("the prompt has images, and this model was loaded without a vision tower (mmproj)")
+        return prompt if model is prompt.model else replace(prompt, model=model)
 
     def decide(self, request: dict[str, Any] | EncodedPrompt) -> dict[str, Any]:
         """Answer a SystemOne request body (or one already encoded by `encode`) with the SystemOne response body."""
@@ -256,11 +195,11 @@ class ClefModel:
         stepping, tokens = self._stepping, sum(len(p.tokens) for p in prompts)
         if stepping is not None:  # beside it: on the other sequences, in the cells it leaves, a ubatch at most
             room = min(self.backbone.ubatch, self.max_prompt_tokens - len(stepping.prompt.tokens))
-            return 0 < len(prompts) < self.backbone.parallel and tokens <= room and len({p.model for p in prompts}) == 1
+            return 0 < len(prompts) < self.backbone.parallel and tokens <= room and len({p.identity for p in prompts}) == 1
         return len(prompts) == 1 or (
             len(prompts) <= self.backbone.parallel
             and tokens <= self.backbone.ubatch
-            and len({p.model for p in prompts}) == 1  # one model's: the context applies one adapter at a time
+            and len({p.identity for p in prompts}) == 1  # one model's: the context applies one adapter at a time
         )
 
     def stepped(self, prompt: EncodedPrompt) -> bool:
@@ -274,8 +213,7 @@ class ClefModel:
         Until then it holds the context's last sequence, and `batchable` admits only batches that fit beside it.
         One prompt at a time is decided in steps; each step is an API call (refused once the model is closed)."""
         with self._in_use():
-            self._check(prompt)
-            return self.compute(self._begin, prompt)
+            return self.compute(self._begin, self._check(prompt))
 
     def _begin(self, prompt: EncodedPrompt) -> PromptSteps:
         if self._stepping is not None:
@@ -302,46 +240,42 @@ class ClefModel:
 
     def answer(self, prompt: EncodedPrompt, scores: Scores) -> dict[str, Any]:
         """A prompt's response body from its scores."""
-        return response(prompt, self._name_of(prompt), scores.probabilities, scores.cached_tokens)
-
-    def _name_of(self, prompt: EncodedPrompt) -> str:
-        return self.variants.name_of(prompt) or self.name
-
-    def model_name(self, prompt: EncodedPrompt) -> str:
-        """The name of the model a prompt was encoded for (the base's or an adapter's): the server's metrics label."""
-        return self._name_of(prompt)
+        return response(prompt, prompt.model_name, scores.probabilities, scores.cached_tokens)
 
     def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
         """decide_batch's decisions before rounding: each prompt's Scores (or its exception), in order."""
         with self._in_use():
-            for prompt in prompts:
-                self._check(prompt)
+            prompts = [self._check(prompt) for prompt in prompts]
             if not self.batchable(prompts):
                 tokens = sum(len(p.tokens) for p in prompts)
                 raise ComputeError(f"{len(prompts)} prompts of {tokens} tokens in all cannot be decided together")
             return self.compute(self._score_batch, prompts)
 
     def _score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]:
-        variant = self.variants.of(prompts[0].model)  # (batchable: one model's)
-        assert variant is not None
-        head = self.variants.activate(variant)  # its LoRA applied, its head
-        return self.score(variant, head, prompts, self._hidden_states(prompts))
+        head = self.activate(prompts[0])  # (batchable: one model's)
+        return self.score(head, prompts, self._hidden_states(prompts))
+
+    def activate(self, prompt: EncodedPrompt) -> NativeHead:
+        """(On the compute thread) The prompt's model made the context's (its adapter loaded and applied): its head."""
+        assert prompt.model is not None  # (_check)
+        return self.decider.activate(prompt.model.entry)
 
     def score(
-        self, variant: Variant, head: NativeHead, prompts: Sequence[EncodedPrompt], hidden: Sequence[Hidden | Exception]
+        self, head: NativeHead, prompts: Sequence[EncodedPrompt], hidden: Sequence[Hidden | Exception]
     ) -> list[Scores | Exception]:
         """(On the compute thread) Each prompt's Scores from its hidden states (a prompt's error, or (its hidden states,
-        tokens the cache gave)), by the variant's head, or its error."""
+        tokens the cache gave)) by its model's head and temperatures, or its error."""
         scored: list[Scores | Exception] = []
         for prompt, result in zip(prompts, hidden, strict=True):
             if isinstance(result, Exception):
                 scored.append(result)
                 continue
+            assert prompt.model is not None  # (_check)
             try:  # views of llama.cpp's output buffer: the head reads them before the next decode
                 questions = tuple(q.question for q in prompt.questions)
-                tempered = [temperature_of(variant.temperatures, q.type, len(q.options)) for q in questions]
+                tempered = [temperature_of(prompt.model.entry.temperatures, q.type, len(q.options)) for q in questions]
                 logits = [np.array(z, dtype=np.float32) for z in head(result[0], prompt)]
-                probabilities = question_probabilities(variant.name, logits, tempered)
+                probabilities = question_probabilities(prompt.model.entry.name, logits, tempered)
                 options = tuple(tuple(option for option, _ in q.options) for q in questions)
                 scored.append(Scores(probabilities, result[1], tuple(q.id for q in questions), options, logits))
             except (ComputeError, ModelOutputError) as e:
@@ -370,7 +304,7 @@ class ClefModel:
             self._busy.wait_for(lambda: self._active == 0)
         self._stepping = None  # (a prompt left in steps: its next step is refused)
         self.state_cache.clear()  # host memory only: the saved states are of no use without the context
-        self.compute(self._resources.close)  # head, backbone, then the mapping: the reverse of loading
+        self.compute(self._resources.close)  # the decider's, the catalog's, the backbone, the mapping: loading reversed
         self._compute.shutdown()
 
     def __enter__(self) -> ClefModel:
@@ -380,5 +314,34 @@ class ClefModel:
         self.close()
 
 
-# The API's verb: clef_gguf.load(path, ...) is ClefModel(path, ...), one signature.
-load = ClefModel
+def load(path: str | Path, **keywords: Any) -> ClefModel:
+    """`clef_gguf.load(path, ...)`: the model at `path`, loaded with load()'s keywords, each a setting of LoadOptions
+    (n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, state_cache, mmproj) or of AdapterSet (adapters,
+    adapter_dir, max_adapters, adapter_memory, base_head, adapter: settings.py says what each does)."""
+    return ClefModel(ModelSpec.of(path, **keywords))
+
+
+# help(load), an editor and the README's test see every keyword with its default, each declared once in settings.py.
+load.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("path", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str | Path")]
+    + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for table in (LoadOptions, AdapterSet)
+        for f in fields(table)
+    ],
+    return_annotation="ClefModel",
+)
+
+
+def open_encoder(spec: ModelSpec) -> PromptEncoder:
+    """The encoding part of the model `spec` declares, alone, with llama.cpp's tokenizer and no weights: the Ray
+    ingress encodes what its replicas decide. Its base file stays mapped (a folder's adapters are checked against it
+    when first named)."""
+    with ExitStack() as stack:
+        validated = open_validated(spec.path)  # the header check ClefModel runs: the same refusals, the same messages
+        stack.callback(validated.close)
+        vocabulary = Vocabulary(validated.file, nfc=validated.description.nfc)  # llama.cpp keeps its own copy
+        stack.callback(vocabulary.close)
+        encoder = PromptEncoder(spec, validated, vocabulary.tokenize)
+        encoder.owned = stack.pop_all()
+    return encoder

@@ -64,7 +64,7 @@ class Prefill:
         positions = prompt_positions(len(tokens), [(p.start, p.image.nx, p.image.ny) for p in prompt.images])
         ends = [*cuts(prompt.preamble, prompt.state_prefix, len(tokens)), len(tokens)]
         digests = [[p.image.digest for p in prompt.images if p.start < end] for end in ends[:-1]]
-        keys = [prefix_key(tokens[:end], images, prompt.model) for end, images in zip(ends[:-1], digests, strict=True)]
+        keys = [prefix_key(tokens[:end], images, prompt.identity) for end, images in zip(ends[:-1], digests, strict=True)]
         first, restore = 0, None
         for i in reversed(range(len(keys))):
             restore = self.state_cache.get(keys[i])

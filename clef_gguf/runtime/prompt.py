@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelFileError, RequestError
 from ..format import temperatures as T
@@ -17,6 +17,9 @@ from ..format import vision as V
 from ..format.contract import QUESTION_TYPES
 from ..format.template import OMITTED, PromptTemplate
 from .images import ImageLimits, PreparedImage, prepare_all, request_images
+
+if TYPE_CHECKING:
+    from .catalog import ModelRef
 
 MAX_QUESTIONS = 64
 CHOICE_OPTIONS = T.OPTION_COUNTS["choice"]
@@ -84,7 +87,19 @@ class EncodedPrompt:
     # tokens[:preamble] are the template's pieces before the request's first own one (its images or its
     # state): the system prompt and the user turn's opening, the same for every request to the model.
     preamble: int = 0
-    model: str = ""  # the identity of the file whose vocabulary and template encoded it (GGUFFile.identity)
+    # The model its request named, resolved once (runtime/catalog.py): the base or one of its adapters, by identity
+    # (whose vocabulary and template encoded it), the name its answer gives, and its catalog entry. None: made by hand.
+    model: ModelRef | None = None
+
+    @property
+    def identity(self) -> str:
+        """Its model's identity: a batch is one model's, and the state cache's keys hold it ("" when made by hand)."""
+        return self.model.identity if self.model is not None else ""
+
+    @property
+    def model_name(self) -> str:
+        """The name its answer's `model` and the metrics' label give its model."""
+        return self.model.name if self.model is not None else ""
 
 
 # --- Validation -------------------------------------------------------------------------------------------
@@ -170,7 +185,7 @@ def parse_request(body: Any, image_limits: ImageLimits | None = None) -> Request
 
 
 # --- Encoding ---------------------------------------------------------------------------------------------------
-def encode(request: Request, template: PromptTemplate, tokenize: Tokenize, model: str = "") -> EncodedPrompt:
+def encode(request: Request, template: PromptTemplate, tokenize: Tokenize, model: ModelRef | None = None) -> EncodedPrompt:
     """Token ids and spans: the template's pieces, each tokenized on its own as in the reference's encode_record."""
     questions = [
         {

@@ -21,9 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..llama.native_head import NativeHead
-    from .adapters import Variants
     from .answers import Scores
-    from .catalog import Variant
     from .prefill import Prefill
     from .prompt import EncodedPrompt
     from .state_cache import StateCache
@@ -45,7 +43,10 @@ class Prompt(Protocol):
     def preamble(self) -> int: ...  # tokens before the request's own
 
     @property
-    def model(self) -> str: ...  # the identity of the model it was encoded for: the base's or an adapter's
+    def identity(self) -> str: ...  # the identity of the model it was encoded for: the base's or an adapter's
+
+    @property
+    def model_name(self) -> str: ...  # that model's name, as its answer gives it (the metrics' label)
 
 
 class Encoder(Protocol):
@@ -62,8 +63,6 @@ class Encoder(Protocol):
     def encode(self, request: dict[str, Any]) -> Prompt: ...  # validate and tokenize, no compute; thread-safe
 
     def adapter_names(self) -> list[str]: ...  # the fine-tunes a request may name besides the base
-
-    def model_name(self, prompt: Prompt) -> str: ...  # the name of the model it was encoded for (metrics' label)
 
     def close(self) -> None: ...
 
@@ -125,20 +124,16 @@ class FileModel(DecidingModel, Protocol):
 class StepsModel(Protocol):
     """What a prompt decided in steps (runtime/steps.py's PromptSteps) uses of its model, on the compute thread."""
 
-    variants: Variants
-
     @property
     def parallel(self) -> int: ...
 
     def prefill(self) -> Prefill: ...
 
+    def activate(self, prompt: EncodedPrompt) -> NativeHead: ...  # its model made the context's (its adapter applied)
+
     def score(
-        self,
-        variant: Variant,
-        head: NativeHead,
-        prompts: Sequence[EncodedPrompt],
-        hidden: Sequence[tuple[np.ndarray, int] | Exception],
-    ) -> list[Scores | Exception]: ...  # each prompt's Scores from its hidden states, by the variant's head
+        self, head: NativeHead, prompts: Sequence[EncodedPrompt], hidden: Sequence[tuple[np.ndarray, int] | Exception]
+    ) -> list[Scores | Exception]: ...  # each prompt's Scores from its hidden states, by its model's head
 
     def answer(self, prompt: EncodedPrompt, scores: Scores) -> dict[str, Any]: ...
 

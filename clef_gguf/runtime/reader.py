@@ -139,7 +139,7 @@ class Record:
 def read_records(file: IO[bytes], max_line_bytes: int = MAX_LINE_BYTES, first_line: int = 1) -> Iterator[Record]:
     """The non-blank lines of a JSON Lines file, the one reader of decide's, eval's, compare's and calibrate's.
     `first_line`: the number of the line the file is positioned at (a Ray worker reads its part of the file from
-    an offset: server/ray_dataset.py); the byte order mark rule is line 1's only.
+    an offset: dataset_ray.py); the byte order mark rule is line 1's only.
 
     A UTF-8 byte order mark at the start of line 1 is skipped (Windows editors write one). A line longer than
     max_line_bytes is read in bounded chunks, hashed and skipped to its newline, never held whole: it becomes a

@@ -7,7 +7,7 @@ ubatches, cuts and saved states as deciding it alone), and between two steps the
 waiting on the other sequences (server/worker.py), never clearing the reserved one. The last step runs its
 model's head and gives the answer.
 
-Each step applies its own prompt's adapter (Variants.activate): a batch of another model between two steps
+Each step applies its own prompt's adapter (runtime/decider.py's Decider.activate): a batch of another model between two steps
 switches the context's LoRA twice, which makes llama.cpp reserve its graphs again on the next decode.
 """
 
@@ -50,9 +50,7 @@ class PromptSteps:
         return answer
 
     def _step(self) -> dict[str, Any] | Exception | None:
-        variant = self.model.variants.of(self.prompt.model)
-        assert variant is not None  # (begin checked the prompt)
-        head = self.model.variants.activate(variant)  # its LoRA applied again after a batch of another model
+        head = self.model.activate(self.prompt)  # its LoRA applied again after a batch of another model
         if self.run is not None and self.run.cleared:
             if self.restarts >= RESTARTS:
                 raise ComputeError("the context's memory was reset during this prompt's prefill, twice (non-finite values)")
@@ -61,7 +59,7 @@ class PromptSteps:
             self.run = self.model.prefill().start([self.prompt], [self.seq])
         if not self.run.step():
             return None
-        [scores] = self.model.score(variant, head, [self.prompt], self.run.out)
+        [scores] = self.model.score(head, [self.prompt], self.run.out)
         return scores if isinstance(scores, Exception) else self.model.answer(self.prompt, scores)
 
     def finish(self) -> None:

@@ -9,9 +9,8 @@ before the port is bound, so a file that loading rejects never gets a listening 
 
 from __future__ import annotations
 
-from ..settings import HttpLimits, ServeSettings
+from ..settings import BYTES_PER_TOKEN, HttpLimits, ServeSettings, body_limit
 from .app import create_app
-from .body import BYTES_PER_TOKEN, body_limit
 from .run import serve, uvicorn_config
 
 __all__ = ["BYTES_PER_TOKEN", "HttpLimits", "ServeSettings", "body_limit", "create_app", "serve", "uvicorn_config"]

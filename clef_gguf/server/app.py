@@ -1,6 +1,6 @@
 """The FastAPI application: routes, API key, and the mapping of every error to TypeSafe's (or Workers AI's) shapes.
 
-Every error it answers is a row of the problem table (runtime/problem_table.py), Starlette's own 404 and 405 too:
+Every error it answers is a row of the error table (errors.py), Starlette's own 404 and 405 too:
 a new status goes there."""
 
 from __future__ import annotations
@@ -19,19 +19,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import AdapterUnavailableError, ModelFileError, RequestError, SettingsError
+from ..errors import NOT_FOUND, UNAUTHORIZED, AdapterUnavailableError, ModelFileError, RequestError, SettingsError
 from ..runtime.catalog import JEV_ALIAS  # the SDKs' default model name: the catalog resolves it to the base
-from ..runtime.problem_table import NOT_FOUND, UNAUTHORIZED, starlette_problem
-from ..runtime.problems import problem_of
+from ..runtime.failures import Failure, Invalid, internal, problem_of
 from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
-from ..settings import HttpLimits, LogFormat, ServeSettings
+from ..settings import HttpLimits, LogFormat, ServeSettings, body_limit
 from . import workers_ai
-from .body import body_limit
 from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import Observed, note_decision
-from .problems import ApiError, Invalid, internal, overloaded, render_problem, response_headers
+from .problems import ApiError, overloaded, render_problem, response_headers, starlette_problem
 from .ui import mount_ui
 from .worker import ComputeScheduler, Scheduler
 
@@ -86,7 +84,7 @@ def _named(prompt: Any) -> dict[str, Any]:
     return {"lora": lora} if lora is not None else {"model": getattr(request, "model", None)}
 
 
-def _problem(request: Request, problem: ApiError | Invalid) -> Response:
+def _problem(request: Request, problem: Failure | Invalid) -> Response:
     status, headers, body = render_problem(request.scope["path"], problem)
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
@@ -129,8 +127,8 @@ class AnswerCutOff:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> Response:
+    @app.exception_handler(Failure)  # an ApiError too
+    async def failure(request: Request, e: Failure) -> Response:
         return _problem(request, e)
 
     @app.exception_handler(Invalid)
@@ -183,7 +181,7 @@ class Service:
         )
         # The identity of the model version that answered (an adapter file replaced on disk is a new version):
         # what an answers file records as model_sha256, so an operator can tell which version answered.
-        return decision.body, {"Server-Timing": timing, MODEL_SHA256_HEADER: prompt.model}
+        return decision.body, {"Server-Timing": timing, MODEL_SHA256_HEADER: prompt.identity}
 
     async def systemone(self, request: Request) -> Response:
         body, headers = await self.answer(request)
@@ -233,7 +231,7 @@ def create_app(
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
     max_queue bounds the requests being read and the requests admitted to decide, each; max_body_bytes
-    (default: from the model's token limit and whether it takes images, body.body_limit) bounds a body,
+    (default: from the model's token limit and whether it takes images, settings.body_limit) bounds a body,
     raw and decoded; a body must arrive as fast as `limits` say (body_timeout, body_grace, min_body_rate).
     Decisions are model.decide_batch's on the model's compute thread (ComputeScheduler) unless a scheduler is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a

@@ -1,6 +1,6 @@
 """A request body: bounded in size, Content-Encoding undone, parsed as strict JSON.
 
-Everything a client can get wrong here is a 4xx, each a row of the problem table (runtime/problem_table.py): a
+Everything a client can get wrong here is a 4xx, each a row of the error table (errors.py): a
 body over the limit (REQUEST_TOO_LARGE), too slow (BODY_TIMEOUT) or cut off (BODY_CUT_OFF), an encoding or media
 type the server cannot read (UNSUPPORTED_MEDIA), bytes that are not strict UTF-8 JSON (INVALID: the runtime's
 reader, runtime/reader.py, which `clef-gguf decide` reads its files with too).
@@ -19,27 +19,11 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from ..errors import RequestJsonError
-from ..runtime.problem_table import BODY_CUT_OFF, BODY_TIMEOUT, REQUEST_TOO_LARGE, UNSUPPORTED_MEDIA
+from ..errors import BODY_CUT_OFF, BODY_TIMEOUT, REQUEST_TOO_LARGE, UNSUPPORTED_MEDIA, RequestJsonError
+from ..runtime.failures import Invalid, from_request_error
 from ..runtime.reader import parse_json
 from ..settings import HttpLimits
-from .problems import ApiError, Invalid, from_request_error, overloaded
-
-# The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
-# could fit is refused while it is decoded (in milliseconds), never tokenized. On Qwen3.5's vocabulary (the Clef
-# backbone's), text of any script costs a few bytes per token as UTF-8, and about three times as many as the
-# \uXXXX escapes json.dumps writes by default: 16 is above both. Only runs of one character (a token covers
-# up to 128 spaces) go past it: such a body is refused as too large.
-BYTES_PER_TOKEN = 16
-
-# With a vision tower, room for the images on top (Workers AI's: 8 MiB of image files, base64 in JSON, and a
-# request body of at most 13 MiB in all).
-IMAGE_ALLOWANCE = 13 << 20
-
-
-def body_limit(max_prompt_tokens: int, images: bool = False) -> int:
-    """The largest decoded (and raw) body worth reading for a model with this token limit (and images)."""
-    return max_prompt_tokens * BYTES_PER_TOKEN + (IMAGE_ALLOWANCE if images else 0)
+from .problems import ApiError, overloaded
 
 
 def _zstd_decompressor() -> Callable[[bytes, int], tuple[bytes, bool]] | None:

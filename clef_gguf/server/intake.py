@@ -18,37 +18,46 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from typing import Any
 
 from starlette.requests import Request
 
-from ..errors import AdapterUnavailableError, ModelFileError, PromptTooLongError, RequestError, SettingsError
+from ..errors import REQUEST_TOO_LARGE, AdapterUnavailableError, ModelFileError, PromptTooLongError, RequestError, SettingsError
 from ..runtime import images
-from ..runtime.problem_table import REQUEST_TOO_LARGE
-from ..runtime.problems import problem_of
+from ..runtime.failures import from_request_error, problem_of
 from ..runtime.protocols import Encoder
 from ..settings import HttpLimits
 from . import body, media
-from .problems import ApiError, from_request_error, overloaded
+from .problems import ApiError, overloaded
 
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
 
 
+def _glibc() -> bool:
+    """Whether this process runs on glibc (os.confstr has no such name on macOS, musl or Windows)."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+@cache
 def _malloc_trim() -> Callable[[], None]:
     """glibc keeps the heap pages of freed large bodies (tokens, lists, JSON) unless asked: malloc_trim hands
-    them back, so memory returns to its baseline after a large body. A no-op elsewhere."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    them back, so memory returns to its baseline after a large body. A no-op elsewhere. Looked up at the first
+    large body, not at import, in the symbols the process already has (CDLL(None): glibc is loaded, by Python)."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if _glibc() else None
+    except OSError:
+        trim = None
     if trim is None:
         return lambda: None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)
-
-
-_trim = _malloc_trim()
 
 
 def _payload_bytes(image: Any) -> int:
@@ -88,7 +97,7 @@ class Intake:
         self.model = model
         self.max_reading = max_reading
         self.limit = limit  # bytes, raw and decoded
-        # bytes of a body less its images' (body.body_limit without images): a body that takes images may be
+        # bytes of a body less its images' (settings.body_limit without images): a body that takes images may be
         # larger by their allowance, never its text, which is refused before it is tokenized
         self.text_limit = limit if text_limit is None else min(limit, text_limit)
         self.limits = limits  # how fast a body must arrive
@@ -127,7 +136,7 @@ class Intake:
         try:
             return self._prepare(decoded, content_type)
         finally:
-            _trim()  # the tokens and the parse of a refused body are garbage by now
+            _malloc_trim()()  # the tokens and the parse of a refused body are garbage by now
 
     @property
     def reading(self) -> int:
@@ -135,7 +144,7 @@ class Intake:
         return self.bodies.readers + self.preparing
 
     async def request(self, request: Request) -> Any:
-        """The request of `request`, parsed, validated and encoded; raises ApiError or Invalid."""
+        """The request of `request`, parsed, validated and encoded; raises a Failure (an ApiError too) or Invalid."""
         content_type = request.headers.get("content-type")
         body.check_media_type(content_type)
         raw = await body.read(request, self.limit, self.limits, self.bodies)  # no intake slot while it arrives

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from ..runtime import images as runtime_images
-from .problems import ApiError, Invalid, Location
+from ..runtime.failures import Failure, Invalid, Location
 
 REQUEST_PART = "request"
 ASSET_FORMATS = ("png", "jpg", "jpeg", "webp")  # TypeSafe's `format`; the bytes decide the actual format
@@ -132,7 +132,7 @@ def chat_part_origins(value: Any) -> list[Location]:
     ]
 
 
-def relocate(error: ApiError | Invalid, origins: list[Location]) -> ApiError | Invalid:
+def relocate(error: Failure | Invalid, origins: list[Location]) -> Failure | Invalid:
     """A 422 about images.N named where that image was in the body (an asset's key, say)."""
     if isinstance(error, Invalid):
         loc = error.loc

@@ -10,7 +10,7 @@ state_cache.MIN_PREFIX_TOKENS or more, runtime/model.py cuts it off): a hit when
 from the cache. The template's preamble, cached once for every request, is in cached tokens but is no hit.
 
 The decided requests' series carry a `model` label: the name of the model that decided them, the base's or an
-adapter's (runtime/adapters.py), as the answer's `model` says (runtime/catalog.name_of gives both). An adapter is
+adapter's, the name its request's model resolved to once (runtime/catalog.py's ModelRef: EncodedPrompt.model_name). An adapter is
 counted under the name the request asked for: one file may answer to two names (two --adapter NAME=FILE, or a name
 and a folder's file), and its identity alone would count one name's requests under the other. The base's many names
 (its own, clef, jev-latest, ...) count as its own, so no client can grow the series by the names it sends.
@@ -24,7 +24,7 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from ..runtime.problem_table import OVERLOADED
+from ..errors import OVERLOADED
 from ..runtime.protocols import Encoder, Prompt
 from ..runtime.state_cache import StateCache, split_at_prefix
 from .worker import Decision, Scheduler
@@ -51,7 +51,6 @@ class Metrics:
     refused: Counter
     cache_hits: Counter
     cache_misses: Counter
-    model_name: Callable[[Prompt], str]  # the decided series' `model` (Encoder.model_name: runtime/catalog.name_of)
 
     def answered(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -60,7 +59,7 @@ class Metrics:
             self.refused.inc()
 
     def decided(self, prompt: Prompt, decision: Decision) -> None:
-        model = self.model_name(prompt)
+        model = prompt.model_name  # the decided series' `model`: its answer's (runtime/catalog.py resolved it once)
         self.phases.labels("queue", model).observe(decision.queued_s)
         self.phases.labels("compute", model).observe(decision.decide_s)
         self.prompt_tokens.labels(model).inc(len(prompt.tokens))
@@ -127,7 +126,6 @@ def create_metrics(model: Encoder, scheduler: Scheduler, reading: Reading, state
         cache_misses=Counter(
             "clef_state_cache_misses", "Decided requests whose cacheable state it did not have.", ["model"], registry=r
         ),
-        model_name=model.model_name,
     )
     for counter in (metrics.prompt_tokens, metrics.cached_tokens, metrics.images, metrics.cache_hits, metrics.cache_misses):
         counter.labels(model.name)  # the base's series from the start, at 0 (each adapter's from its first decision)

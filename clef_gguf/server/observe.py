@@ -22,7 +22,7 @@ from typing import TextIO
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..runtime.problem_table import INTERNAL
+from ..errors import INTERNAL
 from ..runtime.protocols import Prompt
 from ..settings import LogFormat
 from .metrics import Metrics

@@ -18,7 +18,7 @@ This subclass adds, per connection:
     `body_timeout` after the head; the app itself answers a body slower than that with BODY_TIMEOUT (body.py).
 
 Every answer it writes is the app's JSON error (problems.render_problem) of a row of the problem table
-(runtime/problem_table.py), never plain text; uvicorn's own 400 for bytes it cannot parse is BAD_HTTP.
+(errors.py), never plain text; uvicorn's own 400 for bytes it cannot parse is BAD_HTTP.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from ..runtime.problem_table import BAD_HTTP, HEAD_TIMEOUT, HEAD_TOO_LARGE, URL_TOO_LONG
+from ..errors import BAD_HTTP, HEAD_TIMEOUT, HEAD_TOO_LARGE, URL_TOO_LONG
 from ..settings import HttpLimits
 from .problems import ApiError, render_problem
 

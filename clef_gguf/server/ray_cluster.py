@@ -7,16 +7,15 @@ import signal
 import sys
 import time
 from contextlib import suppress
-from pathlib import Path
 
-import ray
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from ray.serve.schema import DeploymentStatus
 
 from ..errors import DeploymentError
-from .ray_local import imported_from_here, join, remove_session
+from ..runtime.ray_local import cluster
+from ..settings import ServeSettings
 from .ray_private import stop_proxies
 from .ray_serve import APP_NAME, RaySettings, build_app
 
@@ -58,6 +57,15 @@ def _drain(timeout_s: float) -> None:
         print(f"{left} requests still running after the drain timeout are cut off", file=sys.stderr, flush=True)
 
 
+def start_serve(settings: ServeSettings) -> None:
+    """Ray Serve on the cluster this process is connected to: its HTTP proxy on settings' host and port, keeping idle
+    connections its keep_alive. In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log)."""
+    keep_alive = max(1, round(settings.limits.keep_alive))  # whole seconds, Ray's
+    # No access log in Ray's proxy: the ingress writes the one line per request (observe.py), with its id.
+    http = {"host": settings.host, "port": settings.port, "keep_alive_timeout_s": keep_alive}
+    serve.start(http_options=http, logging_config={"enable_access_log": False})
+
+
 def run(settings: RaySettings) -> None:
     """`clef-gguf serve --ray`: deploy on the Ray cluster at settings.scale.address, or on a local one started here, and
     serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
@@ -66,45 +74,35 @@ def run(settings: RaySettings) -> None:
     deleted (its proxy, the cluster's, then answers 404 for the routes). A signal while deploying (replicas Ray
     cannot place wait for resources forever) stops it the same way, with nothing to drain. Ray's HTTP proxy listens
     on settings.serve's host and port, keeping idle connections its keep_alive."""
-    address = settings.scale.address
-    local = address is None
-    host, port, keep_alive = settings.serve.host, settings.serve.port, settings.serve.limits.keep_alive
-    session: Path | None = None
-    with imported_from_here():
-        if local:  # (Ray's SIGTERM handler stays: it stops the cluster's processes, should the drain be cut short)
-            context = ray.init(address="local", include_dashboard=False, log_to_driver=True)
-            session = Path(context.address_info["session_dir"])  # this run's, under Ray's temporary folder
-        else:
-            join(address, log_to_driver=True)  # bounded: where no cluster answers, a SettingsError in seconds
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    deployed = False
-    try:
-        # In a cluster whose Serve already runs, its HTTP options stay (Ray says so in its log).
-        # No access log in Ray's proxy: the ingress writes the one line per request (observe.py), with its id.
-        http = {"host": host, "port": port, "keep_alive_timeout_s": max(1, round(keep_alive))}  # whole seconds, Ray's
-        serve.start(http_options=http, logging_config={"enable_access_log": False})
+    with cluster(settings.scale.address, log_to_driver=True) as local:
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        deployed = False
         try:
-            serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
-        except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries
-            raise DeploymentError(_why_not_deployed(e)) from None
-        deployed = True
-        print(f"serving {APP_NAME} on http://{host}:{port}/v1/systemone (Ray Serve)", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)  # until a signal raises _Stopped
-    except _Stopped:
-        pass
-    finally:
-        for sig, handler in previous.items():  # a second signal cuts the drain short
-            signal.signal(sig, handler)
-        try:
-            if deployed:
-                _drain(settings.serve.drain_timeout)
-            if local:
-                stop_proxies()
-            else:
-                with suppress(RayServeException):  # Serve never started, or someone shut it down
-                    serve.delete(APP_NAME)  # nothing left to drain, unless it never served
+            start_serve(settings.serve)
+            try:
+                serve.run(build_app(settings), name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
+            except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries
+                raise DeploymentError(_why_not_deployed(e)) from None
+            deployed = True
+            where = f"http://{settings.serve.host}:{settings.serve.port}/v1/systemone"
+            print(f"serving {APP_NAME} on {where} (Ray Serve)", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)  # until a signal raises _Stopped
+        except _Stopped:
+            pass
         finally:
-            ray.shutdown(wait_for_processes=local)  # a local cluster's processes stopped before its folder goes
-            if session is not None:
-                remove_session(session)
+            for sig, handler in previous.items():  # a second signal cuts the drain short
+                signal.signal(sig, handler)
+            _stop_serving(deployed, settings.serve.drain_timeout, local)
+
+
+def _stop_serving(deployed: bool, drain_timeout: float, local: bool) -> None:
+    """The ingress drained; then a local cluster's proxies stopped (the cluster stops after), or on another cluster
+    the application deleted."""
+    if deployed:
+        _drain(drain_timeout)
+    if local:
+        stop_proxies()
+    else:
+        with suppress(RayServeException):  # Serve never started, or someone shut it down
+            serve.delete(APP_NAME)  # nothing left to drain, unless it never served

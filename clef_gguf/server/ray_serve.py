@@ -10,8 +10,8 @@ Two deployments, from the server's own code:
     share (num_gpus), and decides on the plain server's ComputeScheduler: up to --parallel prompts prefilled
     together, a long one in steps beside them, as `clef-gguf serve` decides.
 Both receive the settings tables as `clef-gguf serve` has them (settings.py): the ingress the ServeSettings, its
-HttpLimits included, so every limit of a body holds as on the plain server; each replica the LoadOptions.
-With adapters (fine-tunes over the model, runtime/adapters.py), every replica is loaded with the same set and the
+HttpLimits included, so every limit of a body holds as on the plain server; each replica the ModelSpec.
+With adapters (fine-tunes over the model, runtime/decider.py), every replica is loaded with the same set and the
 ingress's encoder resolves a request's model name from the same files (runtime/catalog.py), so a prompt carries
 the identity the replicas give that name.
 
@@ -43,10 +43,9 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import AdapterUnavailableError, SettingsError
-from ..runtime.encoder import PromptEncoder
-from ..runtime.model import PROBE, ClefModel, load
+from ..runtime.model import PROBE, ClefModel, open_encoder
 from ..runtime.prompt import EncodedPrompt
-from ..settings import API_KEY_ENV, HttpLimits, LoadOptions, RayScale, ServeSettings
+from ..settings import API_KEY_ENV, AdapterSet, HttpLimits, LoadOptions, ModelSpec, RayScale, ServeSettings
 from .app import check_api_key, send_shutting_down
 from .observe import configure_access_log
 from .problems import overloaded
@@ -77,11 +76,15 @@ class RaySettings:
 
     model: str  # the GGUF's path, the same on every node that runs a replica or the ingress
     serve: ServeSettings = field(default_factory=ServeSettings)  # the ingress's: its key, queue, HTTP limits, log format
-    # Each replica's load() (paths the same on every node; n_threads, default 1, also the CPUs Ray reserves for it).
-    # Fine-tunes (adapters, adapter_dir) are loaded by every replica, each keeping its own LRU, and the ingress
-    # resolves their names as the replicas do.
+    # Each replica's model (paths the same on every node; n_threads, default 1, also the CPUs Ray reserves for it).
     load: LoadOptions = field(default_factory=LoadOptions)
+    # Its fine-tunes, loaded by every replica, each keeping its own LRU; the ingress resolves their names as they do.
+    adapter_set: AdapterSet = field(default_factory=AdapterSet)
     scale: RayScale = field(default_factory=RayScale)  # replicas, or autoscale "MIN:MAX"; GPUs per replica
+
+    def spec(self) -> ModelSpec:
+        """The model every replica loads and the ingress encodes for: llama.cpp's threads default to 1 (Ray's CPUs)."""
+        return ModelSpec(self.model, replace(self.load, n_threads=self.load.n_threads or 1), self.adapter_set)
 
 
 _SETTINGS = TypeAdapter(RaySettings)
@@ -103,10 +106,12 @@ def autoscale_range(text: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
-# Where each setting lives in a config's `args` (flat before 0.2.0): named when one is found in another table.
+# Where each setting lives in a config's `args` (flat before 0.2.0; the adapters under `load` in 0.2.0): named when
+# one is found in another table.
+_TABLES = (("serve", ServeSettings), ("serve.limits", HttpLimits), ("load", LoadOptions), ("adapter_set", AdapterSet))
 _HOMES = {
     f.name: NOT_IN_ARGS.get((table, f.name), f"{table}.{f.name}")  # host, port, address: Ray's own, not a table's
-    for table, cls in (("serve", ServeSettings), ("serve.limits", HttpLimits), ("load", LoadOptions), ("scale", RayScale))
+    for table, cls in (*_TABLES, ("scale", RayScale))
     for f in fields(cls)
     if f.name != "limits"
 }
@@ -179,8 +184,8 @@ class ReplicaScheduler:
 class ClefReplica:
     """One loaded model, deciding on the plain server's ComputeScheduler; healthy once it has answered a decision."""
 
-    def __init__(self, model: str, options: LoadOptions, *, queue: int) -> None:
-        self.model: ClefModel = load(model, **options.kwargs())
+    def __init__(self, spec: ModelSpec, *, queue: int) -> None:
+        self.model = ClefModel(spec)
         self.worker = ComputeScheduler(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
@@ -191,13 +196,13 @@ class ClefReplica:
 
     async def decide(self, prompt: EncodedPrompt) -> Decision:
         """The decision of a prompt the ingress encoded: its response JSON, time queued here and deciding."""
-        if self.model.variants.of(prompt.model) is None:
+        if prompt.model is not None and self.model.catalog.adopt(prompt.model) is None:
             # An adapter of the folder this replica was not asked for before: resolved here as the ingress resolved it
             # (the file validated against the base; the same identity, unless the file changed in between).
-            variant = await asyncio.to_thread(self.model.variants.of_request, prompt.request)
-            if variant.identity != prompt.model:  # the file changed between the ingress and here: a new version
+            found = await asyncio.to_thread(self.model.catalog.resolve, prompt.request.named)
+            if found.identity != prompt.identity:  # the file changed between the ingress and here: a new version
                 raise AdapterUnavailableError(
-                    f"the adapter file of {variant.name!r} changed while the request waited: send the request again"
+                    f"the adapter file of {found.entry.name!r} changed while the request waited: send the request again"
                 )
         return await self.worker.decide(prompt)
 
@@ -244,10 +249,9 @@ class ShutdownGate:
 class ClefIngress:
     """create_app over the file's PromptEncoder, deciding on the replicas (ReplicaScheduler)."""
 
-    def __init__(self, replicas: DeploymentHandle, model: str, settings: ServeSettings, options: LoadOptions) -> None:
-        o = options  # the replicas': their prompt limit, ubatch and vision tower, their adapters' names and identities
-        many = {"adapters": o.adapters, "adapter_dir": o.adapter_dir, "base_head": o.base_head}
-        self.encoder = PromptEncoder(model, max_prompt_tokens=o.max_prompt_tokens, ubatch=o.ubatch, mmproj=o.mmproj, **many)
+    def __init__(self, replicas: DeploymentHandle, spec: ModelSpec, settings: ServeSettings) -> None:
+        # The replicas' spec: their prompt limit, ubatch and vision tower, their adapters' names and identities.
+        self.encoder = open_encoder(spec)
         configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
         self.scheduler = ReplicaScheduler(replicas, settings.max_queue)
         self.settings = settings
@@ -280,7 +284,7 @@ def _scaling(scale: RayScale) -> dict[str, Any]:
 def build_app(settings: RaySettings) -> serve.Application:
     """The application: the ingress over the model replicas, sized and scaled by `settings`."""
     s = settings.serve
-    options = replace(settings.load, n_threads=settings.load.n_threads or 1)  # llama.cpp's threads: Ray's CPUs
+    spec = settings.spec()
     # No access log line per request: at small models' decisions, Ray's logging is a visible share of a core.
     quiet = {"enable_access_log": False}
     # Each deployment is bound with only the settings it uses: a change of scale alone then changes no replica's
@@ -294,17 +298,17 @@ def build_app(settings: RaySettings) -> serve.Application:
     # Retry-After.
     replicas = ClefReplica.options(
         max_ongoing_requests=s.max_queue,
-        ray_actor_options={"num_cpus": options.n_threads, "num_gpus": settings.scale.gpus},
+        ray_actor_options={"num_cpus": spec.options.n_threads, "num_gpus": settings.scale.gpus},
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
         **_scaling(settings.scale),
-    ).bind(settings.model, options, queue=s.max_queue)
+    ).bind(spec, queue=s.max_queue)
     ingress = ClefIngress.options(
         max_ongoing_requests=2 * s.max_queue + INGRESS_HEADROOM,
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
     )
-    return ingress.bind(replicas, settings.model, s, options)
+    return ingress.bind(replicas, spec, s)
 
 
 def settings_from_args(args: dict[str, Any]) -> RaySettings:

@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at, and raises again once drained
 
 from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
@@ -62,7 +63,7 @@ def serve(model: Model, settings: ServeSettings | None = None) -> None:
         if threading.current_thread() is not threading.main_thread():
             server.run()  # no signals off the main thread: the caller stops it with server.should_exit
             return
-        previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, _drained) for sig in HANDLED_SIGNALS}  # (Windows: and SIGBREAK)
         try:
             server.run()
         finally:

@@ -125,7 +125,7 @@ class ComputeScheduler:
                         self._drain = None
                         return
                     ready = None if stepping is None else self._ready
-                    batch = [] if self._closed else take(self._queue, self._fits, lambda job: job.prompt.model, ready)
+                    batch = [] if self._closed else take(self._queue, self._fits, lambda job: job.prompt.identity, ready)
                 if stepping is None and len(batch) == 1 and self._stepped(batch[0]):
                     stepping = self._begin(batch[0])
                 elif batch:

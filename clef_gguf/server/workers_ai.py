@@ -9,7 +9,7 @@ envelope is rendered where every error is (problems.py).
 
 from __future__ import annotations
 
-from ..runtime.problem_table import NO_SUCH_MODEL
+from ..errors import NO_SUCH_MODEL
 from .problems import ApiError
 
 # Both names mean the loaded model: a client picks one, a server holds one file.

@@ -8,11 +8,14 @@ replaces that one function before calling clef-finetune's own CLI. Nothing else 
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,17 @@ def run_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", __name__, *args], check=True, env=env)
 
 
+# A process's trainings, by what they were trained on (_configuration_digest): a private copy of the checkpoint (its
+# first caller may move or change its own), and the release and output folder its files name. The suite trains one
+# configuration for several test modules (test_finetune, test_adapters, test_adapter_file, test_readme), minutes each.
+_trained: dict[str, tuple[Path, str, str]] = {}
+_kept_in: list[Path] = []  # the folder of those copies, made on first use, removed when the process exits
+
+
 def train(release: Path, data: Path, out_dir: Path, **overrides: Any) -> Path:
-    """clef-finetune train on `release` and `data`; the checkpoint folder it writes."""
+    """clef-finetune train on `release` and `data`; the checkpoint folder it writes. Once per process for each
+    configuration (the release's and the data's bytes, the settings): again, the same checkpoint is copied to out_dir,
+    its files naming this release and out_dir where train's own would (its train_config.json is the configuration)."""
     config = {
         "model": {"path": str(release), "dtype": "float32"},
         "data": {"train": str(data), "max_length": 4096},
@@ -51,8 +63,40 @@ def train(release: Path, data: Path, out_dir: Path, **overrides: Any) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "train.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
+    checkpoint = out_dir / f"checkpoint-{config['train']['max_steps']}"
+    key = _configuration_digest(config)
+    if key in _trained:
+        kept, trained_release, trained_out = _trained[key]
+        _copy_checkpoint(kept, checkpoint, {trained_release: str(release), trained_out: str(out_dir)})
+        return checkpoint
     run_cli("train", str(path))
-    return out_dir / f"checkpoint-{config['train']['max_steps']}"
+    if not _kept_in:
+        _kept_in.append(Path(tempfile.mkdtemp(prefix="clef-finetune-trained-")))
+        atexit.register(shutil.rmtree, _kept_in[0], True)
+    _trained[key] = (Path(shutil.copytree(checkpoint, _kept_in[0] / key)), str(release), str(out_dir))
+    return checkpoint
+
+
+def _configuration_digest(config: dict[str, Any]) -> str:
+    """What a training depends on: the release's files and the data's bytes, the settings (not the folders' paths)."""
+    settings = {"dtype": config["model"]["dtype"], "max_length": config["data"]["max_length"]}
+    digest = hashlib.sha256(json.dumps([settings, config["lora"], config["train"]], sort_keys=True).encode())
+    release = Path(config["model"]["path"])
+    for file in sorted(p for p in release.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(release)).encode() + b"\0" + file.read_bytes())
+    digest.update(Path(config["data"]["train"]).read_bytes())
+    return digest.hexdigest()
+
+
+def _copy_checkpoint(source: Path, target: Path, paths: dict[str, str]) -> None:
+    """Copy a checkpoint, its JSON files (train_config.json, PEFT's adapter_config.json) naming `paths`' values
+    where they named its keys."""
+    shutil.copytree(source, target)
+    for file in target.rglob("*.json"):
+        text = file.read_text()
+        for old, new in paths.items():
+            text = text.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
+        file.write_text(text)
 
 
 def merge(release: Path, checkpoint: Path, out_dir: Path) -> Path:

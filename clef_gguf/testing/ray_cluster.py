@@ -1,5 +1,5 @@
-"""A local Ray cluster on loopback, and the processes of a Serve application's replicas and the requests
-each holds: for tests/test_ray_serve.py and tools/bench/bench_ray.py.
+"""A local Ray cluster on loopback, Serve started on it, and the processes of a Serve application's replicas and the
+requests each holds: for the Ray tests (tests/conftest.py's session cluster) and tools/bench/bench_ray.py.
 
 Importing this module prepares the process for the cluster it starts (Ray reads both variables when it is
 imported: import this first); it imports ray itself only when called, so that a test module can import it
@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from ..server.ray_local import LOOPBACK_ENV, loopback_only
+from ..runtime.ray_local import LOOPBACK_ENV, loopback_only
 
 loopback_only()
 # A cluster that ray.init starts requires Ray's token (~/.ray/auth_token, made when missing), and so then does
@@ -68,6 +70,28 @@ def local_cluster(num_cpus: int) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             owner.kill()
             owner.wait()
+
+
+def started_serve() -> int:
+    """Ray Serve started on the cluster this process is connected to, as `serve --ray` starts it, its HTTP proxy on a
+    free port of 127.0.0.1: that port. Every `serve --ray` that joins the cluster serves there (a cluster's Serve keeps
+    the HTTP options it started with), one application at a time."""
+    from ..server.ray_cluster import start_serve
+    from ..settings import ServeSettings
+    from .processes import free_port
+
+    port = free_port()
+    start_serve(ServeSettings(port=port))
+    return port
+
+
+def wait_deployed(log: Path, process: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Until `clef-gguf serve --ray` (its output in `log`) says it serves: serve.run returned, every replica healthy (its
+    ingress answers /health before). AssertionError with the log's end if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while "serving clef-gguf on" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
 
 
 def replica_pids(app: str | None = None) -> dict[str, list[int]]:

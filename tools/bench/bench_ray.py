@@ -43,7 +43,7 @@ from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app
 from clef_gguf.settings import LoadOptions, RayScale
 from clef_gguf.testing.load import run_level, start_server
-from clef_gguf.testing.processes import HOST, free_port, memory_mib
+from clef_gguf.testing.processes import memory_mib
 from clef_gguf.testing.release_builder import LARGER, build_release
 from clef_gguf.testing.request_suite import long_state_request
 
@@ -158,8 +158,7 @@ def main() -> None:
             models["larger"] = larger_fixture(Path(tmp))
         # Two replicas of one CPU each, and the ingress with none (it reads and tokenizes, on the cores left).
         with ray_cluster.local_cluster(num_cpus=2):
-            port = free_port()
-            serve.start(http_options={"host": HOST, "port": port})
+            port = ray_cluster.started_serve()  # (as `serve --ray` starts it: no access log in Ray's proxy)
             try:
                 for case in args.cases:
                     model, body, share = CASES[case]

@@ -4,7 +4,7 @@
     python tools/bench/bench_ray_dataset.py --records 1000 --cases demo --json ray-dataset.json
 
 For each model: the local mode (runtime/dataset_file.decide_file) with 1 llama.cpp thread and with the default
-threads; then, on a local Ray cluster on loopback started once here (this process its driver), server/ray_dataset's
+threads; then, on a local Ray cluster on loopback started once here (this process its driver), runtime/dataset_ray's
 decide_file_on_ray with 1 worker and with 2 workers of 1 thread each. Reported per run: the decide time (the local
 mode's, after its load; on Ray, from the call to the last line written: the actors' start and model loads included)
 and records/s; for Ray at 1 worker, its time per record without its start (the run's time less that of a run of a
@@ -37,23 +37,23 @@ from clef_gguf.testing import ray_cluster  # first: the cluster it starts listen
 import clef_gguf
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.runtime.dataset_file import decide_file
-from clef_gguf.server.ray_dataset import RayData, decide_file_on_ray
-from clef_gguf.settings import FileOptions, LoadOptions
+from clef_gguf.runtime.dataset_ray import RayData, decide_file_on_ray
+from clef_gguf.settings import FileOptions, ModelSpec
 from clef_gguf.testing.release_builder import LARGER, build_release
 
 CTX = 4096
 CACHED = re.compile(rb'"cached_tokens":\d+')
 RSS_CHILD = """
 import sys
-from pathlib import Path
 from clef_gguf.runtime.dataset_file import answers_file
-from clef_gguf.server.ray_dataset import _model_identity, _parts
+from clef_gguf.runtime.dataset_ray import _model_identity, parts
 from clef_gguf.data import DEMO_MODEL
-model = _model_identity(Path(DEMO_MODEL), None)
+from clef_gguf.settings import ModelSpec
+model = _model_identity(ModelSpec(DEMO_MODEL))
 with answers_file(model, sys.argv[1], sys.argv[2], resume=False, force=True) as run:
-    parts = _parts(run.input, run.records, run.next_line, 256)
+    cut = parts(run.input, run.records, run.next_line, 256)
 peak = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
-print(len(parts), int(peak) // 1024)
+print(len(cut), int(peak) // 1024)
 """
 
 
@@ -72,9 +72,9 @@ def _local(model: Path, source: Path, out: Path, threads: int | None) -> dict[st
 
 
 def _on_ray(model: Path, source: Path, out: Path, workers: int) -> dict[str, Any]:
-    settings = RayData(None, workers, LoadOptions(max_prompt_tokens=CTX, n_threads=1))
+    spec = ModelSpec.of(model, max_prompt_tokens=CTX, n_threads=1)
     started = time.perf_counter()
-    summary = decide_file_on_ray(model, str(source), str(out), settings, FileOptions(force=True))
+    summary = decide_file_on_ray(spec, str(source), str(out), RayData(None, workers), FileOptions(force=True))
     seconds = time.perf_counter() - started
     return {"seconds": round(seconds, 3), "records_per_s": round(summary.records / seconds, 2)}
 

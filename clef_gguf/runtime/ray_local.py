@@ -9,8 +9,9 @@ several machines needs the opposite (`ray start --head` then `ray start --addres
 Ray reads the variable when it is imported, so loopback_only() must run first. (Ray Serve replicas also
 open an inter-deployment gRPC port on all interfaces, "[::]:0", whatever this says: serve/_private/replica.py.)
 Also what starting a local cluster needs around ray.init: the working directory its workers import clef_gguf
-from (imported_from_here), and its session folder removed after (remove_session). This module imports nothing of
-Ray at its top: the plain server never imports Ray.
+from (imported_from_here), and its session folder removed after (remove_session); and the one start, join and stop
+of a cluster (cluster) that `serve --ray` (server/ray_cluster.py) and the dataset mode on Ray (dataset_ray.py) share.
+This module imports nothing of Ray at its top: the plain server never imports Ray.
 
 Joining a cluster at an address (join) is bounded: by default Ray waits up to 30 s for the GCS there, 20 times over,
 while its C++ code holds the main thread (no Python signal handler runs): minutes for an address where no cluster
@@ -52,7 +53,7 @@ def imported_from_here() -> Iterator[None]:
     install's checkout), whatever the directory `clef-gguf serve --ray` was started in. Every path Ray is given
     is absolute (launch.py resolves them), so nothing else reads the working directory meanwhile."""
     started_in = os.getcwd()
-    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/server/ray_local.py -> the folder holding clef_gguf
+    os.chdir(Path(__file__).resolve().parents[2])  # clef_gguf/runtime/ray_local.py -> the folder holding clef_gguf
     try:
         yield
     finally:
@@ -116,14 +117,17 @@ def join(address: str | None, **init: Any) -> Any:
     within seconds.
 
     ray.init makes SIGTERM sys.exit(15) in the driver (with a local cluster: its processes killed, then exit 1): the
-    caller's handler (the CLI's: 128+N, partial files removed, the cluster stopped by the caller's cleanup) is put
-    back, and a SIGTERM during ray.init stops the command as that handler would have."""
+    caller's own handler (the CLI's: 128+N, partial files removed, the cluster stopped by the caller's cleanup) is put
+    back, and a SIGTERM during ray.init stops the command as that handler would have. A caller with none of its own
+    (`serve --ray`, which sets its own for the drain) keeps Ray's: a second SIGTERM cutting the drain short still stops
+    a local cluster's processes."""
     import ray
 
     if address is not None:
         probe(address)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM)
+    previous = previous if callable(previous) else None
     try:
         return ray.init(address=address or "local", **init)
     except ConnectionError as e:
@@ -137,3 +141,26 @@ def join(address: str | None, **init: Any) -> Any:
     finally:
         if main and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def cluster(address: str | None, *, log_to_driver: bool, num_cpus: int | None = None) -> Iterator[bool]:
+    """Connected to the Ray cluster at `address` (join), or to a local one started here (None: `num_cpus` of it, Ray's
+    count of the machine's by default, no dashboard) and stopped after: its processes first, then its session folder.
+    Whether this started the cluster. A process already connected (a test session's cluster, a notebook) stays as it
+    is, connected. The one start and stop of `serve --ray` and of the dataset mode on Ray."""
+    import ray
+
+    if ray.is_initialized():
+        yield False
+        return
+    local = {"num_cpus": num_cpus, "include_dashboard": False} if address is None else {}
+    with imported_from_here():  # (Ray puts the driver's working directory first on its workers' sys.path)
+        context = join(address, log_to_driver=log_to_driver, **local)
+    session = Path(context.address_info["session_dir"]) if address is None else None  # this run's, in Ray's temp folder
+    try:
+        yield session is not None
+    finally:
+        ray.shutdown(wait_for_processes=session is not None)  # a local cluster's processes stopped before its folder goes
+        if session is not None:
+            remove_session(session)

@@ -1,26 +1,16 @@
-"""The runtime's errors as the server's problems: a row of the problem table (problem_table.py: its status, type,
-Workers AI code and headers) and a message, or FastAPI's {loc, msg, type} for a malformed request. Plain data, below
-the server, so that `clef-gguf decide` writes the very error objects `clef-gguf serve` answers with
-(server/problems.py renders them as HTTP). A new status goes in the table, never here.
+"""A request that cannot be decided, as its client reads it: its row of the error table (errors.py: status, System
+One type, Workers AI code) and its body, or FastAPI's {loc, msg, type} for a malformed request. No HTTP here: the
+server adds its headers and renders it (server/problems.py), and `clef-gguf decide` writes the very same status and
+body as the request's error line (error_object), so that both read one table.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import (
-    AdapterUnavailableError,
-    ModelFileError,
-    ModelOutputError,
-    PromptTooLongError,
-    RequestError,
-    RequestJsonError,
-    SettingsError,
-)
-from .problem_table import ADAPTER_UNAVAILABLE, INTERNAL, INVALID, OVERLOADED, PROMPT_TOO_LONG, HttpProblem
+from ..errors import INTERNAL, INVALID, ClefError, Problem, RequestError, RequestJsonError
 
 Location = list[str | int]
 # The folders of an absolute path (/srv/tunes/ of /srv/tunes/a.adapter.gguf): where the server keeps its files is
@@ -30,27 +20,14 @@ _FOLDERS = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"(),:;]+/)+(?=[^\s/'\"(),:;])")
 
 
 @dataclass(eq=False)  # exceptions stay hashable
-class ApiError(Exception):
-    """A non-validation error: its row of the table (`kind`), one line for a person, and its headers: the row's,
-    with `headers` on top (ApiError(OVERLOADED, message, {"Connection": "close"}))."""
+class Failure(Exception):
+    """A non-validation error: its row of the table (`kind`) and one line for a person."""
 
-    kind: HttpProblem
+    kind: Problem
     message: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.headers = {**dict(self.kind.headers), **self.headers}
-
-    @property
-    def status(self) -> int:
-        return self.kind.status
-
-    @property
-    def error_type(self) -> str:
-        return self.kind.error_type
 
     def body(self) -> dict[str, Any]:
-        return {"detail": {"error_type": self.error_type, "message": self.message}}
+        return {"detail": {"error_type": self.kind.error_type, "message": self.message}}
 
     def text(self) -> str:
         return self.message
@@ -60,18 +37,10 @@ class ApiError(Exception):
 class Invalid(Exception):
     """A malformed request (the table's INVALID): where, what, and a validation error code."""
 
-    kind: ClassVar[HttpProblem] = INVALID
+    kind: ClassVar[Problem] = INVALID
     loc: Location
     msg: str
     type: str = "value_error"
-
-    @property
-    def status(self) -> int:
-        return self.kind.status
-
-    @property
-    def headers(self) -> Mapping[str, str]:
-        return dict(self.kind.headers)
 
     def body(self) -> dict[str, Any]:
         return {"detail": [{"loc": self.loc, "msg": self.msg, "type": self.type}]}
@@ -81,19 +50,14 @@ class Invalid(Exception):
         return ".".join(str(part) for part in self.loc) + f": {self.msg}"
 
 
-def overloaded(message: str, *, close: bool = False) -> ApiError:
-    """The one OVERLOADED: the server is full (intake, queue, replicas); the client may retry in a second."""
-    return ApiError(OVERLOADED, message, {"Connection": "close"} if close else {})
-
-
 def without_folders(text: str) -> str:
     """A server-side message as a client reads it: each absolute path cut to its file's name."""
     return _FOLDERS.sub("", text)
 
 
-def internal(error: BaseException) -> ApiError:
+def internal(error: BaseException) -> Failure:
     """The one INTERNAL: an error the server did not expect, named by its type (a path in it by its file's name)."""
-    return ApiError(INTERNAL, without_folders(f"internal error: {type(error).__name__}: {error}"))
+    return Failure(INTERNAL, without_folders(f"internal error: {type(error).__name__}: {error}"))
 
 
 def model_refused(error: Exception, body: Any) -> Invalid:
@@ -133,30 +97,32 @@ def location(field_path: str | None, body: Any) -> Location:
     return loc
 
 
-def from_request_error(error: RequestError, body: Any) -> ApiError | Invalid:
-    """The HTTP form of the runtime's request errors (PromptTooLongError is one of them)."""
-    if isinstance(error, PromptTooLongError):
-        return ApiError(PROMPT_TOO_LONG, str(error))
+def from_request_error(error: RequestError, body: Any) -> Failure | Invalid:
+    """A request error as its client reads it: a row of its own (PromptTooLongError's, RequestTooLargeError's) with
+    its message, else FastAPI's {loc, msg, type} at its field."""
+    if error.problem is not INVALID:
+        return Failure(error.problem, str(error))
     if isinstance(error, RequestJsonError):  # FastAPI's loc of a syntax error is its offset in the body
         return Invalid(["body", *((error.offset,) if error.offset is not None else error.path)], error.reason, error.kind)
     return Invalid(location(error.field, body), error.reason, "missing" if error.reason == "is required" else "value_error")
 
 
-def problem_of(error: Exception, body: Any) -> ApiError | Invalid:
-    """The problem the server answers an error of encoding or deciding `body` with: a RequestError's 4xx
-    (from_request_error); an adapter whose file is gone or changed for now, ADAPTER_UNAVAILABLE (503, Retry-After); a
-    model file that cannot be used (ModelFileError, SettingsError: all a request meets of them is the adapter it
-    names), model_refused's 422; any other (ComputeError, a ModelOutputError's NaN) INTERNAL, for an error the server
-    did not expect."""
+def problem_of(error: Exception, body: Any) -> Failure | Invalid:
+    """What a client is answered for an error of encoding or deciding `body`, by the error's row (errors.py): a
+    RequestError's (from_request_error); INVALID for a model file that cannot be used (all a request meets of those
+    is the adapter it names: model_refused's 422); INTERNAL for any error the server did not expect (ComputeError, a
+    ModelOutputError's NaN, any other exception); any other row with the error's message, its folders cut
+    (ADAPTER_UNAVAILABLE: a file gone or changed for now)."""
     if isinstance(error, RequestError):
         return from_request_error(error, body)
-    if isinstance(error, AdapterUnavailableError):
-        return ApiError(ADAPTER_UNAVAILABLE, without_folders(str(error)))
-    if isinstance(error, ModelFileError | SettingsError) and not isinstance(error, ModelOutputError):
+    kind = error.problem if isinstance(error, ClefError) else INTERNAL
+    if kind is INTERNAL:
+        return internal(error)
+    if kind is INVALID:
         return model_refused(error, body)
-    return internal(error)
+    return Failure(kind, without_folders(str(error)))
 
 
-def error_object(problem: ApiError | Invalid) -> dict[str, Any]:
-    """A problem as one JSON object: its HTTP status and the server's body ({detail: ...}) for it."""
-    return {"status": problem.status, **problem.body()}
+def error_object(problem: Failure | Invalid) -> dict[str, Any]:
+    """A problem as one JSON object: its row's status and the server's body ({detail: ...}) for it."""
+    return {"status": problem.kind.status, **problem.body()}
