@@ -2,9 +2,10 @@
 
 ggml's CPU backend offers "extra" buffer types that repack weights for faster kernels,
 in llama.cpp's order of preference: AMX (Intel Xeon with AMX) first, then CPU_REPACK
-(AVX2 / AVX-512 / NEON layouts). llama-cpp-python 0.3.36's AMX path segfaults in
-ggml_backend_amx_mul_mat on the first decode of a Q8_0 or K-quant model
-(ggml-org/llama.cpp#20824, open), even for a plain qwen35 file loaded by path. So:
+(AVX2 / AVX-512 / NEON layouts). llama-cpp-python 0.3.36's AMX path, built by GCC 12, dies with SIGILL on the
+first multi-token decode of a Q8_0 or K-quant model, even for a plain qwen35 file loaded by path: GCC 12 drops the
+stores of the tile configuration before `ldtilecfg` (docs/internals.md, "Intel CPUs with AMX";
+ggml-org/llama.cpp#20824 reports it as a SIGSEGV). So:
 
   * no AMX among the extra types (AMD, older Intel, ARM): llama.cpp's default;
   * AMX present: extra types off (llama_model_params.use_extra_bufts). CPU_REPACK could

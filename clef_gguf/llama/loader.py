@@ -53,7 +53,7 @@ def load_model(f: GGUFFile, lean: bool, params: L.llama_model_params) -> L.llama
     params.load_mode = L.LLAMA_LOAD_MODE_NONE  # neither route's stream can be mmapped (and the portable one forces it)
     tensors = {n: f.header.tensors[n] for n in view_tensor_names(f, lean)}
     placed = cpu_buffers.placement(tensors, n_gpu_layers=params.n_gpu_layers, by_override=chosen == PORTABLE)
-    placed.apply(params)  # never AMX: it segfaults
+    placed.apply(params)  # never AMX: it crashes there (cpu_buffers.py)
     llama_log.clear_errors()
     try:
         with open_qwen35_view(f, lean) as view:

@@ -10,7 +10,7 @@ def bare_context(
     path: str | Path, n_ctx: int, *, n_gpu_layers: int = 0, threads: int | None = None, repack: bool | None = None
 ) -> tuple[Any, Any]:
     """(llama_model, llama_context) over a plain qwen35 GGUF: one sequence, n_ctx tokens in one physical batch,
-    every token's embedding out, its weights placed as the runtime places them (never AMX: it segfaults)."""
+    every token's embedding out, its weights placed as the runtime places them (never AMX: it crashes there)."""
     import llama_cpp as L
 
     from ..llama import cpu_buffers
