@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,10 @@ def load_model(f: GGUFFile, lean: bool, params: L.llama_model_params) -> L.llama
     llama_log.clear_errors()
     try:
         with open_qwen35_view(f, lean) as view:
-            model = _load_view(view, params) if chosen == COOKIE else user_model.load(view, params)
+            if chosen == COOKIE:
+                model = _through_cookie(view, lambda fp: L.llama_model_load_from_file_ptr(fp, params))
+            else:
+                model = user_model.load(view, params)
     except ModelFileError as e:
         raise ModelFileError(f"could not load the backbone of {f.path.name}: {e}") from None
     if not model:
@@ -65,10 +69,11 @@ def load_model(f: GGUFFile, lean: bool, params: L.llama_model_params) -> L.llama
     return model
 
 
-def _load_view(view: View, params: L.llama_model_params) -> L.llama_model_p | None:
+def _through_cookie(view: View, load: Callable[[Any], Any]) -> Any:
+    """load(fp) of a glibc cookie FILE* over `view`, the stream closed after (llama.cpp has read what it keeps)."""
     stream = cookie_file.CookieFile(view)
     try:
-        return L.llama_model_load_from_file_ptr(stream.fp, params)
+        return load(stream.fp)
     finally:
         stream.close()
 
@@ -80,11 +85,7 @@ def load_adapter(model: L.llama_model_p, f: GGUFFile) -> Any:
     llama_log.clear_errors()
     with open_adapter_view(f) as view:
         if chosen == COOKIE:
-            stream = cookie_file.CookieFile(view)
-            try:
-                return L.llama_adapter_lora_init_from_file_ptr(model, stream.fp)
-            finally:
-                stream.close()
+            return _through_cookie(view, lambda fp: L.llama_adapter_lora_init_from_file_ptr(model, fp))
         handle, path = tempfile.mkstemp(prefix="clef-lora-", suffix=".gguf")
         os.close(handle)  # written by name, then read by llama.cpp by name (Windows opens a file once at a time)
         try:
