@@ -145,7 +145,7 @@ def test_a_transposed_head_tensor_is_a_release_error(ws, tmp_path):
     head[name] = np.ascontiguousarray(head[name].T)
     checkpoint = make_checkpoint(ws.release(RELEASE), tmp_path, head=head)
     message = _refusal(checkpoint, ws.release(RELEASE), tmp_path / "out.gguf")
-    assert f"tensor {name} is [32, 64] in the checkpoint, [64, 32] in the base's" in message, message
+    assert f"tensor \"{name}\" is [32, 64] in the checkpoint, [64, 32] in the base's" in message, message
     out = tmp_path / "cli.gguf"
     assert run_cli("convert", checkpoint, "--base", ws.release(RELEASE), "-o", out, "-t", "f32", "--no-mmproj").returncode == 3
 

@@ -225,7 +225,8 @@ def _lora_pairs(adapter: Path) -> dict[str, dict[str, StoredTensor]]:
     for key, tensor in read_safetensors_index(path).items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
         if match is None:
-            raise ReleaseError(f"{path.name}: tensor {key} is not a LoRA A or B weight; only plain LoRA can be merged")
+            shown = json_excerpt(key)
+            raise ReleaseError(f"{path.name}: tensor {shown} is not a LoRA A or B weight; only plain LoRA can be merged")
         pairs.setdefault(match[1], {})[match[2]] = tensor
     incomplete = [m for m, ab in pairs.items() if len(ab) != 2]
     if incomplete:
@@ -285,7 +286,7 @@ def open_checkpoint(checkpoint: str | Path, base: str | Path) -> Release:
     for name in sorted(set(expected) | set(head)):
         if name not in head or name not in expected or not _fits(head[name].shape, expected[name]):
             raise ReleaseError(
-                f"the checkpoint's head does not fit the base release {release.name}: tensor {name} is "
+                f"the checkpoint's head does not fit the base release {release.name}: tensor {json_excerpt(name)} is "
                 f"{list(head[name].shape) if name in head else 'missing'} in the checkpoint, "
                 f"{list(expected[name]) if name in expected else 'absent'} in the base's {HEAD_CONFIG}"
             )
