@@ -111,6 +111,15 @@ ROWS: tuple[Problem, ...] = (
 )
 
 
+def printable(text: str, limit: int = 600) -> str:
+    """One line of bounded length: messages quote keys, names and values read from files, which may hold anything
+    (errors.py, so that the CLI prints its lines without loading the checks)."""
+    if text.isprintable() and len(text) <= limit:
+        return text
+    clean = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[: limit + 1])
+    return clean[:limit] + ("..." if len(clean) > limit or len(text) > limit else "")
+
+
 class ClefError(Exception):
     """Base class of every error clef-gguf raises on purpose: its exit code, and its row when a request meets it
     (INTERNAL: one the server did not expect; INVALID: the field or the model the request named)."""

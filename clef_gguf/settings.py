@@ -1,4 +1,5 @@
-"""Every setting of `load()` and `clef-gguf serve`, once: its name, its default and the help the CLI shows.
+"""Every setting of `load()` and `clef-gguf serve`, once: its name, its default and the help the CLI shows; and the
+defaults of other commands whose own modules are heavy to import (convert's file types, eval's target precisions).
 
 A setting has one name from the CLI flag to the place it is used (--max-queue is max_queue in ServeSettings,
 create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py),
@@ -252,6 +253,32 @@ class ServeSettings:
 
 API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `serve` and a Ray config alike
 LOADER_ENV = "CLEF_GGUF_LOADER"  # how llama.cpp reads a model: auto, cookie (glibc) or portable (llama/loader.py)
+
+# --- convert's file types, named here so that `convert --help` and the other commands load no converter ------------
+# llama.cpp's quantizations (conversion/quantize.py), each llama_ftype constant LLAMA_FTYPE_MOSTLY_<NAME>, looked up
+# when a file is quantized. Types that need an importance matrix (IQ1/IQ2/IQ3) are left out.
+LLAMA_FILE_TYPES = (
+    "q4_k_m",
+    "q4_k_s",
+    "q5_k_m",
+    "q5_k_s",
+    "q6_k",
+    "q3_k_m",
+    "q3_k_l",
+    "q2_k",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "iq4_nl",
+    "iq4_xs",
+)
+FILE_TYPES = (*LLAMA_FILE_TYPES, "f32", "f16", "bf16", "q8_0")  # then those conversion/convert.py writes itself
+DEFAULT_FILE_TYPE = "q4_k_m"
+ADAPTER_FILE_TYPES = ("f32", "f16", "q8_0")  # an adapter file's LoRA (conversion/adapter.py)
+DEFAULT_ADAPTER_TYPE = "f16"
+# eval's, compare's and calibrate's auto-decide coverage (quality/metrics.py), at these precisions by default.
+DEFAULT_TARGET_PRECISIONS = (0.99, 0.95)
 
 
 @dataclass(frozen=True)

@@ -236,8 +236,8 @@ def oracle_probabilities(ws: Workspace) -> Callable[[str, str], dict[str, dict[s
 
 
 # --- Ray (engineer H3's block) ----------------------------------------------------------------------------------------
-# One local Ray cluster on loopback for the whole session, this process its driver: test_ray_serve, test_ray_dataset,
-# test_ray_adapters and test_adapter_refusals' Ray case join it (their library calls in process, their `clef-gguf`
+# One local Ray cluster on loopback for the whole session, this process its driver: test_ray_serve, test_ray_dataset
+# and test_adapter_refusals' Ray cases join it (their library calls in process, their `clef-gguf`
 # subprocesses through RAY_ADDRESS). Started by the first test that asks for it, stopped at the session's end: a
 # cluster's start and stop, and Serve's, cost seconds each. Only test_ray_installed.py's `serve --ray` starts its own.
 RAY_EXTRA = "Ray is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)"

@@ -204,8 +204,20 @@ def parse_answer(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-def receive(sock: socket.socket, deadline: float) -> bytes:
-    """What the server sends on `sock` until it closes the connection or time.perf_counter() reaches `deadline`."""
+def whole_answers(raw: bytes) -> int:
+    """How many whole answers (a head and its Content-Length of body) `raw` begins with."""
+    count = 0
+    while (end := raw.find(b"\r\n\r\n")) >= 0:
+        size = parse_answer(raw[: end + 4])[1].get("content-length")
+        if size is None or len(raw) < end + 4 + int(size):
+            break  # (an answer of unknown length ends only when the connection does)
+        raw, count = raw[end + 4 + int(size) :], count + 1
+    return count
+
+
+def receive(sock: socket.socket, deadline: float, answers: int | None = None) -> bytes:
+    """What the server sends on `sock` until it closes the connection or time.perf_counter() reaches `deadline`; with
+    `answers`, only until that many whole answers have come (not waiting out the keep-alive after them)."""
     received = bytearray()
     while select.select([sock], [], [], max(0.0, deadline - time.perf_counter()))[0]:
         try:
@@ -215,6 +227,8 @@ def receive(sock: socket.socket, deadline: float) -> bytes:
         if not data:
             break
         received += data
+        if answers is not None and whole_answers(received) >= answers:
+            break
     return bytes(received)
 
 

@@ -6,7 +6,9 @@ and the same on Ray (issue 54, items 6 to 8).
 
 One `clef-gguf serve` on loopback over a folder of bad files (not GGUF, empty, truncated, a model, another base's
 adapter, NaN weights, alpha 1e6, llama-server's variant, one deleted after its first use) and one file under two names;
-the real CLI for validate and decide; one `serve --ray` on a local cluster.
+the real CLI for validate and decide; one `serve --ray` on the session's Ray cluster, two replicas with the named
+adapters and a folder's: each model answers by its name as a ClefModel loaded with the same adapters does here (the Ray
+case of tests/test_ray_adapters.py), and the refusals, names and counts are the plain server's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +41,12 @@ from clef_gguf.errors import AdapterBaseError, CorruptModelError, IncompleteMode
 from clef_gguf.format import adapter as A
 from clef_gguf.testing.gguf_bytes import rewritten_adapter
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
-from clef_gguf.testing.request_suite import labelled_requests
+from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
 
 CLI = [sys.executable, "-m", "clef_gguf.cli"]
 CONTEXT = 4096
 TIMEOUT = 300.0
+ROUNDED = 1e-4 + 1e-9  # answers are rounded to 4 decimals: float noise may move one by a unit
 NAN_TENSOR = "blk.0.ffn_up.weight.lora_a"
 # Folder files that cannot be served, each with what its refusal must say.
 BAD = {
@@ -151,7 +156,7 @@ def test_decide_on_ray_checks_the_adapter_against_the_base_before_a_cluster(file
     data = tmp_path / "requests.jsonl"
     data.write_text(json.dumps(_request()) + "\n")
     args = [str(files.base), str(data), "--ctx", str(CONTEXT), "--adapter", str(files.other)]
-    local = subprocess.run([*CLI, "decide", *args, "-o", str(tmp_path / "local.jsonl")], capture_output=True, text=True)
+    local = run_cli("decide", *args, "-o", tmp_path / "local.jsonl")  # (in this process: the refusal on Ray's reference)
     started = time.monotonic()
     env = {**os.environ, "RAY_ADDRESS": ""}
     on_ray = subprocess.run(
@@ -246,27 +251,84 @@ def test_one_file_under_two_names_answers_and_counts_by_the_name_asked(server):
 
 
 # --- serve --ray ----------------------------------------------------------------------------------------------------
-@pytest.mark.ray
-@pytest.mark.slow
-def test_serve_on_ray_refuses_alike_and_answers_typesafe_sdk_defaults(files, tmp_path, ray_address, ray_serve_port):
-    folder = tmp_path / "tunes"
+@dataclass(frozen=True)
+class OnRay:
+    url: str
+    folder: Path  # good, nan, other, notgguf (files.folder's) and urgency: a fine-tune of its own
+
+
+@pytest.fixture(scope="module")
+def on_ray(ws, files, tmp_path_factory, ray_address, ray_serve_port) -> Iterator[OnRay]:
+    """One `serve --ray` on the session's Ray cluster (conftest.py's ray_address) for the tests below: two replicas,
+    the named adapters (a and b: one file, two names) and the folder's (resolved by a replica on its first request)."""
+    root = tmp_path_factory.mktemp("ray")
+    folder = root / "tunes"
     folder.mkdir()
     for name in ("good", "nan", "other", "notgguf"):
         shutil.copyfile(files.folder / f"{name}.adapter.gguf", folder / f"{name}.adapter.gguf")
-    args = ("--ray", "--replicas", "1", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
+    peft_adapter(ws.release("untied_f32"), folder, "urgency", seed=1)
+    args = ("--ray", "--replicas", "2", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
     args += ("--adapter-dir", str(folder), "--adapter", f"a={files.good}", "--adapter", f"b={files.good}")
-    on_ray = {"env": {"RAY_ADDRESS": ray_address}, "port": ray_serve_port, "log": tmp_path / "serve.log"}
+    on_ray = {"env": {"RAY_ADDRESS": ray_address}, "port": ray_serve_port, "log": root / "serve.log"}
+    with served(files.base, *args, **on_ray, timeout_s=300) as (url, _):
+        yield OnRay(url, folder)
+
+
+def _decided_since(client: httpx.Client, before: dict[str, float]) -> dict[str, float]:
+    """The decisions counted by model name since `before` (the other test's requests left out)."""
+    after = _decided(client.get("/metrics").text)
+    return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_on_ray_answers_each_model_by_its_name(files, on_ray):
+    """Every replica is loaded with the same fine-tunes, and the ingress resolves a request's model name to the identity
+    the replicas give it: each answers as a ClefModel loaded with the same adapters answers in this process."""
+    requests = labelled_requests(3)
+    names = [None, "a", "urgency"]
+    # The reference, in this process: the base loaded with the same adapters, one request at a time, no state cache.
+    loading = {"max_prompt_tokens": CONTEXT, "state_cache": 0, "parallel": 1}
+    with clef_gguf.load(files.base, adapters={"a": files.good}, adapter_dir=on_ray.folder, **loading) as model:
+        want = {(n, i): flat_probabilities(model.decide({**r, "model": n})) for n in names for i, r in enumerate(requests)}
+    assert max(np.abs(np.subtract(want["urgency", 0], want[None, 0]))) > 0.01  # the fine-tunes answer otherwise
+    assert max(np.abs(np.subtract(want["a", 0], want["urgency", 0]))) > 0.01
+    with httpx.Client(base_url=on_ray.url, timeout=TIMEOUT) as client:
+        before = _decided(client.get("/metrics").text)
+        # Twice each, from 6 threads at once: both replicas decide, each loading the adapters it is asked for.
+        sent = [(n, i) for n in names for i in range(len(requests))] * 2
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda key: client.post("/v1/systemone", json={**requests[key[1]], "model": key[0]}), sent))
+        for key, response in zip(sent, got, strict=True):
+            assert response.status_code == 200, (key, response.text)
+            assert response.json()["model"] == (key[0] or model.name)
+            assert np.abs(np.subtract(flat_probabilities(response.json()), want[key])).max() <= ROUNDED, key
+        run = client.post("/accounts/a/ai/run/@cf/cloudflare/clef-flash", json={**requests[0], "lora": "urgency"}).json()
+        assert run["success"] and np.abs(np.subtract(flat_probabilities(run["result"]), want["urgency", 0])).max() <= ROUNDED
+        unknown = client.post("/v1/systemone", json={**requests[0], "model": "nope"})
+        assert unknown.status_code == 422, unknown.text
+        # The names it could have meant: the two named and the folder's five files (more than the message lists).
+        assert "'nope'" in unknown.text and "and 7 adapters" in unknown.text, unknown.text
+        listed = [m["name"] for m in client.get("/v1/models").json()["models"]]
+        assert {"a", "b", "urgency"} <= set(listed)
+        decided = _decided_since(client, before)  # the ingress's, each decided request under its model's name
+    assert decided == {model.name: 6, "a": 6, "urgency": 7}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_on_ray_refuses_alike_and_answers_typesafe_sdk_defaults(files, on_ray):
     with (
-        served(files.base, *args, **on_ray, timeout_s=300) as (url, _),
-        httpx.Client(base_url=url, timeout=TIMEOUT) as client,
-        ts.TypeSafeClient(base_url=url, api_key="local") as sdk,
+        httpx.Client(base_url=on_ray.url, timeout=TIMEOUT) as client,
+        ts.TypeSafeClient(base_url=on_ray.url, api_key="local") as sdk,
     ):
+        before = _decided(client.get("/metrics").text)
         got = sdk.system_one(state="The parcel arrived broken.", questions={"refund": ts.Noul(instructions="Refund?")})
         assert got.model == "jev-latest"
         for name in ("nan", "other", "notgguf"):
             _refused(client.post("/v1/systemone", json=_request(name)), files, BAD[name])
         assert [client.post("/v1/systemone", json=_request(n)).json()["model"] for n in ("a", "a", "b")] == ["a", "a", "b"]
-        decided = _decided(client.get("/metrics").text)
+        decided = _decided_since(client, before)
         listed = [m["name"] for m in client.get("/v1/models").json()["models"]]
     assert decided.get("a") == 2 and decided.get("b") == 1
     assert "jev-latest" in listed and not {"nan", "other", "notgguf"} & set(listed)

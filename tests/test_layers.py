@@ -270,7 +270,6 @@ def imports_of_tests(root: Path) -> list[str]:
     return offenders
 
 
-
 def test_runtime_and_the_layers_below_know_no_http() -> None:
     offenders = http_imports(ROOT)
     assert not offenders, "\n".join(offenders)
@@ -314,14 +313,21 @@ def test_the_checks_report_http_commands_and_tests(tmp_path: Path) -> None:
 
 
 # --- what each part loads: docs/internals.md's claims, each checked in a fresh interpreter -------------------------
-# Python run first in the child: an import of a BLOCKED module (or of any of its submodules) fails, as if not installed.
+# Python run first in the child: an import of a BLOCKED module (a package or a dotted module, or any of its submodules)
+# fails, as if not installed; and is recorded, so that code catching the ImportError (an optional import) fails the
+# claim too (ENDED, run last).
 BLOCKER = """
 import importlib.abc, sys
+TRIED = []
 class Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            TRIED.append(name)
             raise ImportError(f"{name} is blocked here: this import must not need it")
 sys.meta_path.insert(0, Blocked())
+"""
+ENDED = """
+assert not TRIED, f"imported (its ImportError caught): {TRIED}"
 """
 # Every `clef-gguf --help` and `clef-gguf COMMAND --help`, in the child: each exits 0 with its usage.
 HELPS = """
@@ -334,7 +340,18 @@ for argv in [["--help"], *([name, "--help"] for name in group.commands)]:
         group.main(argv, prog_name="clef-gguf")
     assert out.getvalue().startswith("Usage: clef-gguf"), (argv, out.getvalue()[:500])
 """
+# A command run to its end in the child, as `clef-gguf ARGS` runs it (cli.main): it must exit 0.
+COMMAND = """
+import sys
+from clef_gguf.cli import main
+sys.argv = ["clef-gguf", *{args!r}]
+try:
+    main()
+except SystemExit as e:
+    assert e.code in (None, 0), f"clef-gguf {args} exited {{e.code}}"
+"""
 _CLAIM = re.compile(r"^- (.+?) imports? no (.+)$", re.M)
+DEMO_REQUEST = "clef_gguf/data/demo_request.json"  # (one request, on the demo model: decide's path from the root)
 
 
 def import_claims(text: str) -> list[tuple[list[str], list[str]]]:
@@ -345,9 +362,10 @@ def import_claims(text: str) -> list[tuple[list[str], list[str]]]:
 
 
 def _subject_code(subject: str) -> str:
-    """What the child runs for a claim's subject: the CLI's helps, every module of a folder, or one module."""
+    """What the child runs for a claim's subject: the CLI's helps, a command (its files in the package), every module
+    of a folder, or one module."""
     if subject.startswith("clef-gguf"):
-        return HELPS
+        return HELPS if subject.endswith("--help") else COMMAND.format(args=subject.split()[1:])
     if subject.endswith("/"):
         folder = ROOT / subject
         return "".join(f"import {_module(ROOT, p)}\n" for p in sorted(folder.rglob("*.py")) if p.name != "__main__.py")
@@ -355,14 +373,15 @@ def _subject_code(subject: str) -> str:
 
 
 def test_the_import_claims_of_internals_are_true() -> None:
-    """docs/internals.md says what --help, the catalog and the runtime load; each claim holds with the modules it
-    names made unimportable (a child interpreter each)."""
+    """docs/internals.md says what --help, a command, the catalog and the runtime load; each claim holds with the
+    modules it names made unimportable (a child interpreter each)."""
     claims = import_claims((ROOT / "docs" / "internals.md").read_text())
     subjects = {s for subject, _ in claims for s in subject}
-    assert {"clef-gguf --help", "clef_gguf.runtime.catalog", "clef_gguf/runtime/"} <= subjects, claims
+    commands = {"clef-gguf --version", f"clef-gguf decide {DEMO_REQUEST}", "clef-gguf validate clef_gguf/data/demo.gguf"}
+    assert {"clef-gguf --help", *commands, "clef_gguf.runtime.catalog", "clef_gguf/runtime/"} <= subjects, claims
     failed = []
     for subject, blocked in claims:
-        code = f"BLOCKED = {set(blocked)!r}\n{BLOCKER}" + "".join(dict.fromkeys(map(_subject_code, subject)))
+        code = f"BLOCKED = {set(blocked)!r}\n{BLOCKER}" + "".join(dict.fromkeys(map(_subject_code, subject))) + ENDED
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
         if run.returncode:
             failed.append(f"{subject} without {blocked}:\n{run.stderr[-3000:]}")
@@ -370,7 +389,16 @@ def test_the_import_claims_of_internals_are_true() -> None:
 
 
 def test_a_blocked_import_fails_the_claim() -> None:
-    """The check can fail: the runtime's model with llama_cpp blocked."""
-    code = f"BLOCKED = {{'llama_cpp'}}\n{BLOCKER}from clef_gguf.runtime import model\n"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert run.returncode != 0 and "llama_cpp is blocked here" in run.stderr, run.stderr[-2000:]
+    """The check can fail: the runtime's model with llama_cpp blocked; decide, whose run needs llama.cpp; a module
+    under a dotted name; and an import whose ImportError is caught."""
+    cases = [
+        ("llama_cpp", "from clef_gguf.runtime import model\n"),
+        ("llama_cpp", _subject_code(f"clef-gguf decide {DEMO_REQUEST}")),
+        ("clef_gguf.conversion.writer", "from clef_gguf.conversion import writer\n"),
+        ("fastapi", "try:\n    import fastapi.routing\nexcept ImportError:\n    pass\n"),
+    ]
+    for blocked, subject_code in cases:
+        code = f"BLOCKED = {{{blocked!r}}}\n{BLOCKER}{subject_code}{ENDED}"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert run.returncode != 0, (blocked, run.stdout[-1000:], run.stderr[-2000:])
+        assert "is blocked here" in run.stderr or "its ImportError caught" in run.stderr, (blocked, run.stderr[-2000:])

@@ -2,8 +2,9 @@
 tensors (docs/loader_assumptions.md) has a mutant here that validate refuses in one line.
 
 For the mutants that stock llama.cpp does not refuse but aborts on (GGML_ASSERT: SIGABRT; a
-division by zero: SIGFPE) a subprocess first shows the crash with validate bypassed, then
-`clef-gguf decide` exits with validate's code 7 instead of a signal.
+division by zero: SIGFPE) a process of its own first shows the crash with validate bypassed, then
+`clef-gguf decide` exits with validate's code 7 instead of a signal. Each is a child forked from a zygote
+that imported llama.cpp and the CLI once (fork_helpers.py), not a new interpreter.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from fork_helpers import Zygote, zygote
 from gguf import GGUFValueType as VT
 
 from clef_gguf.check.report import Verdict
@@ -358,7 +358,7 @@ def test_validate_refuses_each_mutant_in_one_line(mutant, demo_header, tmp_path)
     assert "\n" not in report.summary
 
 
-# --- In a subprocess: the crash validate prevents, and decide exiting with validate's code ----------------
+# --- In a process of its own: the crash validate prevents, and decide exiting with validate's code -----
 BYPASS = """
 import sys
 from clef_gguf.format.header import GGUFFile
@@ -371,13 +371,23 @@ CRASHES = [m for m in MUTANTS if m.crash]
 # ggml's abort handler attaches gdb for a backtrace: slow, and with two threads asserting at once
 # it can take minutes. The signal is what this test is about.
 NO_BACKTRACE = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+# What BYPASS and `decide` import, and what typer and rich import when the app runs: once, in the zygote.
+PRELOAD = ("clef_gguf.cli.decide", "clef_gguf.runtime.model", "clef_gguf.runtime.reader", "clef_gguf.llama.backbone")
+PRELOAD_TYPER = ("typer._adapters", "pydantic.plugin._loader", "rich._emoji_codes")
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory) -> Iterator[Zygote]:
+    """`python -c`/`-m` for each case, in a process of its own forked from one that imported them once."""
+    with zygote(tmp_path_factory.mktemp("zygote"), *PRELOAD, *PRELOAD_TYPER, env=NO_BACKTRACE) as forks:
+        yield forks
 
 
 @pytest.mark.parametrize("mutant", CRASHES, ids=lambda m: m.id)
-def test_stock_llama_cpp_crashes_on_the_mutant(mutant, demo_header, tmp_path):
+def test_stock_llama_cpp_crashes_on_the_mutant(mutant, demo_header, tmp_path, python):
     """The control: without validate, these mutants kill the process."""
     path = _mutant(mutant, demo_header, tmp_path)
-    run = subprocess.run([sys.executable, "-c", BYPASS, str(path)], capture_output=True, text=True, timeout=120, env=NO_BACKTRACE)
+    run = python.run("-c", BYPASS, path, timeout=120)
     assert run.returncode == -getattr(signal, mutant.crash), (run.returncode, run.stderr[-2000:])
 
 
@@ -386,17 +396,11 @@ DECIDE = CRASHES + [m for m in MUTANTS if m.id in ("template-width", "template-f
 
 
 @pytest.mark.parametrize("mutant", DECIDE, ids=lambda m: m.id)
-def test_decide_exits_with_validates_code_instead_of_a_signal(mutant, demo_header, tmp_path):
+def test_decide_exits_with_validates_code_instead_of_a_signal(mutant, demo_header, tmp_path, python):
     path = _mutant(mutant, demo_header, tmp_path)
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}))
-    run = subprocess.run(
-        [sys.executable, "-m", "clef_gguf.cli", "decide", str(path), str(request)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=NO_BACKTRACE,
-    )
+    run = python.run("-m", "clef_gguf.cli", "decide", path, request, timeout=120)
     assert run.returncode == 7, (run.returncode, run.stderr[-2000:])
     assert validate(path).summary in run.stderr and run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -31,6 +31,7 @@ pytest.importorskip("ray.data", reason="Ray Data is in the optional extra: pip i
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402  (Ray's own dependency)
+from cli_helpers import run_cli  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import clef_gguf  # noqa: E402
@@ -189,7 +190,8 @@ def test_eval_on_ray_gives_evals_result(ray_address, tmp_path):
 def test_the_command_on_ray_stops_at_ctrl_c_with_out_whole_and_resume_finishes_it(ray_address, tmp_path):
     """`decide --ray` joining the cluster: Ctrl-C leaves OUT whole (exit 130), --resume finishes it with the local mode's
     answers and summary (exit 8: error lines), and a run without --resume then refuses to overwrite it (exit 2)."""
-    source = _write(tmp_path / "requests.jsonl", _lines(400))  # long enough to be stopped mid-run
+    # Long enough to be stopped mid-run: the stop is sent as soon as the run's actor process appears.
+    source = _write(tmp_path / "requests.jsonl", _lines(100))
     with clef_gguf.load(DEMO_MODEL, **LOAD) as model:
         decide_file(model, str(source), str(tmp_path / "local.jsonl"), LINES)
     local = (tmp_path / "local.jsonl").read_bytes()
@@ -216,10 +218,10 @@ def test_the_command_on_ray_stops_at_ctrl_c_with_out_whole_and_resume_finishes_i
     assert _same(answers, local)
     summary = json.loads(run.stdout)
     counts = {k: summary[k] for k in ("records", "skipped", "answered", "errors", "exit_code")}
-    assert counts == {"records": 403, "skipped": written.count(b"\n"), "answered": 400, "errors": 3, "exit_code": 8}
-    assert b"decided 403 records: 400 answered, 3 errors" in run.stderr
-    again = subprocess.run([*CLI, *args], env=env, capture_output=True, timeout=600)
-    assert again.returncode == 2 and b"--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
+    assert counts == {"records": 103, "skipped": written.count(b"\n"), "answered": 100, "errors": 3, "exit_code": 8}
+    assert b"decided 103 records: 100 answered, 3 errors" in run.stderr
+    again = run_cli("decide", "--ctx", str(DEMO_CONTEXT), *args, env={"RAY_ADDRESS": ray_address})  # (in this process)
+    assert again.returncode == 2 and "--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
     assert out.read_bytes() == answers
 
 

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'clef-gguf[ray]' (tools/test.sh does)")
 
 import yaml  # noqa: E402  (Ray's own dependency, for `serve run` configs)
+from cli_helpers import run_cli  # noqa: E402
 from live_server import free_port, served  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.schema import ApplicationStatus  # noqa: E402
@@ -227,7 +228,8 @@ def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
     attempts: list[tuple[int, str | None, bytes]] = []  # status, Retry-After, body of every attempt
     answered: list[bytes] = []
     lock = threading.Lock()
-    tickets = iter(range(200))
+    # 100 requests: 40 before the kill, the rest while Ray counts the replica out and starts another.
+    tickets = iter(range(100))
     killed = threading.Event()
 
     def client() -> None:
@@ -262,8 +264,8 @@ def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
     # Every attempt either answered, or failed retryably: a 503 with Retry-After, in our JSON (never Ray's 500).
     assert set(statuses) <= {200, 503}, sorted(set(statuses))
     assert all(retry_after == "1" and problem["detail"]["error_type"] == "overloaded_error" for retry_after, problem in refused)
-    # ... and after the client's retries, all 200 requests were answered, each as the plain server answers it.
-    assert len(answered) == 200 and set(answered) == {want}
+    # ... and after the client's retries, all 100 requests were answered, each as the plain server answers it.
+    assert len(answered) == 100 and set(answered) == {want}
     # The decisions the replica held when it died are the 503s: at least the one still waiting when it died.
     assert refused, f"no request was lost with replica {victim}, killed holding two ({len(attempts)} attempts)"
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
@@ -272,7 +274,7 @@ def test_a_killed_replica_loses_no_request_and_comes_back(ray_url, plain_url):
         if replica_states() == {"RUNNING": 2} and len(after) == 2 and victim not in after:
             break
         assert time.monotonic() < deadline, (replica_states(), after)
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert post(ray_url, "/v1/systemone", body).content == want
 
 
@@ -294,16 +296,16 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(ray
     run = subprocess.run(command, env={**os.environ, "RAY_ADDRESS": ray_address}, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     body = DEMO_REQUEST.read_bytes()
-    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-    # Until the keyed application has replaced the CLI's, ingress and replicas (now autoscaled) alike.
-    while (
-        post(ray_url, "/v1/systemone", body).status_code != 401
-        or serve.status().applications[APP_NAME].status != ApplicationStatus.RUNNING
-    ):
-        assert time.monotonic() < deadline, serve.status().applications[APP_NAME]
-        time.sleep(0.5)
-    assert 1 <= replica_states().get("RUNNING", 0) <= 2
-    with served(DEMO_MODEL, "--api-key", "s3cret") as (plain_url, _):
+    with served(DEMO_MODEL, "--api-key", "s3cret") as (plain_url, _):  # (it starts while Ray deploys)
+        deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+        # Until the keyed application has replaced the CLI's, ingress and replicas (now autoscaled) alike.
+        while (
+            post(ray_url, "/v1/systemone", body).status_code != 401
+            or serve.status().applications[APP_NAME].status != ApplicationStatus.RUNNING
+        ):
+            assert time.monotonic() < deadline, serve.status().applications[APP_NAME]
+            time.sleep(0.2)
+        assert 1 <= replica_states().get("RUNNING", 0) <= 2
         for key in (None, "wrong", "s3cret"):
             headers = {"authorization": f"Bearer {key}"} if key else {}
             for route in ("/v1/systemone", WORKERS_AI_PATHS[0]):
@@ -322,8 +324,7 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(ray
     ],
 )
 def test_serve_refuses_ray_options_that_cannot_work(args, message):
-    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--port", str(free_port()), *args]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    run = run_cli("serve", DEMO_MODEL, "--port", str(free_port()), *args, env={"RAY_ADDRESS": ""})  # in this process
     assert run.returncode == 2 and message in run.stderr, run.stderr
 
 
@@ -387,7 +388,8 @@ def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they
 @pytest.mark.slow
 def test_a_replica_that_cannot_answer_never_serves_and_the_command_says_why(ray_address):
     # A context too small for the probe decision: the model loads, but cannot answer one, so its replica never
-    # reports healthy; Ray gives up after its retries and the command exits with the replica's own error.
+    # reports healthy; Ray gives up (after one try on the test cluster: testing/ray_cluster.py) and the command exits
+    # with the replica's own error.
     command = [
         sys.executable,
         "-m",

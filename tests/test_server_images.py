@@ -12,6 +12,8 @@ import io
 import json
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,9 +30,11 @@ import clef_gguf
 from clef_gguf.check.pair import validate_pair
 from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile, Header
-from clef_gguf.server import create_app
+from clef_gguf.runtime.model import ClefModel
+from clef_gguf.server import ServeSettings, create_app
+from clef_gguf.server.run import settings_app
 from clef_gguf.server.workers_ai import PREFIXES, ROUTE
-from clef_gguf.settings import IMAGE_ALLOWANCE, body_limit
+from clef_gguf.settings import IMAGE_ALLOWANCE, ModelSpec, body_limit
 from clef_gguf.testing.gguf_bytes import kv_array, kv_f32, kv_i32, kv_str, kv_u32, pack_str, rebuild
 
 WORKERS_AI = (PREFIXES[0] + ROUTE).replace("{account_id}", "acct").replace("{model_id:path}", "@cf/cloudflare/clef-flash")
@@ -306,11 +310,29 @@ def _header_edits(rng: np.random.Generator, header: Header) -> list[tuple[str, b
 FUZZ_IMAGES = [(32, 32), (96, 160), (1, 300), (700, 40), (480, 640)]  # (height, width): aspect ratios up to 300
 
 
+@contextmanager
+def mmproj_served(gguf: Path, mmproj: Path, command: bool) -> Iterator[str]:
+    """`clef-gguf serve GGUF --mmproj MMPROJ` (command: the subprocess), or the app it serves (server/launch.py's
+    serve_file: the spec's ClefModel under settings_app, on uvicorn with serve's protocol) in this process, where each
+    file costs no interpreter start: the URL either way."""
+    if command:
+        with served(gguf, "--mmproj", str(mmproj), "--state-cache", "0", "--max-prompt-tokens", "4096") as (url, _):
+            yield url
+        return
+    spec = ModelSpec.of(gguf, mmproj=mmproj, state_cache=0, max_prompt_tokens=4096, n_threads=1)  # serve_process's --threads 1
+    live = start(settings_app(ClefModel(spec), ServeSettings()))  # (the app owns the model: closed at its shutdown)
+    try:
+        yield live.url
+    finally:
+        live.stop()
+
+
 @pytest.mark.slow
 def test_any_mmproj_header_validate_passes_serves_its_images(ws, tmp_path):
     """A seeded fuzz of the mmproj's header values over the keys validate reads: each file gets a validate refusal,
     or a `clef-gguf serve --mmproj` that starts and answers image requests 200 (or, for an image the reference's
-    processor itself refuses at these limits, 422 naming it); never a 500, and never a server that answers no image."""
+    processor itself refuses at these limits, 422 naming it); never a 500, and never a server that answers no image.
+    The first file served is served by the command itself, the others by its app in this process (mmproj_served)."""
     gguf, seed = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
     f = GGUFFile.open(seed)
     header = f.header
@@ -329,7 +351,7 @@ def test_any_mmproj_header_validate_passes_serves_its_images(ws, tmp_path):
         if report.exit_code:
             refused += 1
             continue
-        with served(gguf, "--mmproj", str(mmproj), "--state-cache", "0", "--max-prompt-tokens", "4096") as (url, _):
+        with mmproj_served(gguf, mmproj, command=not served_files) as url:
             answers = [httpx.post(f"{url}/v1/systemone", json=r, timeout=TIMEOUT) for r in requests]
         for (h, w), answer in zip(FUZZ_IMAGES, answers, strict=True):
             if answer.status_code == 422:

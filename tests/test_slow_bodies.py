@@ -48,7 +48,7 @@ def test_trickling_bodies_beyond_the_intake_slots_leave_normal_requests_answered
     with served(DEMO_MODEL, *options) as (url, _), ExitStack() as stack:
         port = int(url.rsplit(":", 1)[1])
         open_bodies = [stack.enter_context(open_body(port, 1000)) for _ in range(tricklers)]
-        time.sleep(0.3)  # every head read; before this change, the tricklers past the slots got 503 by now
+        wait_reading(url, tricklers)  # every head read: before this change, the tricklers past the slots got 503
         statuses = []
         with httpx.Client(base_url=url, timeout=30) as client:
             for _ in range(10):
@@ -67,7 +67,8 @@ def test_the_body_buffer_and_the_readers_cap_refuse_new_bodies_with_a_503():
     keep their --body-timeout; once they end, the same requests are answered."""
     buffer, readers = 100_000, 3  # --ctx 4096: a body cap of 64 KiB
     options = ["--ctx", "4096", "--max-body-buffer", str(buffer), "--max-body-readers", str(readers)]
-    options += ["--min-body-rate", "0", "--body-timeout", "6"]
+    # The checks before the held bodies' --body-timeout took 0.2 s here: 3 s leaves them ample time on a loaded machine.
+    options += ["--min-body-rate", "0", "--body-timeout", "3"]
     padded = json.dumps(NORMAL).encode() + b" " * 59_000  # JSON whitespace: a valid request of 60,000 bytes and more
     with served(DEMO_MODEL, *options) as (url, _), ExitStack() as stack:
         port = int(url.rsplit(":", 1)[1])

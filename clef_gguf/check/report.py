@@ -11,7 +11,7 @@ from typing import Any
 
 from gguf import Keys
 
-from ..errors import CorruptModelError, ExitCode, IncompleteModelError, ModelFileError, NotADecisionModelError
+from ..errors import CorruptModelError, ExitCode, IncompleteModelError, ModelFileError, NotADecisionModelError, printable
 from ..format import contract as C
 from ..format.header import Header
 from ..format.template import PromptTemplate
@@ -214,14 +214,6 @@ def _not_a_decision_model(found: Findings, h: Header | None, source: str) -> str
         f"{c.backbone} backbone tensors, 0 of the {n_head} head tensors of {name} (the {n_reference} of "
         f"joint_head.safetensors): {what}. {remedy}"
     )
-
-
-def printable(text: str, limit: int = 600) -> str:
-    """One line of bounded length: messages quote keys, names and values read from the file, which may hold anything."""
-    if text.isprintable() and len(text) <= limit:
-        return text
-    clean = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[: limit + 1])
-    return clean[:limit] + ("..." if len(clean) > limit or len(text) > limit else "")
 
 
 def make_report(source: str, found: Findings, h: Header | None, file_size: int | None, started: float, **extra: Any) -> Report:

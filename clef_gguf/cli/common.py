@@ -7,8 +7,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
 from ..errors import SettingsError
 from .errors import err, raise_pending, run, signals_clean_up
 
@@ -18,6 +16,9 @@ T = TypeVar("T")
 @contextmanager
 def progress_bars() -> Iterator[Callable[[str, int, int, str], None]]:
     """A progress callback (stage, done, total, item): one bar per stage; where a deferred signal is raised."""
+    # Rich's bars, loaded by the commands that draw them: not by every `clef-gguf` process.
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),

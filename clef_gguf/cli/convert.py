@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..conversion.adapter import DEFAULT_ADAPTER_TYPE, convert_adapter
-from ..conversion.convert import DEFAULT_FILE_TYPE, FILE_TYPES, Converted, convert_files
-from ..conversion.graft import graft as graft_head
+from ..settings import DEFAULT_ADAPTER_TYPE, DEFAULT_FILE_TYPE, FILE_TYPES
 from .common import run_with_progress
 from .errors import fail, say
+
+if TYPE_CHECKING:
+    from ..conversion.convert import Converted
+    from ..conversion.writer import Progress
 
 Out = Annotated[Path, typer.Option("--out", "-o", help="Output .gguf file.")]
 
@@ -115,7 +117,15 @@ def convert(
         return
     options = {"base": base, "head_type": head_type, "imatrix": imatrix, "mmproj_type": mmproj_type, "force": force}
     vision = False if no_mmproj else (mmproj or True)
-    made: Converted = run_with_progress(convert_files, source, out, file_type or DEFAULT_FILE_TYPE, mmproj=vision, **options)
+
+    def converting(progress: Progress) -> Converted:
+        # The converter (gguf-py, numpy, the writer) loads when convert runs, not with every command; inside run(), so
+        # that a signal while it loads is run's one line.
+        from ..conversion.convert import convert_files
+
+        return convert_files(source, out, file_type or DEFAULT_FILE_TYPE, mmproj=vision, progress=progress, **options)
+
+    made = run_with_progress(converting)
     say(f"wrote {made.model}")
     if made.mmproj is not None:
         say(f"wrote {made.mmproj} (the vision tower)")
@@ -138,7 +148,13 @@ def _convert_adapter(
     if base is None:
         fail("--to-adapter converts a clef-finetune checkpoint over its base: give the release it was trained from with --base")
     options = {"head_type": head_type, "llama_server": llama_server, "force": force}
-    written = run_with_progress(convert_adapter, source, base, out, file_type or DEFAULT_ADAPTER_TYPE, **options)
+
+    def converting(progress: Progress) -> Path:
+        from ..conversion.adapter import convert_adapter  # (as convert's converter: loaded here, inside run())
+
+        return convert_adapter(source, base, out, file_type or DEFAULT_ADAPTER_TYPE, progress=progress, **options)
+
+    written = run_with_progress(converting)
     say(f"wrote {written} (an adapter over {base}'s GGUF" + (", for llama-server's --lora)" if llama_server else ")"))
 
 
@@ -152,4 +168,10 @@ def graft(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Add a release's head to a backbone-only GGUF, without re-quantizing the backbone."""
-    say(f"wrote {run_with_progress(graft_head, backbone, source, out, head_type=head_type, force=force)}")
+
+    def grafting(progress: Progress) -> Path:
+        from ..conversion.graft import graft as graft_head  # (as convert's converter: loaded here, inside run())
+
+        return graft_head(backbone, source, out, head_type=head_type, force=force, progress=progress)
+
+    say(f"wrote {run_with_progress(grafting)}")

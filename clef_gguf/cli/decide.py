@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from ..data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
 from ..errors import ExitCode
@@ -64,6 +63,9 @@ def _decide_one(spec: ModelSpec, request_path: str, images: list[Path], note: st
 @contextmanager
 def _progress_bar() -> Iterator[Callable[[Summary, int | None], None]]:
     """The dataset's progress on stderr: records, records/s, tokens/s, cache hits, ETA."""
+    # Rich's bars, loaded by a JSON Lines run: not by one request's.
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
     columns = (
         TextColumn("[bold]decide"),
         BarColumn(),

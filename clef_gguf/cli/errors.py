@@ -30,8 +30,7 @@ from typing import NoReturn, TypeVar
 import typer
 from rich.console import Console
 
-from ..check.report import printable
-from ..errors import ClefError, ExitCode, signalled
+from ..errors import ClefError, ExitCode, printable, signalled
 from ..outputs import remove_temporaries
 
 err = Console(stderr=True)

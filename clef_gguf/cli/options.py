@@ -128,9 +128,7 @@ AdapterPairs = Annotated[
     list[str] | None,
     typer.Option("--adapter", metavar="NAME=FILE", help=help_of(AdapterSet, "adapters"), show_default=False),
 ]
-AdapterDir = Annotated[
-    Path | None, typer.Option("--adapter-dir", help=help_of(AdapterSet, "adapter_dir"), show_default=False)
-]
+AdapterDir = Annotated[Path | None, typer.Option("--adapter-dir", help=help_of(AdapterSet, "adapter_dir"), show_default=False)]
 MaxAdapters = Annotated[int, typer.Option("--max-adapters", **_load("max_adapters", AdapterSet))]
 AdapterMemory = Annotated[
     int | None,

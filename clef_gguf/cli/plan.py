@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from ..settings import LoadOptions, parse_size
 from .errors import line, run
@@ -68,6 +67,8 @@ def plan(
 
 
 def _print_plan(result: Plan, model: Path, vram: str | None) -> None:
+    from rich.table import Table  # (loaded for the table alone: --json and the other commands do without it)
+
     limit = f"prompt limit {result.n_ctx} tokens in ubatches of {result.ubatch}"
     title = f"{line(model.name)}: {limit}, n_gpu_layers {result.n_gpu_layers}"
     table = Table(title=escape(title))  # the file name is text, not markup

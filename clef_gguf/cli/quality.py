@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ExitCode
-from ..quality.metrics import DEFAULT_TARGET_PRECISIONS
+from ..settings import DEFAULT_TARGET_PRECISIONS
 from .common import ray_scorer, run_with_progress
 from .errors import err, fail, say
 from .options import AddressOption, LoadFlags, ModelFlags, OnRayOption, WorkersOption, flag_groups
@@ -26,6 +26,7 @@ Data = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON (for scripts).")]
 OutDir = Annotated[Path | None, typer.Option("--out", "-o", help="Write the reports into this folder.", show_default=False)]
 ForceReports = Annotated[bool, typer.Option("--force", help="-o DIR: overwrite the reports that DIR holds already.")]
+
 
 def _adapter_of(side: str) -> Any:
     help = f"An adapter file over MODEL_{side} (its fine-tune, against a merged file say)."

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from ..check.adapter_pair import validate_adapter_pair
-from ..check.pair import validate_pair
-from ..check.report import PairReport, Report
-from ..check.validate import validate as validate_file
 from .errors import fail, line, run
+
+if TYPE_CHECKING:
+    from ..check.report import PairReport, Report
 
 
 def _print_report(report: Report) -> None:
@@ -31,14 +30,16 @@ def _print_report(report: Report) -> None:
         typer.echo(f"  read {read}{deep} of a {report.file_size}-byte file in {report.seconds:.3f} s")
 
 
-def _show(verdict: Report | PairReport, as_json: bool, *reports: Report) -> NoReturn:
+def _show(verdict: Report | PairReport, as_json: bool) -> NoReturn:
     """The verdict as JSON, or in lines: a file's report, or a pair's two reports and the pairing; exits with its code."""
+    from ..check.report import Report  # (loaded by the check that made the verdict)
+
     if as_json:
         typer.echo(json.dumps(verdict.to_dict(), indent=2))
     elif isinstance(verdict, Report):
         _print_report(verdict)
     else:
-        for report in reports:
+        for report in (verdict.first, verdict.second):
             _print_report(report)
         typer.echo(f"pairing: {line(verdict.summary)}")
     raise typer.Exit(verdict.exit_code)
@@ -91,14 +92,22 @@ def validate(
     another projector), 7 incomplete or inconsistent (with --mmproj or --adapter: also a pair that does not belong
     together, e.g. an adapter trained over another base).
     """
-    if adapter is not None:
-        if mmproj is not None or sha256 is not None:
-            fail("--adapter checks a base and an adapter: validate --mmproj and --sha256 separately")
-        adapted = run(lambda: validate_adapter_pair(source, adapter, deep=deep))
-        _show(adapted, as_json, adapted.first, adapted.second)
-    if mmproj is None:
-        _show(run(lambda: validate_file(source, deep=deep, sha256=sha256)), as_json)
-    if sha256 is not None:
+    if adapter is not None and (mmproj is not None or sha256 is not None):
+        fail("--adapter checks a base and an adapter: validate --mmproj and --sha256 separately")
+    if mmproj is not None and sha256 is not None:
         fail("--sha256 checks one file: validate the model and the mmproj separately")
-    pair = run(lambda: validate_pair(source, mmproj, deep=deep))
-    _show(pair, as_json, pair.first, pair.second)
+
+    def verdict() -> Report | PairReport:
+        # The checks (gguf-py, numpy, the format's tables) load when validate runs, not with every command; inside
+        # run(), so that a signal while they load is run's one line.
+        from ..check.adapter_pair import validate_adapter_pair
+        from ..check.pair import validate_pair
+        from ..check.validate import validate as validate_file
+
+        if adapter is not None:
+            return validate_adapter_pair(source, adapter, deep=deep)
+        if mmproj is None:
+            return validate_file(source, deep=deep, sha256=sha256)
+        return validate_pair(source, mmproj, deep=deep)
+
+    _show(run(verdict), as_json)

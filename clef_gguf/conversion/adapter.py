@@ -21,6 +21,7 @@ from ..format import adapter as A
 from ..format import contract as C
 from ..format import lineage as L
 from ..outputs import refuse_inputs
+from ..settings import ADAPTER_FILE_TYPES, DEFAULT_ADAPTER_TYPE
 from .convert import NUMPY_FILE_TYPES, apply_transform, backbone_tensors
 from .graft import head_qtype, head_tensors, release_files
 from .lineage import release_digest
@@ -36,9 +37,6 @@ from .lora import (
 )
 from .release import Release, open_release, reference_sha256
 from .writer import GT, OutTensor, Progress, check_output, encode, storage_type, write_file
-
-ADAPTER_FILE_TYPES = ("f32", "f16", "q8_0")
-DEFAULT_ADAPTER_TYPE = "f16"
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ from ..errors import ConversionError, ReleaseError
 from ..format import contract as C
 from ..format import vision as V
 from ..outputs import refuse_inputs
+from ..settings import DEFAULT_FILE_TYPE, FILE_TYPES, LLAMA_FILE_TYPES
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
 from .lineage import Kv, source_keys
 from .lora import checkpoint_files, is_checkpoint, needs_base, open_checkpoint
 from .mmproj import MmprojPlan, no_tower_reason, plan_mmproj
 from .mmproj import mmproj_type as resolve_mmproj_type
-from .quantize import LLAMA_FILE_TYPES, approx_bytes_per_weight, quantize
+from .quantize import approx_bytes_per_weight, quantize
 from .release import Release, backbone_hparams, open_release
 from .vocab import Vocab, read_vocab
 from .writer import (
@@ -56,8 +57,6 @@ NUMPY_FILE_TYPES: dict[str, tuple[GT, gguf.LlamaFileType]] = {
     "bf16": (GT.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (GT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
-FILE_TYPES = [*LLAMA_FILE_TYPES, *NUMPY_FILE_TYPES]
-DEFAULT_FILE_TYPE = "q4_k_m"
 
 
 # --- Tensor transforms (llama.cpp's qwen35 layout) -----------------------------------------

@@ -18,25 +18,6 @@ from ..errors import ConversionError
 from ..format.header import GGUFFile
 from .writer import Progress
 
-# --type names of llama.cpp's quantizations, each llama_ftype constant LLAMA_FTYPE_MOSTLY_<NAME>, looked up when a file
-# is quantized: naming them (convert --help) loads no llama.cpp. Types that need an importance matrix (IQ1/IQ2/IQ3) are
-# left out.
-LLAMA_FILE_TYPES = (
-    "q4_k_m",
-    "q4_k_s",
-    "q5_k_m",
-    "q5_k_s",
-    "q6_k",
-    "q3_k_m",
-    "q3_k_l",
-    "q2_k",
-    "q4_0",
-    "q4_1",
-    "q5_0",
-    "q5_1",
-    "iq4_nl",
-    "iq4_xs",
-)
 # Bytes per weight, roughly, to check free disk space before starting.
 APPROX_BYTES_PER_WEIGHT = {"q2_k": 0.35, "q3_k_m": 0.45, "q3_k_l": 0.5, "q6_k": 0.82}
 _PROGRESS_LINE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")

@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from ..settings import DEFAULT_TARGET_PRECISIONS
+
 ECE_BINS = 10
-DEFAULT_TARGET_PRECISIONS = (0.99, 0.95)
 
 
 @dataclass(frozen=True)

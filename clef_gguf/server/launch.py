@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from ..check.report import printable
-from ..errors import SettingsError
+from ..errors import SettingsError, printable
 from ..runtime.encoder import check_spec
 from ..runtime.images import MAX_IMAGES
 from ..runtime.model import ClefModel

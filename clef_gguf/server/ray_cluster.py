@@ -50,7 +50,8 @@ def _drain(timeout_s: float) -> None:
     try:
         ingress = serve.get_deployment_handle("ClefIngress", APP_NAME)
         left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + DRAIN_CALL_MARGIN_S)
-    except (TimeoutError, RayError, RayServeException) as e:  # the application gone or replaced, its ingress lost
+    # The application gone or replaced, its ingress lost; a deleted application's handle is a KeyError in Ray Serve.
+    except (TimeoutError, KeyError, RayError, RayServeException) as e:
         print(f"the ingress did not drain: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return
     if left:

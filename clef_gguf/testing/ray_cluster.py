@@ -24,6 +24,11 @@ loopback_only()
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 _MARK = "RAY_ADDRESS="
+# Ray Serve starts a replica whose constructor raised up to 3 times (per replica) before it fails the deployment. A
+# constructor that fails in a test fails every time (a context too small for the probe), and each try is a worker
+# process loading the model: once is enough, unless the environment says otherwise. (The cluster's processes, Serve's
+# controller among them, read it.)
+_REPLICA_TRIES = {"RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
 # The cluster's owner: it starts Ray (GCS, raylet: its children, which die with it), prints the address and
 # holds the cluster until its stdin closes, then stops it.
 _OWNER = f"""
@@ -49,7 +54,7 @@ def local_cluster(num_cpus: int) -> Iterator[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, LOOPBACK_ENV: "0"},
+        env={**_REPLICA_TRIES, **os.environ, LOOPBACK_ENV: "0"},
     )
     assert owner.stdin is not None and owner.stdout is not None
     try:
