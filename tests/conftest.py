@@ -95,6 +95,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not item.nodeid.startswith(NOT_ON_DEVICE)]
 
 
+# The fast lane's rule (CONTRIBUTING.md): a test whose run takes 1.5 s or more on the 2-core CI machine is marked slow.
+# A run lists the unmarked tests whose call alone took twice that, so that the fast lane does not drift; a list, not a
+# failure: a timing on a shared machine is no verdict.
+FAST_BUDGET_S = 1.5
+_over_budget: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    yield
+    if call.when == "call" and call.duration >= 2 * FAST_BUDGET_S and not item.get_closest_marker("slow"):
+        _over_budget[item.nodeid] = call.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _over_budget:
+        terminalreporter.section(f"tests not marked slow that took over {2 * FAST_BUDGET_S:g} s (CONTRIBUTING.md)")
+        for nodeid, seconds in sorted(_over_budget.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:6.2f} s  {nodeid}")
+
+
 @pytest.fixture(scope="session")
 def default_gpu_layers(request: pytest.FixtureRequest) -> int:
     """The n_gpu_layers a test that omits it runs at: -1 in the device set, else 0."""

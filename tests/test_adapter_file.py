@@ -95,6 +95,7 @@ def _close(ours: dict[str, np.ndarray], merged: Path) -> None:
     assert worst < 1e-5
 
 
+@pytest.mark.slow
 def test_the_plain_adapter_over_its_base_is_the_merged_conversion(ws, plain):
     checkpoint, adapter, merged = plain
     applied = _applied(ws.gguf("untied_f32", "f32"), adapter)
@@ -153,6 +154,7 @@ def test_the_fingerprint_is_the_same_from_the_release_and_every_conversion(ws, o
 
 
 @pytest.mark.parametrize("file_type", ["f16", "q8_0"])
+@pytest.mark.slow
 def test_f16_and_q8_0_adapters_validate_and_stay_close(ws, plain, tmp_path, file_type):
     checkpoint, _, merged = plain
     adapter = convert_adapter(checkpoint, ws.release("untied_f32"), tmp_path / f"{file_type}.adapter.gguf", file_type)
@@ -183,6 +185,7 @@ def test_validate_pairs_an_adapter_with_its_base_only(ws, plain, other_base, tmp
     assert swapped.exit_code == 6
 
 
+@pytest.mark.slow
 def test_validate_refuses_an_adapter_whose_shapes_do_not_fit_the_base(ws, plain, tmp_path):
     _, adapter, _ = plain
     a = _tensors(adapter)["blk.0.ffn_up.weight.lora_a"]

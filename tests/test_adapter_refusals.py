@@ -112,6 +112,7 @@ def _refused(response: httpx.Response, files: Files, says: str) -> None:
 
 
 # --- validate and load ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_validate_refuses_nan_lora_weights_and_an_alpha_that_overflows(files):
     nan = run_cli("validate", files.base, "--adapter", files.nan)
     assert nan.returncode == 5 and NAN_TENSOR in nan.stdout + nan.stderr, nan.stdout + nan.stderr
@@ -199,6 +200,7 @@ def server(files):
         yield client
 
 
+@pytest.mark.slow
 def test_every_bad_file_in_the_folder_is_a_4xx_naming_the_file_not_its_folder(server, files):
     for name, says in BAD.items():
         _refused(server.post("/v1/systemone", json=_request(name)), files, says)

@@ -87,6 +87,7 @@ def _folder(tmp_path: Path, files: Files) -> Path:
 
 
 @pytest.mark.parametrize("swap", [_copy_over, _rename_over], ids=["cp", "rename"])
+@pytest.mark.slow
 def test_a_file_swapped_after_eviction_answers_as_the_new_file_alone(files, alone, tmp_path, swap):
     """max_adapters 1: `a` used, evicted by `b`, its file replaced: the next answer for `a` is the new file's (its
     identity too), and the states cached for the old version serve it not."""
@@ -195,6 +196,7 @@ def test_a_folder_of_20000_files_is_listed_once_per_change(files, tmp_path):
         assert model.adapter_names() == ["a", "b"]  # (the empty files do not load)
 
 
+@pytest.mark.slow
 def test_serve_outlives_a_truncated_adapter_and_a_fifo(files, alone, tmp_path):
     """`serve --adapter-dir --max-adapters 1`: an evicted adapter truncated in place is a 503 (it killed the server
     with SIGBUS); a FIFO named by requests is refused at once while base requests sent with them answer; the file

@@ -59,6 +59,7 @@ def test_a_closed_model_refuses_every_call_in_a_child_process(ws):
     assert done.stdout.strip() == "refused 6"
 
 
+@pytest.mark.slow
 def test_close_waits_for_the_decisions_in_flight(ws):
     code = textwrap.dedent(
         f"""

@@ -92,6 +92,7 @@ def _require(base: Path, adapter: Path) -> None:
         f.close()
 
 
+@pytest.mark.slow
 def test_every_conversion_records_its_release_and_merged_files_say_so(tune):
     digest = release_digest(open_release(tune.release))
     for file_type in ("f16", "f32", "q8_0", "q4_k_m"):

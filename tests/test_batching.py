@@ -95,6 +95,7 @@ def test_what_is_batchable(loaded):
         model.decide_batch(prompts)
 
 
+@pytest.mark.slow
 def test_the_state_cache_hits_and_fills_inside_a_batch(ws):
     path = ws.gguf("untied_f32", "f32")
     cold = clef_gguf.load(path, max_prompt_tokens=N_CTX, ubatch=N_CTX, state_cache=0, parallel=4)
@@ -132,6 +133,7 @@ class GatedModel(BlockingModel):
         return answers
 
 
+@pytest.mark.slow
 def test_the_server_batches_the_requests_that_wait_in_order(loaded):
     file_type, model = loaded
     gated = GatedModel(model)

@@ -25,6 +25,7 @@ def clef_gguf(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow
 def test_demo_answers_the_bundled_request():
     run = clef_gguf("demo")
     assert run.returncode == 0, run.stderr
@@ -40,6 +41,7 @@ def test_the_gpu_layers_may_come_from_the_environment():
     assert run.returncode == 2 and "CLEF_GGUF_N_GPU_LAYERS" in run.stderr, run.stderr
 
 
+@pytest.mark.slow
 def test_decide_prints_exactly_the_api_response(ws, tmp_path):
     request = mixed_request()
     path = tmp_path / "request.json"
@@ -83,6 +85,7 @@ def test_decide_reads_images_as_the_api_does(ws, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: images.0:")
 
 
+@pytest.mark.slow
 def test_decide_image_files_are_held_to_the_api_limits(tmp_path):
     """--image reads a regular file of at most 4 MiB: /dev/zero, a FIFO without a writer and a large file are one
     line and exit 2 (they were a MemoryError traceback, a hang, and a 5 MiB read)."""
@@ -105,6 +108,7 @@ def test_decide_without_a_model_uses_the_demo(tmp_path):
     assert json.loads(run.stdout)["answers"]["q"]["type"] == "noul"
 
 
+@pytest.mark.slow
 def test_user_mistakes_are_one_line_and_an_exit_code(ws, tmp_path):
     model = str(ws.gguf("untied_f32", "f32"))
     bad = tmp_path / "bad.json"
@@ -123,6 +127,7 @@ def test_user_mistakes_are_one_line_and_an_exit_code(ws, tmp_path):
         assert run.stdout == ""
 
 
+@pytest.mark.slow
 def test_convert_shows_progress_and_writes_the_file(ws, tmp_path):
     out = tmp_path / "m.gguf"
     run = clef_gguf("convert", str(ws.release("untied_f32")), "-o", str(out), "--type", "q8_0")

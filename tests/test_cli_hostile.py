@@ -89,6 +89,7 @@ def test_nesting_within_the_limit_is_answered(tmp_path):
 
 
 # --- general.name is printed escaped ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_file_name_with_terminal_escapes_is_never_printed_raw(tmp_path):
     name = "evil\x1b[2J\x1b]0;owned\x07\nsecond line\r"
     path = rebuild(DEMO_MODEL, tmp_path / "evil.gguf", replace={"general.name": kv_str("general.name", name)})

@@ -48,6 +48,7 @@ def workers_ai_env(demo: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 # The checks themselves are in server_helpers.py: test_ray_serve.py runs them against the Ray endpoint.
+@pytest.mark.slow
 def test_typesafe_sdk_parses_every_answer_type_and_gets_422_for_a_null_level(demo):
     check_typesafe_sdk(demo)
 
@@ -131,6 +132,7 @@ def _probabilities(answer: dict[str, Any]) -> list[float]:
     return values
 
 
+@pytest.mark.slow
 def test_serve_ubatch_sets_the_physical_batch_and_keeps_the_answers(demo):
     request = long_state_request()  # about 3,000 tokens: more than 20 ubatches of 128
     default = systemone(demo, request)

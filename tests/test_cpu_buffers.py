@@ -116,6 +116,7 @@ print("decoded")
 
 
 @pytest.mark.parametrize("file_type", QUANTIZED)
+@pytest.mark.slow
 def test_quantized_decisions_end_without_a_signal_and_match_in_process(ws, tmp_path, file_type):
     """`clef-gguf decide` as a user runs it; a segfault would be returncode -11."""
     request = mixed_request()

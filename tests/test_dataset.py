@@ -99,6 +99,7 @@ def test_stdin_to_stdout_gives_the_same_lines(reference):
     assert json.loads(run.stderr.splitlines()[-1])["errors"] == 1
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_has_no_gap_and_no_duplicate(reference, tmp_path):
     source, answers = reference
     out = tmp_path / "answers.jsonl"
@@ -171,6 +172,7 @@ def test_an_outcome_given_in_a_requests_place_counts_in_no_window():
     assert [[tag for tag, _ in window] for window in _windows(items, 2)] == [[1, 2, 3, 4], [5, 6, 7]]
 
 
+@pytest.mark.slow
 def test_images_may_be_file_paths_relative_to_the_jsonl_file(ws, tmp_path):
     model, mmproj = ws.gguf("untied_f32", "f32"), ws.mmproj("untied_f32", "f32")
     picture = io.BytesIO()
@@ -218,6 +220,7 @@ def _on_a_terminal(args: list[str]) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), shown.decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_a_progress_bar_on_a_terminal_and_none_elsewhere(reference, tmp_path):
     source, _ = reference
     code, shown = _on_a_terminal([*CLI, str(source), "-o", str(tmp_path / "a.jsonl")])

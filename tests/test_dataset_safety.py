@@ -32,6 +32,7 @@ def _decide(*args: str, model: Path = DEMO_MODEL) -> subprocess.CompletedProcess
     return run_cli(*DECIDE[3:], model, *args)
 
 
+@pytest.mark.slow
 def test_a_pipe_and_a_fifo_are_read_as_stdin_is(tmp_path):
     source = tmp_path / "requests.jsonl"
     source.write_text(_lines(5))
@@ -71,6 +72,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_9(tmp_path, targe
     assert "Traceback" not in done.stderr and f"cannot write {out}" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_run_leaves_what_resume_mends(tmp_path):
     """A file that stops growing after some bytes (RLIMIT_FSIZE: as a full disk does), then --resume with room."""
     source = tmp_path / "requests.jsonl"

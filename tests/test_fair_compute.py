@@ -85,6 +85,7 @@ def test_a_small_request_is_answered_while_a_heavy_one_is_prefilled(model):
         assert_close(reuse_apart(response.json()), reuse_apart(model.decide(small(i))), TOLERANCE)
 
 
+@pytest.mark.slow
 def test_steps_save_the_state_and_survive_a_reset_memory():
     """Decided in steps beside small batches, a long state's prompt fills the state cache as alone, and a memory
     reset under it (a non-finite decode elsewhere: Backbone.clear wipes every sequence) prefills it again."""

@@ -663,6 +663,7 @@ def _fuzz_cases(n: int, seed: int = 2024) -> list[bytes]:
     return cases
 
 
+@pytest.mark.slow
 def test_corrupt_images_are_request_errors_or_answered(model_of):
     model = model_of("f32")
     questions = {"ok": {"type": "noul", "instructions": "Is it a lamp?"}}
@@ -696,6 +697,7 @@ def llama_cpp_model(ws, tmp_path_factory):
         yield model
 
 
+@pytest.mark.slow
 def test_llama_cpps_mmproj_gives_our_answers(llama_cpp_model, model_of, limits):
     # It writes no pixel limits: llama.cpp's Qwen-VL defaults apply (8 to 4096 tokens).
     assert llama_cpp_model.image_limits == I.ImageLimits(32, 8 * 1024, 4096 * 1024) != limits

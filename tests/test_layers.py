@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top. The package root (the public API) and __main__ sit in the CLI's layer;
@@ -372,6 +374,7 @@ def _subject_code(subject: str) -> str:
     return f"import {subject}\n"
 
 
+@pytest.mark.slow
 def test_the_import_claims_of_internals_are_true() -> None:
     """docs/internals.md says what --help, a command, the catalog and the runtime load; each claim holds with the
     modules it names made unimportable (a child interpreter each)."""

@@ -245,6 +245,7 @@ def test_the_request_id_is_in_the_answer_and_in_its_one_access_line(model, log_f
         assert by_id[sent["broken"]]["status"] == "500" and by_id[ids[-1]]["route"] == "unmatched"
 
 
+@pytest.mark.slow
 def test_serve_logs_one_json_line_per_request_and_guards_metrics_with_the_key(ws):
     with served(ws.gguf("untied_f32", "f32"), "--log-format", "json", "--api-key", "k3y") as (url, process):
         with httpx.Client(base_url=url, timeout=TIMEOUT) as c:

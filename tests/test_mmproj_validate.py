@@ -216,6 +216,7 @@ def mmproj_seed(ws) -> tuple[bytes, tuple[int, ...]]:
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
+@pytest.mark.slow
 def test_any_damaged_mmproj_gets_a_one_line_report(mmproj_seed, tmp_path_factory, data):
     seed, anchors = mmproj_seed
     damaged = apply_edits(seed, data.draw(edits_of(seed, anchors)))

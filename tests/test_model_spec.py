@@ -140,6 +140,7 @@ def lookups(monkeypatch):
     return counts
 
 
+@pytest.mark.slow
 def test_a_name_is_resolved_once_per_request(tuned, lookups):
     """Locally and over HTTP (the scheduler, the state cache, the answer and the metrics' label): one resolution per
     request, and no lookup by identity; a prompt encoded by another catalog (the Ray ingress's) is looked up once."""

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.device
 TOLERANCE, F16_TOLERANCE = 5e-4, 5e-3
 
 
+@pytest.mark.slow
 def test_half_the_layers_on_the_device_answer_as_the_cpu(ws, default_gpu_layers):
     path = ws.gguf("k256", "q4_k_m")
     f = GGUFFile.open(path)

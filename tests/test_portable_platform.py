@@ -130,6 +130,7 @@ def _answer(result: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_decision_and_the_dataset_mode_run_without_libc_fcntl_and_proc(tmp_path):
     plain = {k: v for k, v in os.environ.items() if k != "CLEF_GGUF_LOADER"}
     expected = _answer(_run(DECIDE, tmp_path / "plain", plain))
@@ -222,6 +223,7 @@ def _no_confstr(name: str) -> str:
     raise ValueError(f"unrecognized configuration name {name}")  # (musl, macOS; Windows has no os.confstr)
 
 
+@pytest.mark.slow
 def test_the_server_loads_no_libc_at_import_and_trims_only_on_glibc(monkeypatch):
     code = BLOCKERS + (
         "import clef_gguf.server.app, clef_gguf.server.intake as intake\n"
@@ -256,6 +258,7 @@ def test_the_commands_signals_where_there_is_no_sighup():
     assert json.loads(result.stdout) == sorted([signal.SIGINT, signal.SIGTERM, 21])
 
 
+@pytest.mark.slow
 def test_the_watchdog_ends_a_command_stuck_after_sigterm():
     # The watchdog's wake-up is a socket pair (Windows' set_wakeup_fd takes a socket): a command stuck in a sleep
     # that ignores the exception still ends, 128 + SIGTERM, within STOP_S.

@@ -154,6 +154,7 @@ def _imatrix(path, names: list[str], width: int) -> None:
     w.close()
 
 
+@pytest.mark.slow
 def test_an_importance_matrix_passes_through(ws, tmp_path):
     names = [f"blk.{i}.ffn_up.weight" for i in range(4)] + [f"blk.{i}.ffn_gate.weight" for i in range(4)]
     _imatrix(tmp_path / "imatrix.gguf", names, 256)

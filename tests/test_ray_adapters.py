@@ -36,6 +36,7 @@ def test_every_replica_is_bound_with_the_adapter_settings():
         settings_from_args({"model": "/m.gguf", "load": {"adapter_dir": "/tunes"}})
 
 
+@pytest.mark.slow
 def test_serve_on_ray_refuses_a_bad_adapter_before_ray_starts(ws):
     """The named adapters are checked against the model as loading checks them, before any Ray process starts."""
     import os

@@ -133,6 +133,7 @@ def parsed() -> dict[tuple[str, ...], str]:
     return {tuple(args): problem for args, problem in zip(lines, parse_problems(lines), strict=True)}
 
 
+@pytest.mark.slow
 def test_the_check_fails_on_a_misspelled_option_or_command(parsed):
     wrong = command_lines(WRONG)
     problems = [parsed[tuple(args)] for args in wrong]

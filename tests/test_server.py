@@ -133,6 +133,7 @@ def check_contract(request: Request, response: httpx.Response) -> dict[str, Any]
 
 
 @pytest.mark.parametrize("name", list(all_requests()))
+@pytest.mark.slow
 def test_every_suite_request_is_answered_as_a_direct_decide(client, expected, name):
     request = all_requests()[name]
     response = client.post("/v1/systemone", json=request)
@@ -430,6 +431,7 @@ def test_an_api_key_is_required_when_set(model):
 
 
 # --- Concurrency ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_16_concurrent_clients_get_the_sequential_answers(live, expected):
     """Concurrent requests are decided in batches (tests/test_batching.py): the answers alone, within float noise,
     which the responses' 4 decimals show as at most a step of the last one."""
@@ -549,6 +551,7 @@ def _plain_gguf(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_file_that_is_not_a_clef_model(tmp_path):
     random_bytes = tmp_path / "random.gguf"
     random_bytes.write_bytes(os.urandom(4096))

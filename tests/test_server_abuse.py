@@ -146,6 +146,7 @@ def test_oversized_or_broken_heads_get_a_json_4xx_at_once(server, name):
     assert set(body["detail"]) == {"error_type", "message"}
 
 
+@pytest.mark.slow
 def test_a_streamed_64_mib_header_delays_no_one(server):
     def abuse(stop: threading.Event) -> None:
         while not stop.is_set():
@@ -197,6 +198,7 @@ def test_an_idle_keep_alive_connection_is_closed(server):
     assert answer.status == 200 and KEEP_ALIVE - 0.05 < answer.seconds < KEEP_ALIVE + 1.5, answer.seconds
 
 
+@pytest.mark.slow
 def test_slow_but_timely_requests_pipelining_and_long_decisions_are_answered(server):
     """The limits refuse only what passes them: a body sent over longer than the header timeout (but within
     the body timeout), two pipelined requests, and a decision longer than the header timeout on a
@@ -217,6 +219,7 @@ def test_slow_but_timely_requests_pipelining_and_long_decisions_are_answered(ser
 
 
 # --- Bodies: slowloris, early answers, compression bombs, prompts over the limit --------------------------------
+@pytest.mark.slow
 def test_a_body_still_coming_after_an_early_answer_is_dropped_until_the_body_timeout(server):
     """A 413 (declared length over the cap) is answered at once; the rest of the body is read and dropped
     (closing at once would reset the answer away) until the body timeout, then the connection closes."""
@@ -274,6 +277,7 @@ def _over_the_token_limit() -> bytes:
     return json.dumps({"state": "word " * words, "questions": {"q": {"type": "noul"}}}).encode()
 
 
+@pytest.mark.slow
 def test_prompts_over_the_limit_are_refused_without_delaying_a_normal_request(server):
     over = zstd_compress(_over_the_token_limit())
     bomb = zstd_compress(_valid_json_of(16 << 20))
@@ -291,6 +295,7 @@ def test_prompts_over_the_limit_are_refused_without_delaying_a_normal_request(se
     assert max(excess) < 0.1, excess
 
 
+@pytest.mark.slow
 def test_uploads_in_progress_hold_no_intake_slot(server):
     """MAX_QUEUE slow uploads take no intake slot (one is taken once a body is whole, issue 46): one more request is
     answered at once, not refused. Their own cap is --max-body-readers (tests/test_slow_bodies.py). Each trickled
@@ -312,6 +317,7 @@ def test_uploads_in_progress_hold_no_intake_slot(server):
     assert httpx.post(f"{server.url}/v1/systemone", json=NORMAL, timeout=60).status_code == 200
 
 
+@pytest.mark.slow
 def test_memory_returns_to_its_baseline_after_large_bodies(server):
     over = _over_the_token_limit()
     large_valid = json.dumps({**NORMAL, "padding": "p" * (body_limit(CTX) - 10_000)}).encode()
@@ -385,6 +391,7 @@ def test_odd_request_targets_get_a_json_4xx(server, target):
 
 
 # --- Drain: requests cut off at SIGTERM --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_requests_cut_off_by_the_drain_timeout_get_a_json_503(tmp_path):
     """SIGTERM with --drain-timeout 1 and several seconds of decisions queued: those finished in time are
     answered, the others get a JSON 503 with Retry-After (never uvicorn's plain-text 500), and serve exits 0."""

@@ -242,6 +242,7 @@ def test_the_lru_evicts_in_order_of_use_and_counts_bytes():
 
 # --- The command ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("option", "reused"), [((), True), (("--state-cache", "0"), False), (("--state-cache", "64MiB"), True)])
+@pytest.mark.slow
 def test_serve_state_cache_sets_the_budget(option, reused):
     request = _request(long_state_text(4))
     with served(DEMO_MODEL, "--ctx", "4096", *option) as (url, _):

@@ -41,6 +41,7 @@ def keyed(ws, tmp_path_factory) -> Path:
     return rekey(ws.gguf("untied_f32", "f32"), tmp_path_factory.mktemp("keyed") / "keyed.gguf", keys)
 
 
+@pytest.mark.slow
 def test_every_bucket_boundary_follows_llama_server_s_rule(ws, keyed):
     plain = ws.model("untied_f32", "f32")
     request = temperature_buckets_request()
@@ -89,6 +90,7 @@ def test_a_key_no_question_can_use_is_a_note(ws, tmp_path):
     assert sum("is used by no question" in note for note in report.notes) == 2
 
 
+@pytest.mark.slow
 def test_calibrate_lowers_nll_and_eval_sees_the_calibrated_file(ws, tmp_path):
     model = ws.gguf("untied_f32", "f32")
     out = tmp_path / "calibrated.gguf"

@@ -458,6 +458,7 @@ def test_deep_flags_broken_values_and_passes_zero_biases(ws, tmp_path, name, val
         assert report.verdict is Verdict.CORRUPT and verdict in report.summary and name in report.summary, report.summary
 
 
+@pytest.mark.slow
 def test_a_model_whose_scores_overflow_is_refused_at_load(ws, tmp_path):
     """Weights that parse but make NaN: the load's probe decision refuses them, so no request ever gets a NaN."""
     from clef_gguf.errors import ModelOutputError
