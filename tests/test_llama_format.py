@@ -65,6 +65,7 @@ def test_llama_cpp_converter_output_is_complete_and_decides_as_the_reference(
             assert worst <= tolerance, (name, worst)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file_type", ["f32", "q8_0"])
 def test_our_conversion_is_llama_cpps(golden, ws, file_type):
     """Same tensor names, shapes and types; at f32 the same bytes (ssm_a within one ulp: torch's float32 exp)."""
@@ -88,6 +89,7 @@ def test_our_conversion_is_llama_cpps(golden, ws, file_type):
     theirs.close()
 
 
+@pytest.mark.slow
 def test_the_runtime_is_exact_on_their_weights(golden):
     """On llama.cpp's q8_0 file, the native head equals the numpy reference head on the file's dequantized weights."""
     from numpy_head import lexical_rows, reference_head

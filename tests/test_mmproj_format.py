@@ -175,6 +175,7 @@ def test_a_release_whose_image_processor_cannot_feed_the_tower_is_refused(refuse
     clef_gguf.convert(tmp_path / "release", tmp_path / "m.gguf", "f32", mmproj=False)  # the text model still converts
 
 
+@pytest.mark.slow
 def test_llama_cpps_mmproj_validates_and_pairs_with_our_model(golden, ws):
     from clef_gguf.check.pair import validate_pair
     from clef_gguf.check.validate import validate
@@ -186,6 +187,7 @@ def test_llama_cpps_mmproj_validates_and_pairs_with_our_model(golden, ws):
     assert validate_pair(ws.gguf("untied_f32", "q8_0"), path).ok
 
 
+@pytest.mark.slow
 def test_llama_cpps_mmproj_encodes_as_ours_in_mtmd(golden, ws):
     """Same tensors, same keys clip.cpp reads: the same embeddings, bit for bit."""
     from clef_gguf.check.validate import open_validated
@@ -206,6 +208,7 @@ def test_llama_cpps_mmproj_encodes_as_ours_in_mtmd(golden, ws):
         f.close()
 
 
+@pytest.mark.slow
 def test_make_golden_describes_the_converters_mmproj(golden):
     """clef_gguf/testing/golden.py --mmproj --describe: the in-tree gguf-py reads the converter's file."""
     info = describe(golden("untied_f32", "f32"))
