@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 import clef_gguf
+from clef_gguf.conversion.convert import NUMPY_FILE_TYPES
 from clef_gguf.errors import OutputError, ReleaseError
 from clef_gguf.format import contract as C
 from clef_gguf.format import hparams
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.format.template import SYSTEMONE_TEMPLATE
+from clef_gguf.settings import FILE_TYPES, LLAMA_FILE_TYPES
 from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release
 
 GT = gguf.GGMLQuantizationType
@@ -129,3 +131,8 @@ def test_a_failed_conversion_leaves_no_file(ws, tmp_path):
     with pytest.raises(ReleaseError, match="truncated"):
         clef_gguf.convert(release, out, "f32")
     assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_the_settings_name_exactly_the_types_convert_writes():
+    """--type's choices live in settings.py (--help loads no converter): they are llama.cpp's and the writer's own."""
+    assert (*LLAMA_FILE_TYPES, *NUMPY_FILE_TYPES) == FILE_TYPES
