@@ -83,6 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.device_quick)
         if item.get_closest_marker("ray"):  # a Ray cluster takes seconds to start, its tests more: out of the inner loop
             item.add_marker(pytest.mark.slow)
+        if "ray_address" in getattr(item, "fixturenames", ()) and worker_group(item.nodeid) != "ray":
+            raise pytest.UsageError(f"{item.nodeid} joins the session's Ray cluster: add its module to SAME_WORKER")
     if not config.getoption("on_device"):
         return
     if not device_build():
@@ -95,6 +97,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not item.nodeid.startswith(NOT_ON_DEVICE)]
 
 
+# pytest-xdist's workers (tools/test.sh: -n) take a group of tests at a time: a module, so that its module fixtures (a
+# served process, a loaded model) are made once; the modules that join the session's Ray cluster together, so that
+# there is one; the modules that train the same clef-finetune configurations (clef_gguf/testing/finetune.py trains each
+# once per process) together. (xdist's own --dist loadgroup reads xdist_group marks by rewriting item._nodeid, which
+# pytest 9 no longer reads: hence a scheduler of our own.)
+SAME_WORKER = {
+    **dict.fromkeys(("test_adapter_refusals.py", "test_ray_dataset.py", "test_ray_serve.py"), "ray"),
+    **dict.fromkeys(("test_adapter_file.py", "test_adapters.py", "test_finetune.py", "test_readme.py"), "trainings"),
+}
+
+
+def worker_group(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return SAME_WORKER.get(module.rsplit("/", 1)[-1], module)
+
+
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: a run without it has none)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByGroup(config, log)
+
+
 # The fast lane's rule (CONTRIBUTING.md): a test whose run takes 1.5 s or more on the 2-core CI machine is marked slow.
 # A run lists the unmarked tests whose call alone took twice that, so that the fast lane does not drift; a list, not a
 # failure: a timing on a shared machine is no verdict.
@@ -102,11 +131,10 @@ FAST_BUDGET_S = 1.5
 _over_budget: dict[str, float] = {}
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    yield
-    if call.when == "call" and call.duration >= 2 * FAST_BUDGET_S and not item.get_closest_marker("slow"):
-        _over_budget[item.nodeid] = call.duration
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # (in the process that reports: pytest-xdist's workers send their reports to it)
+    if report.when == "call" and report.duration >= 2 * FAST_BUDGET_S and "slow" not in report.keywords:
+        _over_budget[report.nodeid] = report.duration
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -121,11 +121,12 @@ def test_the_answers_on_ray_are_the_local_modes_in_order_and_resume_goes_across_
     assert _same(started_here.read_bytes(), local) and summary.skipped == 9
 
 
-def _actor_pids() -> list[int]:
-    found = []
+def _actor_pids() -> set[int]:
+    """The actor processes alive now: an earlier run's may still be stopping, so a test looks for those new to it."""
+    found = set()
     for process in psutil.process_iter(["pid", "cmdline"]):
         if any(ACTOR in part for part in process.info["cmdline"] or []):
-            found.append(process.info["pid"])
+            found.add(process.info["pid"])
     return found
 
 
@@ -134,13 +135,14 @@ def _actor_pids() -> list[int]:
 def test_an_actor_killed_mid_run_loses_no_answer_and_repeats_none(ray_address, data, tmp_path):
     source, local = data
     killed: list[int] = []
+    before = _actor_pids()
 
     def kill_once(summary, _total) -> None:
         if not killed and summary.records >= 4:  # (39 parts of 1 request still to come)
-            pids = _actor_pids()
+            pids = _actor_pids() - before
             assert pids, "no actor process found"
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
+            killed.append(min(pids))
+            os.kill(killed[0], signal.SIGKILL)
 
     summary = _on_ray(source, tmp_path / "ray.jsonl", workers=1, part=1, progress=kill_once)
     assert killed and killed[0] not in _actor_pids()
@@ -198,16 +200,17 @@ def test_the_command_on_ray_stops_at_ctrl_c_with_out_whole_and_resume_finishes_i
     out = tmp_path / "answers.jsonl"
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--ray", "--workers", "1", "--json"]
+    before = _actor_pids()
     process = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
-    while process.poll() is None and not _actor_pids():  # the run's actor started: the cluster at work
+    while process.poll() is None and not _actor_pids() - before:  # the run's actor started: the cluster at work
         assert time.monotonic() < deadline
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr.decode()[-3000:]
     assert b"--resume continues" in stderr
-    while _actor_pids():  # the driver gone, its actors are stopped
+    while _actor_pids() - before:  # the driver gone, its actors are stopped
         assert time.monotonic() < deadline
         time.sleep(0.1)
     written = out.read_bytes()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install clef-gguf with its test dependencies and the ray extra (tests/test_ray_serve.py), then run every test;
 # arguments go to pytest: `bash tools/test.sh -m "not slow"` is the inner loop (a few minutes), no -m every test.
+# pytest-xdist runs the tests in two worker processes (tests/conftest.py's SAME_WORKER: the tests that share one);
+# `-n 0` runs them in pytest's own process, `-n 4` in four workers where there are more cores.
 # clef-finetune carries Cloudflare's reference (the test oracle); its declared
 # dependencies (torchvision, ...) are not needed for text, hence --no-deps.
 # The install is skipped where this environment already has the one of these sources (the same pyproject.toml,
@@ -15,4 +17,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ] || ! python -c "import clef_g
     echo "$sources" > "$stamp"
 fi
 python -m ruff check clef_gguf tests tools
-python -m pytest "$@"
+python -m pytest -n 2 "$@"
