@@ -85,6 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if "ray_address" in getattr(item, "fixturenames", ()) and worker_group(item.nodeid) != "ray":
             raise pytest.UsageError(f"{item.nodeid} joins the session's Ray cluster: add its module to SAME_WORKER")
+    if gone := [name for name in SAME_WORKER if not (Path(__file__).parent / name).is_file()]:
+        raise pytest.UsageError(f"SAME_WORKER names test modules that are not there: {gone}")
     if not config.getoption("on_device"):
         return
     if not device_build():
