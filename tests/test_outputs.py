@@ -134,6 +134,16 @@ def test_compare_refuses_an_existing_report_unless_forced(tmp_path):
     assert (reports / "comparison.json").read_text().startswith("{")
 
 
+def test_decide_refuses_an_existing_answers_file_with_exit_9_as_the_other_commands(tmp_path):
+    """decide -o onto an answers file that exists is an output refused before any work (exit 9), as calibrate's and
+    convert's are: not a bad input (2)."""
+    out = tmp_path / "answers.jsonl"
+    out.write_text("precious\n")
+    run = cli("decide", DEMO_MODEL, DATA, *CTX, "-o", out, timeout=QUICK)
+    refused(run, f"{out} exists: --resume continues it, --force overwrites it")
+    assert out.read_text() == "precious\n"
+
+
 # --- F4: of two runs without --force, exactly one creates OUT ---------------------------------------------------
 RACER = """
 import sys, time

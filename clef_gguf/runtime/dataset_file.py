@@ -195,7 +195,8 @@ def _open_output(
         return sys.stdout.buffer, [], False
     path = Path(out)
     if not resume and not force and path.exists() and path.stat().st_size > 0:
-        raise AnswersFileError(f"{out} exists: --resume continues it, --force overwrites it")
+        # An output refused before any work, as calibrate's and convert's: exit 9, not a bad input's 2.
+        raise OutputError(f"{out} exists: --resume continues it, --force overwrites it")
     try:
         file = open(path, "ab")  # noqa: SIM115 (returned open, closed by decide_file)
     except OSError as e:
