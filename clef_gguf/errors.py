@@ -76,6 +76,10 @@ UNAUTHORIZED = Problem("UNAUTHORIZED", 401, "authentication_error")
 NOT_FOUND = Problem("NOT_FOUND", 404, "not_found_error")  # a path no route has (Starlette's)
 METHOD_NOT_ALLOWED = Problem("METHOD_NOT_ALLOWED", 405, "invalid_request_error")  # Starlette's, with its Allow
 NO_SUCH_MODEL = Problem("NO_SUCH_MODEL", 400, "no_such_model", 5007)  # a Workers AI model id not served here
+# A request for a name the server does not answer as (Host: DNS rebinding), or sent by another site's page (Origin):
+# server/guard.py, --allowed-host and --allowed-origin.
+FOREIGN_HOST = Problem("FOREIGN_HOST", 403, "permission_error")
+FOREIGN_ORIGIN = Problem("FOREIGN_ORIGIN", 403, "permission_error")
 
 # --- a request read and understood that cannot be decided -------------------------------------------------------
 # A malformed request: its body is FastAPI's list of {loc, msg, type} (runtime/failures.Invalid), each entry with
@@ -103,6 +107,8 @@ ROWS: tuple[Problem, ...] = (
     NOT_FOUND,
     METHOD_NOT_ALLOWED,
     NO_SUCH_MODEL,
+    FOREIGN_HOST,
+    FOREIGN_ORIGIN,
     INVALID,
     PROMPT_TOO_LONG,
     OVERLOADED,
@@ -263,8 +269,8 @@ class RequestTooLargeError(RequestError):
 
 
 class AnswersFileError(ClefError):
-    """`clef-gguf decide`'s answers file cannot be continued: it exists (without --resume), holds answers to
-    another input, or is damaged before its last line."""
+    """`clef-gguf decide`'s answers file cannot be continued: it holds answers to another input, is damaged before its
+    last line, or is a stream (an answers file that exists without --resume or --force is an OutputError)."""
 
     exit_code = ExitCode.BAD_INPUT
 

@@ -249,6 +249,27 @@ class ServeSettings:
         "text", "The access log's lines on stderr, one per request: text (key=value) or json (one object per line)."
     )
     ui: bool = _setting(True, "Serve the page at / that asks the model and shows each option's probability (--no-ui: none).")
+    # Web pages are the server's other clients (server/guard.py): it answers only its own names and its own page.
+    allowed_hosts: tuple[str, ...] = _setting(
+        (),
+        "A name (Host) to answer as, besides localhost, IP addresses and --host: a reverse proxy's (clef.example.com; "
+        ".example.com: its subdomains; *: any). Repeatable.",
+    )
+    allowed_origins: tuple[str, ...] = _setting(
+        (),
+        "A site whose pages may call this server, besides its own page (https://app.example.com; *: any). Repeatable.",
+    )
+
+    def __post_init__(self) -> None:
+        # (here, where the CLI and a Ray config's `args` build the same table: refused alike)
+        for name in self.allowed_hosts:
+            if not re.fullmatch(r"\*|\.?[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]", name):
+                example = "e.g. clef.example.com, .example.com, *"
+                raise SettingsError(f"allowed_hosts (--allowed-host): {name!r} is not a host name ({example})")
+        for origin in self.allowed_origins:
+            if not re.fullmatch(r"\*|https?://[A-Za-z0-9._-]+(:\d+)?/?|https?://\[[0-9A-Fa-f:.]+\](:\d+)?/?", origin):
+                example = "scheme://name[:port], e.g. https://app.example.com, or *"
+                raise SettingsError(f"allowed_origins (--allowed-origin): {origin!r} is not an origin ({example})")
 
 
 API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `serve` and a Ray config alike

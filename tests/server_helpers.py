@@ -234,7 +234,7 @@ def receive(sock: socket.socket, deadline: float, answers: int | None = None) ->
 
 def post_head(length: int | None = None, extra: str = "") -> bytes:
     sized = f"content-length: {length}\r\n" if length is not None else ""
-    return f"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{sized}{extra}\r\n".encode()
+    return f"POST /v1/systemone HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{sized}{extra}\r\n".encode()
 
 
 @contextmanager

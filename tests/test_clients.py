@@ -28,7 +28,7 @@ from server_helpers import (
     systemone,
 )
 
-from clef_gguf.data import DEMO_MODEL
+from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions
 from clef_gguf.testing.request_suite import long_state_request, wide_choice_request
 
@@ -69,6 +69,21 @@ def test_clef_compactor_scores_64_chunks_in_one_request(workers_ai_env):
 
 def test_clef_router_routes_through_its_base_url(demo):
     check_clef_router(demo)
+
+
+def test_other_sites_pages_cannot_use_serve_at_its_defaults(demo):
+    """What a page on another site can make its visitor's browser do to a server on loopback (no --api-key): a
+    cross-origin text/plain POST (no preflight), a request under a rebound name. Both refused; the clients above,
+    httpx and the page (its own Origin) are answered."""
+    body = DEMO_REQUEST.read_bytes()
+    attack = {"Content-Type": "text/plain", "Origin": "http://attacker.example"}
+    assert httpx.post(f"{demo}/v1/systemone", content=body, headers=attack, timeout=CLIENT_TIMEOUT_S).status_code == 403
+    for path in ("/v1/models", "/health", "/"):
+        assert httpx.get(demo + path, headers={"Host": "attacker.example"}, timeout=CLIENT_TIMEOUT_S).status_code == 403
+    for own in ({}, {"Origin": demo}):
+        sent = {"Content-Type": "application/json", **own}
+        answer = httpx.post(f"{demo}/v1/systemone", content=body, headers=sent, timeout=CLIENT_TIMEOUT_S)
+        assert answer.status_code == 200 and answer.headers["x-content-type-options"] == "nosniff", answer.text
 
 
 # --- The defaults: Clef's context, prefilled in ubatches, against the oracle ----------------------------------

@@ -72,7 +72,7 @@ def test_metrics_count_exactly_the_requests_sent_and_the_state_cache_hits(model)
         with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
             answered += [c.post("/v1/systemone", json=cached), c.post("/v1/systemone", json=cached)]  # a miss, then a hit
             answered.append(c.post("/v1/systemone", json=SHORT))  # a state too short to cache: neither
-            assert c.post("/v1/systemone", content=b"{").status_code == 422
+            assert c.post("/v1/systemone", content=b"{", headers={"content-type": "application/json"}).status_code == 422
             assert c.post("/v1/systemone", json=long_state_request(paragraphs=50)).status_code == 413
             assert c.get("/v1/systemone").status_code == 405
             assert c.get(f"/v1/nothing/{uuid.uuid4().hex}").status_code == 404
@@ -203,7 +203,8 @@ def test_the_request_id_is_in_the_answer_and_in_its_one_access_line(model, log_f
     try:
         with access_lines() as lines, httpx.Client(timeout=TIMEOUT) as c:
             ok = c.post(f"{live.url}/v1/systemone", json=SHORT, headers={"X-Request-Id": sent["ok"]})
-            bad = c.post(f"{live.url}/v1/systemone", content=b"{", headers={"X-Request-Id": sent["bad"]})
+            bad_headers = {"X-Request-Id": sent["bad"], "content-type": "application/json"}
+            bad = c.post(f"{live.url}/v1/systemone", content=b"{", headers=bad_headers)
             broken_answer = c.post(f"{broken.url}/v1/systemone", json=SHORT, headers={"X-Request-Id": sent["broken"]})
             unfit = [c.get(f"{live.url}/health", headers={"X-Request-Id": rid}) for rid in ("has space", "x" * 129, b"caf\xe9")]
             fresh = c.get(f"{live.url}/nowhere")

@@ -349,6 +349,9 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
     monkeypatch.setenv("CLEF_GGUF_API_KEY", "from-env")
     assert settings_from_args({"model": "m.gguf"}).serve.api_key == "from-env"
     assert settings_from_args({"model": "m.gguf", "serve": {"api_key": "given"}}).serve.api_key == "given"
+    names = {"allowed_hosts": ["clef.example.com"], "allowed_origins": ["https://app.example.com"]}
+    served = settings_from_args({"model": "m.gguf", "serve": names}).serve  # (a YAML list: the table's tuple)
+    assert (served.allowed_hosts, served.allowed_origins) == (("clef.example.com",), ("https://app.example.com",))
     for bad, why in [
         ({"model": "m.gguf", "scale": {"replica": 2}}, "scale.replica: Unexpected keyword argument"),  # a typo is refused
         # a setting outside its table (the flat args before 0.2.0) is refused, saying where it lives now
@@ -360,6 +363,7 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
         ({"model": "m.gguf", "load": {"n_threads": 0}}, "load.n_threads: Input should be greater than or equal to 1"),
         ({"model": "m.gguf", "serve": {"limits": {"min_body_rate": -1}}}, "serve.limits.min_body_rate: Input should be greater"),
         ({"model": "m.gguf", "serve": {"port": 9000}}, "set http_options.port instead"),
+        ({"model": "m.gguf", "serve": {"allowed_origins": ["app.example.com"]}}, "is not an origin"),
     ]:
         with pytest.raises(SettingsError, match=why):
             settings_from_args(bad)

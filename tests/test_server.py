@@ -34,6 +34,7 @@ from clef_gguf.server.body import DECODERS
 from clef_gguf.testing.request_suite import all_requests, long_state_request, mixed_request, within
 
 Request = dict[str, Any]
+JSON = {"content-type": "application/json"}  # what a raw body says it is (body.check_media_type)
 
 
 # --- A live server in this process (for the contract), or a `clef-gguf serve` subprocess ---------------------
@@ -298,14 +299,15 @@ def test_compressed_bodies_are_read_and_bad_ones_are_4xx(client, expected):
         encoders["zstd"] = zstd_compress
     assert "zstd" in encoders, "typesafe-sdk sends zstd bodies when zstd is importable: the server must read them"
     for coding, encode in encoders.items():
-        response = client.post("/v1/systemone", content=encode(raw), headers={"content-encoding": coding})
+        response = client.post("/v1/systemone", content=encode(raw), headers={"content-encoding": coding, **JSON})
         assert check_contract(request, response) == expected(request), coding
-    _api_error(client.post("/v1/systemone", content=raw, headers={"content-encoding": "br"}), 415, "invalid_request_error")
-    corrupt = client.post("/v1/systemone", content=b"\x28\xb5\x2f\xfdgarbage", headers={"content-encoding": "zstd"})
+    brotli = client.post("/v1/systemone", content=raw, headers={"content-encoding": "br", **JSON})
+    _api_error(brotli, 415, "invalid_request_error")
+    corrupt = client.post("/v1/systemone", content=b"\x28\xb5\x2f\xfdgarbage", headers={"content-encoding": "zstd", **JSON})
     assert corrupt.status_code == 422 and corrupt.json()["detail"][0]["loc"] == ["body"]
     bomb = gzip.compress(b" " * (2 << 20))  # 2 KiB that inflate past the 1 MiB limit of this server
-    _api_error(client.post("/v1/systemone", content=bomb, headers={"content-encoding": "gzip"}), 413, "request_too_large")
-    _api_error(client.post("/v1/systemone", content=b" " * (1 << 20) + b" "), 413, "request_too_large")
+    _api_error(client.post("/v1/systemone", content=bomb, headers={"content-encoding": "gzip", **JSON}), 413, "request_too_large")
+    _api_error(client.post("/v1/systemone", content=b" " * (1 << 20) + b" ", headers=JSON), 413, "request_too_large")
     multipart = {"content-type": "multipart/form-data; boundary=x"}
     empty = client.post("/v1/systemone", content=b"--x--\r\n", headers=multipart)  # typesafe-sdk's form, with no parts
     assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body"], empty.text
@@ -365,10 +367,10 @@ def test_workers_ai_errors_keep_their_status_in_the_envelope(client):
     assert "@cf/meta/llama-3.1-8b-instruct" in _envelope_error(unknown, 400, 5007)
     null_level = with_change(lambda r: r["questions"]["severity"].update(criteria=["a", None]))
     assert _envelope_error(client.post(path, json=null_level), 422, 422).startswith("body.questions.severity.criteria.1: ")
-    assert _envelope_error(client.post(path, content=b"{"), 422, 422).startswith("body.1: JSON decode error")
+    assert _envelope_error(client.post(path, content=b"{", headers=JSON), 422, 422).startswith("body.1: JSON decode error")
     too_long = _envelope_error(client.post(path, json=long_state_request(paragraphs=50)), 413, 3006)
     assert "tokens" in too_long
-    _envelope_error(client.post(path, content=b" " * (1 << 20) + b" "), 413, 3006)
+    _envelope_error(client.post(path, content=b" " * (1 << 20) + b" ", headers=JSON), 413, 3006)
     _envelope_error(client.get(path), 405, 405)
 
 

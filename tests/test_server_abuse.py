@@ -37,6 +37,7 @@ except ImportError:
 
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE, MAX_QUEUE = 1.0, 2.0, 1.0, 8
 CTX = 65536  # serve's default context: the body cap is body_limit(CTX)
+JSON = {"content-type": "application/json"}  # what a raw body says it is (body.check_media_type)
 NORMAL: dict[str, Any] = json.loads(DEMO_REQUEST.read_text())
 
 
@@ -126,10 +127,10 @@ def excess_under(server: Server, abuse: Callable[[threading.Event], None], abuse
 
 # --- Heads: size, request line, slowloris, idle --------------------------------------------------------------
 HEADS: dict[str, tuple[list[bytes], int]] = {
-    "one 20 KiB header": ([b"GET /health HTTP/1.1\r\nhost: x\r\nx-a: " + b"a" * 20_000 + b"\r\n\r\n"], 431),
-    "3,000 small headers": ([b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-a: b\r\n" * 3000 + b"\r\n"], 431),
-    "a 64 MiB header, streamed": ([b"GET /health HTTP/1.1\r\nhost: x\r\nx-a: "] + [b"a" * 65536] * 1024, 431),
-    "a 9 KiB request line": ([b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nhost: x\r\n\r\n"], 414),
+    "one 20 KiB header": ([b"GET /health HTTP/1.1\r\nhost: localhost\r\nx-a: " + b"a" * 20_000 + b"\r\n\r\n"], 431),
+    "3,000 small headers": ([b"GET /health HTTP/1.1\r\nhost: localhost\r\n" + b"x-a: b\r\n" * 3000 + b"\r\n"], 431),
+    "a 64 MiB header, streamed": ([b"GET /health HTTP/1.1\r\nhost: localhost\r\nx-a: "] + [b"a" * 65536] * 1024, 431),
+    "a 9 KiB request line": ([b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nhost: localhost\r\n\r\n"], 414),
     "a 64 MiB request line, streamed": ([b"GET /"] + [b"a" * 65536] * 1024, 414),
     "not HTTP": ([b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64], 400),
     "a bad header line": ([b"GET /health HTTP/1.1\r\nhost x\r\n\r\n"], 400),
@@ -162,11 +163,11 @@ def test_a_streamed_64_mib_header_delays_no_one(server):
 def test_a_request_line_the_parser_refuses_is_answered_in_its_routes_shape(server):
     """Raw non-ASCII bytes in the target: httptools refuses the line before the route is known, so the shape comes
     from the bytes received: Workers AI's envelope on its paths, TypeSafe's elsewhere."""
-    line = b"POST /client/v4/accounts/\xc3\xa9/ai/run/@cf/cloudflare/clef HTTP/1.1\r\nhost: x\r\n\r\n"
+    line = b"POST /client/v4/accounts/\xc3\xa9/ai/run/@cf/cloudflare/clef HTTP/1.1\r\nhost: localhost\r\n\r\n"
     workers_ai = exchange(server.port, [line])
     body = assert_json_error(workers_ai, 400)
     assert body["success"] is False and [e["code"] for e in body["errors"]] == [400], body
-    system_one = assert_json_error(exchange(server.port, [b"POST /v1/syst\xc3\xa9mone HTTP/1.1\r\nhost: x\r\n\r\n"]), 400)
+    system_one = assert_json_error(exchange(server.port, [b"POST /v1/syst\xc3\xa9mone HTTP/1.1\r\nhost: localhost\r\n\r\n"]), 400)
     assert system_one["detail"]["error_type"] == "invalid_request_error", system_one
 
 
@@ -193,7 +194,7 @@ def test_slow_and_idle_connections_are_closed_after_the_header_timeout(server):
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):
-    request = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    request = b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n"
     answer = exchange(server.port, [request])
     assert answer.status == 200 and KEEP_ALIVE - 0.05 < answer.seconds < KEEP_ALIVE + 1.5, answer.seconds
 
@@ -207,7 +208,7 @@ def test_slow_but_timely_requests_pipelining_and_long_decisions_are_answered(ser
     pieces = [raw[: len(raw) // 3], raw[len(raw) // 3 : 2 * len(raw) // 3], raw[2 * len(raw) // 3 :]]
     answer = exchange(server.port, [post_head(len(raw)), *pieces], pause_s=(HEADER_TIMEOUT + 0.3) / 3, answers=1)
     assert answer.status == 200, answer.body[:200]
-    pipelined = exchange(server.port, [b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 2], answers=2)
+    pipelined = exchange(server.port, [b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n" * 2], answers=2)
     assert pipelined.status == 200 and pipelined.body.count(b"HTTP/1.1 200 OK") == 1
     slow = {"state": "word " * 2500, "questions": {"q": {"type": "noul"}}}  # about 7,500 tokens: over a second here
     with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -264,7 +265,7 @@ def test_a_16_mib_compressed_body_is_refused_in_under_100_ms(server, coding):
         times = []
         for _ in range(5):
             started = time.perf_counter()
-            response = client.post("/v1/systemone", content=raw, headers={"content-encoding": coding})
+            response = client.post("/v1/systemone", content=raw, headers={"content-encoding": coding, **JSON})
             times.append(time.perf_counter() - started)
             assert response.status_code == 413 and response.json()["detail"]["error_type"] == "request_too_large"
     print(f"\n16 MiB {coding} body ({len(raw)} bytes): 413 in max {max(times) * 1e3:.1f} ms")
@@ -286,7 +287,7 @@ def test_prompts_over_the_limit_are_refused_without_delaying_a_normal_request(se
         with httpx.Client(base_url=server.url, timeout=60) as client:
             while not stop.is_set():
                 for raw in (over, bomb):
-                    response = client.post("/v1/systemone", content=raw, headers={"content-encoding": "zstd"})
+                    response = client.post("/v1/systemone", content=raw, headers={"content-encoding": "zstd", **JSON})
                     assert response.status_code == 413, response.text
 
     excess = excess_under(server, abuse, abusers=4)
@@ -323,13 +324,13 @@ def test_memory_returns_to_its_baseline_after_large_bodies(server):
     large_valid = json.dumps({**NORMAL, "padding": "p" * (body_limit(CTX) - 10_000)}).encode()
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for _ in range(3):  # warm-up: allocator pools, first-call caches
-            client.post("/v1/systemone", content=over)
-            client.post("/v1/systemone", content=large_valid)
+            client.post("/v1/systemone", content=over, headers=JSON)
+            client.post("/v1/systemone", content=large_valid, headers=JSON)
         baseline = rss_bytes(server.pid)
         peak = baseline
         for _ in range(10):
-            assert client.post("/v1/systemone", content=over).status_code == 413
-            assert client.post("/v1/systemone", content=large_valid).status_code == 200
+            assert client.post("/v1/systemone", content=over, headers=JSON).status_code == 413
+            assert client.post("/v1/systemone", content=large_valid, headers=JSON).status_code == 200
             peak = max(peak, rss_bytes(server.pid))
         after = rss_bytes(server.pid)
     mib = 1 << 20
@@ -382,9 +383,8 @@ ODD_TARGETS = ["/v1/%ff", "/v1/%ed%a0%80", "/accounts/%ff/ai/run/@cf/cloudflare/
 
 @pytest.mark.parametrize("target", ODD_TARGETS)
 def test_odd_request_targets_get_a_json_4xx(server, target):
-    answer = exchange(
-        server.port, [f"POST {target} HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{{}}".encode()], limit_s=3, answers=1
-    )
+    head = f"POST {target} HTTP/1.1\r\nhost: localhost\r\ncontent-length: 2\r\n\r\n{{}}"
+    answer = exchange(server.port, [head.encode()], limit_s=3, answers=1)
     assert 400 <= answer.status < 500, answer
     assert answer.headers["content-type"] == "application/json"
     json.loads(answer.body)

@@ -21,6 +21,8 @@ from server_helpers import answer_of, open_body, post_head
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.testing.processes import free_port
 
+JSON = {"content-type": "application/json"}  # what a raw body says it is (body.check_media_type)
+
 pytestmark = pytest.mark.slow  # servers with bodies held to their timeouts
 
 NORMAL: dict[str, Any] = json.loads(DEMO_REQUEST.read_text())
@@ -76,7 +78,7 @@ def test_the_body_buffer_and_the_readers_cap_refuse_new_bodies_with_a_503():
         wait_reading(url, 1)
         with httpx.Client(base_url=url, timeout=30) as client:
             deadline = time.monotonic() + 5
-            while (refused := client.post("/v1/systemone", content=padded)).status_code == 200:
+            while (refused := client.post("/v1/systemone", content=padded, headers=JSON)).status_code == 200:
                 assert time.monotonic() < deadline  # (answered while the 50,000 bytes were not all read yet)
             assert_overloaded(refused, "--max-body-buffer")
             assert client.post("/v1/systemone", json=NORMAL).status_code == 200  # a small body still fits
@@ -93,7 +95,7 @@ def test_the_body_buffer_and_the_readers_cap_refuse_new_bodies_with_a_503():
         for sock in [held, *slow]:  # --body-timeout still ends them
             assert answer_of(sock, 10.0)[0] == 408
         wait_reading(url, 0)
-        assert httpx.post(f"{url}/v1/systemone", content=padded, timeout=30).status_code == 200
+        assert httpx.post(f"{url}/v1/systemone", content=padded, headers=JSON, timeout=30).status_code == 200
 
 
 def test_a_body_buffer_under_the_body_cap_is_refused_before_serving():

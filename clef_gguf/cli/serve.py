@@ -80,6 +80,14 @@ NThreadsOption = Annotated[int | None, typer.Option("--threads", help=help_of(Lo
 ServeOnRayOption = Annotated[
     bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
 ]
+AllowedHosts = Annotated[
+    list[str] | None,
+    typer.Option("--allowed-host", metavar="NAME", help=help_of(ServeSettings, "allowed_hosts"), show_default=False),
+]
+AllowedOrigins = Annotated[
+    list[str] | None,
+    typer.Option("--allowed-origin", metavar="ORIGIN", help=help_of(ServeSettings, "allowed_origins"), show_default=False),
+]
 D, H = ServeSettings, HttpLimits  # (the defaults below)
 
 
@@ -112,6 +120,8 @@ def serve(
     max_body_readers: Annotated[int, _http("max_body_readers")] = H.max_body_readers,
     log_format: LogFormatOption = D.log_format,
     ui: Annotated[bool, _serve("ui")] = D.ui,
+    allowed_host: AllowedHosts = None,
+    allowed_origin: AllowedOrigins = None,
     state_cache: Annotated[int, state_cache_option()] = LoadOptions.state_cache,
     mmproj: Mmproj = LoadOptions.mmproj,  # type: ignore[assignment]
     adapter: AdapterPairs = None,
@@ -133,7 +143,9 @@ def serve(
     http = {"header_timeout": header_timeout, "body_timeout": body_timeout, "min_body_rate": min_body_rate}
     http |= {"body_grace": body_grace, "keep_alive": keep_alive, "max_body_buffer": max_body_buffer}
     limits = _http_limits(max_prompt_tokens, mmproj is not None, HttpLimits(**http, max_body_readers=max_body_readers))
-    settings = ServeSettings(host, port, api_key, max_queue, drain_timeout, limits, log_format, ui)
+    served = (host, port, api_key, max_queue, drain_timeout, limits, log_format, ui)
+    names = (tuple(allowed_host or ()), tuple(allowed_origin or ()))
+    settings = run(lambda: ServeSettings(*served, *names), signals=False)  # (a name refused: one line, exit 2)
     options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, state_cache, mmproj)
     adapter_set = AdapterSet(adapter_pairs(adapter), adapter_dir, max_adapters, adapter_memory, base_head)
     spec = ModelSpec(model, options, adapter_set)

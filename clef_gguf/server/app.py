@@ -26,6 +26,7 @@ from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
 from ..settings import HttpLimits, LogFormat, ServeSettings, body_limit
 from . import workers_ai
+from .guard import Names, OwnOrigin, send_problem
 from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import Observed, note_decision
@@ -91,12 +92,7 @@ def _problem(request: Request, problem: Failure | Invalid) -> Response:
 
 async def send_shutting_down(scope: Scope, send: Send, message: str) -> None:
     """Answer from ASGI middleware, outside FastAPI's handlers: the JSON 503 that clients retry elsewhere."""
-    problem = overloaded(message, close=True)
-    status, headers, body = render_problem(scope["path"], problem)
-    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    raw += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+    await send_problem(scope, send, overloaded(message, close=True))
 
 
 class AnswerCutOff:
@@ -227,6 +223,8 @@ def create_app(
     log_format: LogFormat = "text",
     behind_ray: bool = False,
     ui: bool = True,
+    names: Names | None = None,
+    allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -237,7 +235,8 @@ def create_app(
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
-    adds its own (the id it hands the app). With ui, GET / is the page that asks it (ui.py)."""
+        adds its own (the id it hands the app). With ui, GET / is the page that asks it (ui.py). Only requests to its
+    `names` (default: loopback's, IP addresses) from no web page or its own (or `allowed_origins`') are answered (guard.py)."""
     if scheduler is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a scheduler")
@@ -259,11 +258,21 @@ def create_app(
         if owns_model:
             model.close()
 
-    app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    # redirect_slashes: Starlette's redirect to the path with(out) its final slash writes its Location from the Host.
+    app = FastAPI(title="clef-gguf", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
     _install_error_handlers(app)
     app.add_middleware(AnswerCutOff)
-    # added last: outside AnswerCutOff, it sees its 503
+    # outside AnswerCutOff (its 503 gets the answers' headers), inside Observed (added last: it logs and counts every
+    # answer, the 503 and the guard's refusals included)
+    app.add_middleware(OwnOrigin, names=names or Names(ServeSettings.host), origins=allowed_origins)
     app.add_middleware(Observed, metrics=service.metrics, log_format=log_format, echo_id=not behind_ray)
+    _add_routes(app, service, api_key)
+    if ui:
+        mount_ui(app)
+    return app
+
+
+def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
     auth = [Depends(_require_key(api_key))] if api_key else []
     app.add_api_route("/v1/systemone", service.systemone, methods=["POST"], dependencies=auth)
     for prefix in workers_ai.PREFIXES:
@@ -271,6 +280,3 @@ def create_app(
     app.add_api_route("/v1/models", service.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", service.health, methods=["GET"])  # unauthenticated on purpose: probes carry no key
     app.add_api_route("/metrics", service.scrape, methods=["GET"], dependencies=auth)
-    if ui:
-        mount_ui(app)
-    return app

@@ -153,11 +153,20 @@ async def read(request: Request, limit: int, limits: HttpLimits, bodies: Bodies)
             raise ApiError(BODY_CUT_OFF, "the client closed the connection before its body ended") from None
 
 
+# What a body may be: JSON (every client's), or typesafe-sdk's multipart/form-data carrying images (server/media.py).
+# A body of any other type, or of none, is what another site's page can make a browser send without asking first
+# (text/plain, a form: a CORS "simple" request); its Origin refuses such a page's multipart (guard.py).
+MEDIA_TYPES = ("application/json", "multipart/form-data")
+
+
 def check_media_type(content_type: str | None) -> None:
-    # typesafe-sdk sends multipart/form-data to carry images (server/media.py); no client sends another multipart.
     media = (content_type or "").split(";")[0].strip().lower()
-    if media.startswith("multipart/") and media != "multipart/form-data":
-        raise ApiError(UNSUPPORTED_MEDIA, f"{media} is not read; images come in multipart/form-data (typesafe-sdk's)")
+    if media not in MEDIA_TYPES:
+        sent = f"Content-Type {media}" if media else "no Content-Type"
+        message = f"a request body is JSON: send Content-Type: application/json (this request has {sent})"
+        if media.startswith("multipart/"):
+            message = f"{media} is not read; images come in multipart/form-data (typesafe-sdk's)"
+        raise ApiError(UNSUPPORTED_MEDIA, message)
 
 
 def decode(raw: bytes, content_encoding: str | None, limit: int) -> bytes:

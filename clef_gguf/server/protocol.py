@@ -30,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ..errors import BAD_HTTP, HEAD_TIMEOUT, HEAD_TOO_LARGE, URL_TOO_LONG
 from ..settings import HttpLimits
+from .guard import ANSWER_HEADERS
 from .problems import ApiError, render_problem
 
 _HEAD_START_BYTES = 256  # enough of a request line to tell its route
@@ -136,6 +137,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[status]]
         for name, value in [*self.server_state.default_headers, *((k.encode(), v.encode()) for k, v in headers.items())]:
             head += [name, b": ", value, b"\r\n"]
+        for name, value in ANSWER_HEADERS.items():  # as every answer of the app (guard.py)
+            head += [name.encode(), b": ", value.encode(), b"\r\n"]
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         self.transport.write(b"".join(head) + body)
         self.transport.close()

@@ -13,6 +13,7 @@ from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at, and
 from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
 from .app import create_app
+from .guard import Names
 from .observe import configure_access_log
 from .protocol import protocol_class
 
@@ -29,11 +30,12 @@ def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Conf
 
 
 def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
-    """create_app held to `settings` (its key, queue, HTTP limits, log format and page): the plain server's app, and the Ray
-    ingress's (ray_serve.py), whose `options` give it its scheduler."""
+    """create_app held to `settings` (its key, queue, HTTP limits, log format, page and names): the plain server's app,
+    and the Ray ingress's (ray_serve.py), whose `options` give it its scheduler."""
     s = settings
     limits, log = s.limits, s.log_format
-    return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **options)
+    names = {"names": Names(s.host, s.allowed_hosts), "allowed_origins": s.allowed_origins}
+    return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **names, **options)
 
 
 def serve(model: Model, settings: ServeSettings | None = None) -> None:
