@@ -192,8 +192,11 @@ def test_tests_import_nothing_from_tools() -> None:
 
 def test_modules_and_functions_stay_short() -> None:
     """No module of the package or script of tools/ over 400 lines, no function over 60: a module per concern, a
-    function per step."""
+    function per step. The page's JavaScript modules (server/ui/*.js) are held to the same 400 lines."""
     long_modules, long_functions = [], []
+    for path in sorted((ROOT / "clef_gguf").rglob("*.js")):
+        if len(path.read_text().splitlines()) > 400:
+            long_modules.append(f"{path.relative_to(ROOT)}: {len(path.read_text().splitlines())} lines")
     for path in sorted([*(ROOT / "clef_gguf").rglob("*.py"), *(ROOT / "tools").rglob("*.py")]):
         text = path.read_text()
         if len(text.splitlines()) > 400:

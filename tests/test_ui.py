@@ -26,8 +26,11 @@ from peft_adapters import peft_adapter
 from PIL import Image
 from server_helpers import start
 
+from clef_gguf.runtime.catalog import JEV_ALIAS
+from clef_gguf.runtime.prompt import MAX_QUESTIONS
+from clef_gguf.server.app import check_api_key
 from clef_gguf.server.run import settings_app
-from clef_gguf.server.ui import CONTENT_SECURITY_POLICY, FILES, UI_DIR
+from clef_gguf.server.ui import CONTENT_SECURITY_POLICY, FILES, LIMITS_ROUTE, UI_DIR, limits
 from clef_gguf.settings import API_KEY_ENV, ServeSettings
 
 pytestmark = pytest.mark.slow  # a browser against a served model
@@ -172,10 +175,16 @@ def test_the_page_files_need_no_key_and_carry_the_policy(server):
     html = (UI_DIR / "index.html").read_text()
     # No inline script or style to allow: every script is a file, no element has a style or an on* attribute.
     assert "<script>" not in html and "<style" not in html and not re.search(r"\s(style|on[a-z]+)=", html)
-    for name in ("index.html", "app.js", "style.css"):
+    for name in {name for name, _ in FILES.values()} - {"icon.svg"}:
         text = (UI_DIR / name).read_text()
         assert "http://" not in text and "https://" not in text and "innerHTML" not in text, name  # no other host
     assert httpx.get(server + "/v1/models", timeout=TIMEOUT).status_code == 401  # the API still wants the key
+    # The page's script is every module served, none more (main.js imports the rest); the limits are the runtime's.
+    assert {p.name for p in UI_DIR.glob("*.js")} == {name for name, _ in FILES.values() if name.endswith(".js")}
+    assert '<script type="module" src="/ui/main.js">' in html
+    numbers = httpx.get(server + LIMITS_ROUTE, timeout=TIMEOUT)
+    assert numbers.status_code == 200 and numbers.json() == limits() and numbers.headers["x-content-type-options"] == "nosniff"
+    assert limits()["questions"] == MAX_QUESTIONS and limits()["alias"] == JEV_ALIAS
 
 
 def test_no_ui_leaves_the_page_out(ws):
@@ -307,7 +316,7 @@ def test_a_hostile_state_and_names_are_shown_as_text_and_run_nothing(tab):
     answers = api(tab.url, body).json()["answers"]
     assert tab.page.evaluate("window.pwned") is None
     assert tab.page.evaluate("document.querySelectorAll('img').length") == 0
-    assert tab.page.evaluate("document.scripts.length") == 1  # app.js
+    assert tab.page.evaluate("document.scripts.length") == 1  # main.js (its modules are imported, not script elements)
     headings = tab.page.locator("#results h3").all_inner_texts()
     assert headings[0].startswith("<img src=x onerror=")
     assert tab.page.locator("#results th[scope=row]", has_text="<script>window.pwned='option'</script>").count() == 1
@@ -391,3 +400,84 @@ def test_without_a_vision_tower_the_page_says_why_it_takes_no_images(browser, ws
     finally:
         context.close()
         live.stop()
+
+
+# --- what the page refuses itself, and a long form ---------------------------------------------------------------------
+def _server_says_of(key: str) -> str:
+    with pytest.raises(ValueError) as refused:
+        check_api_key(key)
+    return str(refused.value)
+
+
+def test_a_key_the_browser_cannot_send_is_refused_at_the_form_and_never_stored(tab):
+    tab.open(key=None)
+    for bad in ("cl\u00e9-\u0151", "has space", "key\U0001f511"):  # Latin-1, then beyond it: fetch cannot send either
+        tab.page.fill("#key", bad)
+        tab.page.click("#key-form button[type=submit]")
+        assert tab.page.inner_text("#key-error") == _server_says_of(bad), bad  # the server's own words
+        assert tab.page.get_attribute("#key", "aria-invalid") == "true"
+        assert tab.page.evaluate("sessionStorage.getItem('clef-gguf-api-key')") is None
+    # A key an older page stored: dropped, and the page starts and asks for one (it stayed at "Connecting..." before).
+    tab.page.evaluate("sessionStorage.setItem('clef-gguf-api-key', 'cl\u0151')")
+    tab.page.reload()
+    tab.page.wait_for_selector("body[data-ready=true]", timeout=WAIT_MS)
+    assert tab.page.evaluate("sessionStorage.getItem('clef-gguf-api-key')") is None
+    assert tab.page.is_visible("#key-section") and tab.page.inner_text("#server").startswith("Serving ")
+    tab.page.fill("#key", KEY)
+    tab.page.click("#key-form button[type=submit]")
+    tab.page.wait_for_function("() => document.querySelectorAll('#model option').length === 3", timeout=WAIT_MS)
+
+
+def _posts(tab: Tab) -> int:
+    return sum(1 for r in tab.requests if r.method == "POST")
+
+
+def test_duplicate_option_names_are_refused_at_the_field_as_the_server_would(tab):
+    tab.open()
+    intent = tab.question("intent")
+    names = intent.locator("input.opt-name")
+    names.nth(1).fill("refund")  # "refund" twice: one key of the criteria object, two rows
+    sent = _posts(tab)
+    tab.page.click("#decide")
+    twice = 'questions.intent.criteria: the option "refund" is named twice; each option needs a name of its own'
+    assert intent.locator(".q-error").inner_text() == twice and tab.page.inner_text("#form-error") == twice
+    assert names.nth(1).get_attribute("aria-invalid") == "true" and _posts(tab) == sent  # nothing sent
+    names.nth(1).fill("")
+    tab.page.click("#decide")
+    empty = intent.locator(".q-error").inner_text()
+    body = {"state": "s", "questions": {"intent": {"type": "choice", "criteria": {"refund": None, "": None}}}}
+    detail = api(tab.url, body).json()["detail"][0]
+    assert empty == f"{'.'.join(detail['loc'][1:])}: {detail['msg']}"  # the server's line for the same form
+    assert _posts(tab) == sent
+    names.nth(1).fill("replacement")
+    assert set(tab.decide()["questions"]["intent"]["criteria"]) == {"refund", "replacement", "information"}
+
+
+def test_compare_with_never_preselects_the_model_already_chosen(tab):
+    tab.open(key=None)  # before the key only the base is known
+    tab.page.fill("#key", KEY)
+    tab.page.click("#key-form button[type=submit]")
+    tab.page.wait_for_function("() => document.querySelectorAll('#model option').length === 3", timeout=WAIT_MS)
+    assert tab.page.input_value("#model-b") != tab.page.input_value("#model")
+    tab.page.select_option("#model", tab.page.input_value("#model-b"))
+    assert tab.page.input_value("#model-b") != tab.page.input_value("#model")
+
+
+def test_on_a_long_form_decide_stays_in_view_and_ctrl_enter_decides(tab):
+    tab.open()
+    for _ in range(12):
+        tab.page.select_option("#new-type", "choice")
+        tab.page.click("#add-question")
+    for width, height in ((1280, 900), (390, 844)):
+        tab.page.set_viewport_size({"width": width, "height": height})
+        assert tab.page.evaluate("document.documentElement.scrollHeight") > 3 * height  # a long form
+        for at in ("0", "document.documentElement.scrollHeight / 2"):
+            tab.page.evaluate(f"window.scrollTo(0, {at})")
+            box = tab.page.locator("#decide").bounding_box()
+            assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= height, (width, at, box)
+    tab.page.evaluate("window.scrollTo(0, 0)")
+    tab.page.focus("#state")
+    with tab.page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/v1/systemone")) as sent:
+        tab.page.keyboard.press("Control+Enter")
+    assert len(json.loads(sent.value.post_data)["questions"]) == 15
+    tab.page.wait_for_selector("#results section.answer", timeout=WAIT_MS)

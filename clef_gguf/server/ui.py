@@ -1,27 +1,37 @@
 """The page at `/` (issue 56): static files that ask a model, show each option's probability and the request as code.
 
-The files are plain HTML, CSS and JavaScript in ui/ beside this module, shipped in the wheel, read once when the app is
-built. They hold no data and need no key: the page calls the API from the browser, with the key the user gives it
-(kept in the tab's sessionStorage). `serve --no-ui` leaves these routes out: `/` is then the API's 404."""
+The files are plain HTML, CSS and JavaScript modules in ui/ beside this module, shipped in the wheel, read once when the
+app is built; the request's limits come from the runtime's own constants (/ui/limits.json). They hold no data and need
+no key: the page calls the API from the browser, with the key the user gives it (kept in the tab's sessionStorage).
+`serve --no-ui` leaves these routes out: `/` is then the API's 404."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from ..runtime.catalog import JEV_ALIAS
+from ..runtime.images import MAX_IMAGE_BYTES, MAX_IMAGES
+from ..runtime.images import MEDIA_TYPES as IMAGE_MEDIA_TYPES
+from ..runtime.prompt import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS
 from .problems import response_headers
 
 UI_DIR = Path(__file__).with_name("ui")
+# The page's script: ES modules (main.js imports the others), served as they are, no build step.
+MODULES = ("main", "dom", "page", "server", "examples", "questions", "request", "images", "answers", "code")
 # The page's routes: `/` and its files, each a fixed path (no path parameter: nothing else under /ui/ is served).
 FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
-    "/ui/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    **{f"/ui/{name}.js": (f"{name}.js", "text/javascript; charset=utf-8") for name in MODULES},
     "/ui/style.css": ("style.css", "text/css; charset=utf-8"),
     "/ui/icon.svg": ("icon.svg", "image/svg+xml"),
 }
+LIMITS_ROUTE = "/ui/limits.json"
 # Only this server's own files and API: no other host, no inline script or style (the page sets styles through the
 # CSSOM, which the policy allows), no plugins, no framing by another site, forms posting only here.
 CONTENT_SECURITY_POLICY = "default-src 'self'; base-uri 'self'; form-action 'self'; frame-ancestors 'self'; object-src 'none'"
@@ -42,8 +52,24 @@ class StaticFile:
         return Response(self.body, media_type=self.media_type, headers=response_headers(SECURITY_HEADERS))
 
 
+def limits() -> dict[str, Any]:
+    """What the page holds a request to, as the runtime does (runtime/prompt.py, runtime/images.py), and the SDKs' alias
+    that /v1/models lists beside the base: read by the page, never copied into it."""
+    return {
+        "questions": MAX_QUESTIONS,
+        "choice": list(CHOICE_OPTIONS),
+        "score": list(SCORE_LEVELS),
+        "images": MAX_IMAGES,
+        "image_bytes": MAX_IMAGE_BYTES,
+        "image_types": sorted(IMAGE_MEDIA_TYPES),
+        "alias": JEV_ALIAS,
+    }
+
+
 def mount_ui(app: FastAPI, folder: Path = UI_DIR) -> None:
     """Add the page's routes to `app`, without a key (the files hold nothing a key guards), outside the API's schema."""
     for route, (name, media_type) in FILES.items():
         page = StaticFile((folder / name).read_bytes(), media_type)
         app.add_api_route(route, page.get, methods=["GET", "HEAD"], include_in_schema=False)
+    numbers = StaticFile(json.dumps(limits()).encode(), "application/json")
+    app.add_api_route(LIMITS_ROUTE, numbers.get, methods=["GET", "HEAD"], include_in_schema=False)

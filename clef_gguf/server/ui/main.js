@@ -1,0 +1,149 @@
+// The page of `clef-gguf serve`: ask a System One question, see each option's probability, compare two models,
+// copy the request as code. ES modules served by the server itself: no build step, no other host. Everything the
+// server or the user wrote reaches the page as text (dom.js), never as HTML.
+import { clearResults, showResults } from "./answers.js";
+import { showCode, wireCopy } from "./code.js";
+import { $, el } from "./dom.js";
+import { EXAMPLES } from "./examples.js";
+import { imagesNote, wireImages } from "./images.js";
+import { page } from "./page.js";
+import { addQuestion, newQuestion } from "./questions.js";
+import { clearErrors, readRequest, showRefusals } from "./request.js";
+import { apiKey, askForKey, call, decide, keyProblem, loadLimits, refusals, storeKey } from "./server.js";
+
+// ---- the key: one the browser can send, or refused at the form and never stored -----------------------------------
+$("key-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const key = $("key").value.trim();
+  const problem = keyProblem(key);
+  if (problem) {
+    $("key-error").textContent = problem;
+    $("key").setAttribute("aria-invalid", "true");
+    $("key").focus();
+    return;
+  }
+  $("key").removeAttribute("aria-invalid");
+  storeKey(key);
+  $("key").value = "";
+  await loadModels();
+});
+
+// ---- models and the server's abilities -----------------------------------------------------------------------------
+async function loadHealth() {
+  const health = await call("/health");
+  if (!health.ok || !health.body) {
+    $("server").textContent = `The server did not answer /health (${health.status || refusals(health)[0].message}).`;
+    return;
+  }
+  page.base = String(health.body.model);
+  page.imagesOn = health.body.images === true;
+  $("server").textContent = `Serving ${page.base}: prompts up to ${health.body.max_prompt_tokens} tokens.`;
+  $("drop").hidden = !page.imagesOn;
+  $("images-note").textContent = imagesNote();
+  $("drop-text").textContent = `Drop up to ${page.limits.images} images (PNG, JPEG, WebP) here, or`;
+}
+
+// The second model of a comparison is never preselected as the first: the first other name.
+function otherModel() {
+  const other = page.names.find((n) => n !== $("model").value);
+  if ($("model-b").value === $("model").value && other !== undefined) $("model-b").value = other;
+}
+
+function fillModels(names) {
+  page.names = names;
+  for (const select of [$("model"), $("model-b")]) {
+    const before = select.value;
+    select.replaceChildren(...names.map((n) => el("option", { value: n, text: n === page.base ? `${n} (base)` : n })));
+    select.value = names.includes(before) ? before : names[0] || "";
+  }
+  otherModel();
+}
+
+async function loadModels() {
+  const listing = await call("/v1/models");
+  if (!listing.ok) {
+    fillModels(page.base ? [page.base] : []);
+    const message = refusals(listing)[0].message;
+    if (listing.status === 401) askForKey(message);
+    else $("form-error").textContent = message;
+    return;
+  }
+  $("key-section").hidden = true;
+  $("key-error").textContent = "";
+  const listed = (listing.body.models || []).map((m) => String(m.name)).filter((n) => n !== page.limits.alias);
+  fillModels([page.base, ...listed.filter((n) => n !== page.base)].filter(Boolean));
+}
+
+$("model").addEventListener("change", otherModel);
+$("compare-on").addEventListener("change", () => { $("model-b").disabled = !$("compare-on").checked; });
+
+// ---- questions and examples ----------------------------------------------------------------------------------------
+function loadExample(example) {
+  document.querySelector(`input[name="state-kind"][value="${example.state.kind}"]`).checked = true;
+  $("state").value = example.state.value;
+  $("questions").replaceChildren();
+  example.questions.forEach(addQuestion);
+  clearErrors();
+}
+$("add-question").addEventListener("click", newQuestion);
+$("example").replaceChildren(...EXAMPLES.map((e, i) => el("option", { value: String(i), text: e.name })));
+$("load-example").addEventListener("click", () => loadExample(EXAMPLES[Number($("example").value)]));
+
+// ---- deciding ------------------------------------------------------------------------------------------------------
+async function decideAll(models, body, questions) {
+  const runs = await Promise.all(models.map((m) => decide(m, body)));
+  showCode({ model: models[0], ...body }, apiKey() !== "" || runs.some((r) => r.status === 401));
+  const refused = runs.filter((r) => !r.ok);
+  if (!refused.length) {
+    showResults(questions, runs);
+    return;
+  }
+  // In a comparison each line names the model that refused.
+  const named = (r, x) => (models.length > 1 ? { ...x, message: `${r.model}: ${x.message}` } : x);
+  showRefusals(refused.flatMap((r) => refusals(r).map((x) => named(r, x))), questions);
+  if (refused.some((r) => r.status === 401)) askForKey(refusals(refused.find((r) => r.status === 401))[0].message);
+  clearResults();
+}
+
+$("ask").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  if ($("decide").disabled) return; // a decision is on its way (Ctrl+Enter again)
+  clearErrors();
+  const { body, questions, problems } = readRequest();
+  if (problems.length) { showRefusals(problems, questions); return; }
+  if (page.images.some((i) => !i.url)) { $("images-error").textContent = "an image is still being read: try again"; return; }
+  const models = [$("model").value];
+  if ($("compare-on").checked) models.push($("model-b").value);
+  $("decide").disabled = true;
+  $("busy").textContent = "Deciding…";
+  try {
+    await decideAll(models, body, questions);
+  } finally {
+    $("decide").disabled = false;
+    $("busy").textContent = "";
+  }
+});
+
+// Ctrl+Enter (Cmd+Enter) decides from anywhere in the form, however long it is; the Decide bar also stays in view.
+$("ask").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+    event.preventDefault();
+    $("ask").requestSubmit();
+  }
+});
+
+// ---- start ---------------------------------------------------------------------------------------------------------
+async function start() {
+  try {
+    page.limits = await loadLimits();
+  } catch (e) {
+    $("server").textContent = `The page cannot start: ${e.message}.`;
+    return;
+  }
+  wireImages();
+  wireCopy();
+  loadExample(EXAMPLES[0]);
+  await loadHealth();
+  await loadModels();
+}
+start().finally(() => { document.body.dataset.ready = "true"; });
