@@ -146,6 +146,20 @@ def test_clef_router_routes_through_its_base_url(ray_url):
     check_clef_router(ray_url)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_other_sites_pages_are_refused_at_the_ingress_as_by_the_plain_server(ray_url):
+    """The ingress is the plain server's app (run.settings_app): Host and Origin are held to the same rules through
+    Ray's proxy, and its answers carry the same headers."""
+    body = DEMO_REQUEST.read_bytes()
+    attack = {"content-type": "text/plain", "origin": "http://attacker.example"}
+    assert post(ray_url, "/v1/systemone", body, attack).json()["detail"]["error_type"] == "permission_error"
+    assert httpx.get(f"{ray_url}/v1/models", headers={"Host": "attacker.example"}, timeout=TIMEOUT).status_code == 403
+    own = post(ray_url, "/v1/systemone", body, {"origin": ray_url})
+    assert own.status_code == 200 and own.headers["x-content-type-options"] == "nosniff", own.text
+    assert own.headers["cache-control"] == "no-store"
+
+
 # --- The same errors -------------------------------------------------------------------------------------------------
 @pytest.mark.ray
 @pytest.mark.slow
