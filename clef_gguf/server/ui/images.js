@@ -41,6 +41,7 @@ export function imagesNote() {
 }
 
 export function wireImages() {
+  $("image-input").accept = page.limits.image_types.join(",");
   const drop = $("drop");
   drop.addEventListener("dragover", (event) => { event.preventDefault(); drop.classList.add("over"); });
   drop.addEventListener("dragleave", () => drop.classList.remove("over"));
