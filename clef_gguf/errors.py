@@ -92,6 +92,9 @@ PROMPT_TOO_LONG = Problem("PROMPT_TOO_LONG", 413, "prompt_too_long", _TOO_LARGE)
 OVERLOADED = Problem("OVERLOADED", 503, "overloaded_error")
 # The adapter a request names is served, but its file cannot be used now (AdapterUnavailableError).
 ADAPTER_UNAVAILABLE = Problem("ADAPTER_UNAVAILABLE", 503, "model_unavailable_error")
+# The server cannot do now what a request needs of its machine (its temporary disk full for an adapter's private
+# copy, TemporarilyUnavailableError): nothing is wrong with the request, nor with the file it names.
+UNAVAILABLE = Problem("UNAVAILABLE", 503, "unavailable_error")
 INTERNAL = Problem("INTERNAL", 500, "api_error")  # an error the server did not expect
 
 ROWS: tuple[Problem, ...] = (
@@ -113,6 +116,7 @@ ROWS: tuple[Problem, ...] = (
     PROMPT_TOO_LONG,
     OVERLOADED,
     ADAPTER_UNAVAILABLE,
+    UNAVAILABLE,
     INTERNAL,
 )
 
@@ -183,6 +187,16 @@ class AdapterUnavailableError(ClefError):
 
     exit_code = ExitCode.INCOMPLETE
     problem = ADAPTER_UNAVAILABLE
+
+
+class TemporarilyUnavailableError(ClefError):
+    """This machine cannot do now what was asked of it, through no fault of the request or of its files: the temporary
+    folder an adapter's private copy is written to is full (ENOSPC, a quota, a file size limit) or cannot be written.
+    The server answers 503 with Retry-After (the space may be freed), never a 500 or the client's 422; the CLI exits 9,
+    as for any output a full disk refuses."""
+
+    exit_code = ExitCode.OUTPUT
+    problem = UNAVAILABLE
 
 
 class NonFiniteWeightsError(CorruptModelError):

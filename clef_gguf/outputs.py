@@ -45,6 +45,16 @@ def temporary(out: Path, kind: str) -> Path:
     return path
 
 
+def hold_temporary(path: Path) -> None:
+    """A temporary path made otherwise (a private folder: runtime/private_folder.py), removed as temporary()'s are."""
+    _temporaries.add(path)
+
+
+def drop_temporary(path: Path) -> None:
+    """`path` removed by its owner: no longer remove_temporaries'."""
+    _temporaries.discard(path)
+
+
 def remove_temporaries() -> None:
     """Remove every temporary file or folder this process made and has not removed (a process about to end at once)."""
     for path in list(_temporaries):

@@ -189,6 +189,12 @@ def validate_remote(reader: Any) -> Report:
     return _judge_remote(reader)[0]
 
 
+def judge_reader(reader: Any) -> tuple[Report, Header | None]:
+    """validate_remote's header-only judgment, with the parsed header: `reader` may read an open local file as well
+    (the runtime judges an adapter file's header from its open descriptor before it copies a byte of it)."""
+    return _judge_remote(reader)
+
+
 def _judge_remote(reader: Any) -> tuple[Report, Header | None]:
     started = time.perf_counter()
     try:

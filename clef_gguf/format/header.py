@@ -298,26 +298,25 @@ def check_data_layout(header: Header, file_size: int) -> None:
         )
 
 
-Signature = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns: which version of a file was read
+# st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns: a file's version (the ctime: no utime sets it back, `rsync -t` too)
+Signature = tuple[int, int, int, int, int]
 
 
 def signature_of(st: os.stat_result) -> Signature:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def copy_regular(path: str | os.PathLike[str], sink: BinaryIO) -> Signature:
-    """`path`'s bytes into `sink` through one open file (inputs.open_regular: a FIFO is refused, not waited on), and
-    the signature of what was read. A file written, truncated or replaced in place while it is read is an OSError:
-    its fstat before and after, and the bytes read, must agree. Read, never mapped: a truncation is no SIGBUS."""
-    with open_regular(path) as src:
-        before = signature_of(os.fstat(src.fileno()))
-        copied = 0
-        while chunk := src.read(1 << 20):
-            sink.write(chunk)
-            copied += len(chunk)
-        after = signature_of(os.fstat(src.fileno()))
+def copy_open(src: BinaryIO, sink: BinaryIO) -> Signature:
+    """`src` (opened by inputs.open_regular, at its start) into `sink`, and the signature of what was read. A file
+    changed in place while read is an OSError: its fstat before and after and the bytes read must agree (no SIGBUS)."""
+    before = signature_of(os.fstat(src.fileno()))
+    copied = 0
+    while chunk := src.read(1 << 20):
+        sink.write(chunk)
+        copied += len(chunk)
+    after = signature_of(os.fstat(src.fileno()))
     if after != before or copied != before[2]:
-        raise OSError(errno.EAGAIN, "it changed while it was read (being written or replaced?)", os.fspath(path))
+        raise OSError(errno.EAGAIN, "it changed while it was read (being written or replaced?)")
     return before
 
 
@@ -344,10 +343,11 @@ class GGUFFile:
 
     @classmethod
     def read(cls, path: str | Path) -> GGUFFile:
-        """The file read once (copy_regular) into this process's own memory, which no other process can change."""
+        """The file read once (copy_open) into this process's own memory, which no other process can change."""
         path, buffer = Path(path), io.BytesIO()
         try:
-            signature = copy_regular(path, buffer)
+            with open_regular(path) as src:
+                signature = copy_open(src, buffer)
             if signature[2] == 0:
                 raise OSError(errno.EINVAL, "the file is empty", str(path))
         except OSError as e:

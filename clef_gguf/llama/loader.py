@@ -21,7 +21,7 @@ from typing import Any
 
 import llama_cpp as L
 
-from ..errors import ModelFileError, SettingsError
+from ..errors import ModelFileError, SettingsError, TemporarilyUnavailableError
 from ..format.header import GGUFFile
 from ..settings import LOADER_ENV
 from . import cookie_file, cpu_buffers, user_model
@@ -78,19 +78,29 @@ def _through_cookie(view: View, load: Callable[[Any], Any]) -> Any:
         stream.close()
 
 
-def load_adapter(model: L.llama_model_p, f: GGUFFile) -> Any:
+def load_adapter(model: L.llama_model_p, f: GGUFFile, scratch: Path | None = None) -> Any:
     """The LoRA pairs of adapter file `f` loaded over `model`: a llama_adapter_lora *, or None where llama.cpp
-    refused them (llama/log.py has its reason)."""
+    refused them (llama/log.py has its reason). The portable route's temporary file is written in `scratch` (the
+    runtime's private folder: removed with it, whatever ends the process), else in the temporary folder; one that
+    cannot be written (the disk full) is TemporarilyUnavailableError, and nothing of it is left."""
     chosen = route()
     llama_log.clear_errors()
     with open_adapter_view(f) as view:
         if chosen == COOKIE:
             return _through_cookie(view, lambda fp: L.llama_adapter_lora_init_from_file_ptr(model, fp))
-        handle, path = tempfile.mkstemp(prefix="clef-lora-", suffix=".gguf")
-        os.close(handle)  # written by name, then read by llama.cpp by name (Windows opens a file once at a time)
+        path = ""
         try:
-            write_view(view, path)
+            try:
+                handle, path = tempfile.mkstemp(prefix="clef-lora-", suffix=".gguf", dir=scratch)
+                os.close(handle)  # written by name, then read by llama.cpp by name (Windows opens a file once at a time)
+                write_view(view, path)
+            except OSError as e:
+                why = f"{e.strerror or e}"
+                raise TemporarilyUnavailableError(
+                    f"the LoRA of {f.path.name} cannot be written for llama.cpp now ({why})"
+                ) from None
             # ggml_fopen takes UTF-8 on Windows (it widens it), the file system's bytes elsewhere.
             return L.llama_adapter_lora_init(model, path.encode() if os.name == "nt" else os.fsencode(path))
         finally:
-            Path(path).unlink(missing_ok=True)
+            if path:
+                Path(path).unlink(missing_ok=True)

@@ -10,6 +10,7 @@ a batch is one model's.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 from typing import Any
 
 import llama_cpp as L
@@ -22,12 +23,13 @@ from . import log as llama_log
 Handle = Any  # a llama_adapter_lora * (llama-cpp-python's ctypes pointer)
 
 
-def load_lora(model: L.llama_model_p, f: GGUFFile) -> Handle:
+def load_lora(model: L.llama_model_p, f: GGUFFile, scratch: Path | None = None) -> Handle:
     """The adapter file's LoRA pairs loaded over `model` (the lean view of its base), in the weights' buffers.
 
     The view reads `f.path` again: the runtime passes a private copy of one version of the adapter (runtime/
-    adapter_files.py), never a file another process may rewrite, so that the LoRA is the bytes validated."""
-    handle = loader.load_adapter(model, f)  # by the backbone's route (llama/loader.py)
+    adapter_files.py), never a file another process may rewrite, so that the LoRA is the bytes validated. `scratch`:
+    where the portable route writes its temporary file (loader.load_adapter)."""
+    handle = loader.load_adapter(model, f, scratch)  # by the backbone's route (llama/loader.py)
     if not handle:
         raise ModelFileError(f"llama.cpp could not load the LoRA of {f.path.name}: {llama_log.last_error('no reason given')}")
     return handle

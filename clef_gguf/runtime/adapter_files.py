@@ -1,11 +1,15 @@
 """Adapter files as the catalog (runtime/catalog.py) sees them: one version's private copy, and a folder's names.
 
-A version of an adapter file is read once, through one open file (format/header.copy_regular: a FIFO refused, a file
-changed while read refused), into a private copy: a file in a folder of this process's own (mode 0700, removed at
-close). The copy is what is validated, what the identity hashes, and what llama.cpp's LoRA loader and the native head
-read by path. Another process may then replace, truncate or delete the adapter file: nothing here maps or reopens it,
-so no answer mixes two versions and no truncation raises SIGBUS. A copy lives only while its version is validated or
-loaded (runtime/decider.py re-reads a version it loads again, and refuses it if the file is no longer that version).
+A version of an adapter file is read once, through one open file (inputs.open_regular: a FIFO refused; format/header
+.copy_open: a file changed while read refused), into a private copy: a file in a folder of this process's own
+(runtime/private_folder.py: mode 0700, removed at close, and after a crash by the next process). Its header is judged
+first, from that open file, as validate judges it and against the base: junk, another base's adapter or a file longer
+than its header says is refused before a byte is copied. The copy is what is validated in full, what the identity
+hashes, and what llama.cpp's LoRA loader and the native head read by path. Another process may then replace, truncate
+or delete the adapter file: nothing here maps or reopens it, so no answer mixes two versions and no truncation raises
+SIGBUS. A copy lives only while its version is validated or loaded (runtime/decider.py re-reads a version it loads
+again, and refuses it if the file is no longer that version). A copy that cannot be written (the temporary disk
+full) is this machine's state, not the file's: TemporarilyUnavailableError, and nothing of it is left.
 
 A folder's names are listed again only when the folder changes (its mtime), never per request: a request for a name
 needs no listing (its file is stat'ed), and the listing serves /v1/models and the near matches of an unknown name.
@@ -16,49 +20,31 @@ from __future__ import annotations
 import bisect
 import contextlib
 import difflib
+import errno
 import hashlib
 import os
 import re
-import shutil
-import tempfile
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..check.adapter import is_adapter, refuse_headless
 from ..check.adapter_pair import require_adapter
 from ..check.metadata import check_temperatures
-from ..check.validate import judge_source
-from ..errors import ClefError, IncompleteModelError, NotADecisionModelError
-from ..format.header import GGUFFile, Signature, copy_regular
+from ..check.report import Report
+from ..check.validate import judge_reader, judge_source
+from ..errors import ClefError, CorruptModelError, IncompleteModelError, NotADecisionModelError, TemporarilyUnavailableError
+from ..format.header import GGUFFile, Header, Signature, copy_open, signature_of
 from ..format.sizes import adapter_head_bytes, lora_bytes
+from ..inputs import open_regular
+from .private_folder import PrivateFolder
 
 ADAPTER_SUFFIX = ".adapter.gguf"  # an adapter folder's files: NAME.adapter.gguf answers as NAME
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}")
 SHOWN_NAMES = 5  # an unknown name's message lists at most this many names
 NEAR_WINDOW = 128  # names on each side of an unknown one, in sorted order, that difflib compares (20,000: 150 ms)
-
-
-class PrivateFolder:
-    """A folder only this process writes (tempfile.mkdtemp: mode 0700), made when first needed; removed at close."""
-
-    def __init__(self) -> None:
-        self._path: Path | None = None
-        self._lock = threading.Lock()
-
-    def new_file(self, name: str) -> Path:
-        """A path for a new file called `name` (a folder of its own: messages that name the file name the original)."""
-        with self._lock:
-            if self._path is None:
-                self._path = Path(tempfile.mkdtemp(prefix="clef-adapters-"))
-            return Path(tempfile.mkdtemp(dir=self._path)) / name
-
-    def close(self) -> None:
-        with self._lock:
-            if self._path is not None:
-                shutil.rmtree(self._path, ignore_errors=True)
-                self._path = None
 
 
 def discard(path: Path) -> None:
@@ -82,16 +68,77 @@ class AdapterCopy:
         discard(self.file.path)
 
 
-def take_copy(source: Path, folder: PrivateFolder) -> tuple[Path, Signature]:
-    """`source` read once into a new private file: its path, and the signature of the version read. OSError when
-    the source is not a regular file, cannot be read, or changed while it was read."""
-    target = folder.new_file(source.name)
-    try:
-        with open(target, "xb") as sink:
-            signature = copy_regular(source, sink)
-    except BaseException:
-        discard(target)
-        raise
+class _Writes:
+    """A private copy's writer: an OSError writing it is this machine's (its temporary folder full or not writable),
+    never the adapter file's nor the client's: TemporarilyUnavailableError."""
+
+    def __init__(self, path: Path, source: Path) -> None:
+        self._source = source
+        with self._ours():
+            self._file = open(path, "xb")  # noqa: SIM115 (closed by close(), the copy's end)
+
+    @contextlib.contextmanager
+    def _ours(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise no_room(self._source, e) from None
+
+    def write(self, data: bytes) -> None:
+        with self._ours():
+            self._file.write(data)
+
+    def close(self) -> None:
+        with self._ours():
+            self._file.close()  # (the descriptor is closed even when the last flush fails)
+
+
+def no_room(source: Path, e: OSError) -> TemporarilyUnavailableError:
+    why = e.strerror or str(e)
+    return TemporarilyUnavailableError(f"no private copy of {source.name} can be written in the temporary folder now ({why})")
+
+
+class _Prefix:
+    """An open file's first bytes, as check.validate.judge_reader reads a header (a remote file's, range by range)."""
+
+    def __init__(self, f: BinaryIO, size: int, source: str) -> None:
+        self.f, self.size, self.source, self.bytes_read = f, size, source, 0
+
+    def read(self, start: int, end: int) -> bytes:
+        self.f.seek(start)
+        data = self.f.read(max(0, min(end, self.size) - start))
+        self.bytes_read += len(data)
+        return data
+
+
+Judge = Callable[[BinaryIO, int], None]  # (the open source, its size): raises to refuse it before it is copied
+
+
+def take_copy(source: Path, folder: PrivateFolder, judge: Judge | None = None) -> tuple[Path, Signature]:
+    """`source` read once into a new private file: its path, and the signature of the version read. `judge` reads
+    what it needs of the open source first (its header) and refuses it before a byte is copied. OSError when the
+    source is not a regular file, cannot be read, or changed while it was read; TemporarilyUnavailableError when
+    the copy cannot be written (nothing is left of it)."""
+    with open_regular(source) as src:
+        first = signature_of(os.fstat(src.fileno()))
+        if judge is not None:
+            judge(src, first[2])
+            src.seek(0)
+        try:
+            target = folder.new_file(source.name)
+        except OSError as e:
+            raise no_room(source, e) from None
+        try:
+            sink = _Writes(target, source)
+            try:
+                signature = copy_open(src, sink)  # type: ignore[arg-type]
+            finally:
+                sink.close()
+            if signature != first:
+                raise OSError(errno.EAGAIN, "it changed while it was read (being written or replaced?)", str(source))
+        except BaseException:
+            discard(target)
+            raise
     return target, signature
 
 
@@ -100,11 +147,8 @@ def adapter_identity(base_identity: str, adapter: GGUFFile) -> str:
     return hashlib.sha256(f"{base_identity}+{adapter.identity()}".encode()).hexdigest()
 
 
-def open_adapter(base: GGUFFile, path: Path, label: str | None = None, base_head: bool = False) -> GGUFFile:
-    """An adapter file (a private copy: take_copy), validated (as `clef-gguf validate` judges it) and checked against
-    `base`, mapped. label: what messages call it (a request's answer names no server path)."""
-    label = label or str(path)
-    report, header = judge_source(path)
+def _require_adapter_header(base: GGUFFile, report: Report, header: Header | None, label: str, base_head: bool) -> None:
+    """An adapter file's header as validate judges it, then against `base` (its shapes, its head): else the error."""
     error = report.error()
     if error is not None:
         raise type(error)(f"{label}: {report.summary}")
@@ -113,15 +157,34 @@ def open_adapter(base: GGUFFile, path: Path, label: str | None = None, base_head
         raise NotADecisionModelError(
             f"{label} is not an adapter file (clef-gguf convert CHECKPOINT --base RELEASE --to-adapter makes one)"
         )
-    adapter = GGUFFile.open(path)
-    try:
-        require_adapter(base, adapter.header, label)
-        if not base_head:
-            refuse_headless(adapter.header, label)
-    except BaseException:
-        adapter.close()
-        raise
-    return adapter
+    require_adapter(base, header, label)
+    if not base_head:
+        refuse_headless(header, label)
+
+
+def judge_first(base: GGUFFile, label: str, base_head: bool = False) -> Judge:
+    """An open adapter file judged by its header before it is copied (take_copy): what validate and the base refuse
+    in a header, and a file longer than its header says (junk after its tensors: copying it would fill the temporary
+    disk for nothing)."""
+
+    def judge(src: BinaryIO, size: int) -> None:
+        report, header = judge_reader(_Prefix(src, size, label))
+        _require_adapter_header(base, report, header, label, base_head)
+        assert header is not None
+        ends = header.data_offset + -(-header.data_size() // header.alignment) * header.alignment
+        if size > ends:
+            raise CorruptModelError(f"{label}: {size - ends} bytes follow its tensor data, which ends at byte {ends}")
+
+    return judge
+
+
+def open_adapter(base: GGUFFile, path: Path, label: str | None = None, base_head: bool = False) -> GGUFFile:
+    """An adapter file (a private copy: take_copy), validated (as `clef-gguf validate` judges it) and checked against
+    `base`, mapped. label: what messages call it (a request's answer names no server path)."""
+    label = label or str(path)
+    report, header = judge_source(path)
+    _require_adapter_header(base, report, header, label, base_head)
+    return GGUFFile.open(path)
 
 
 @dataclass(eq=False)
@@ -138,7 +201,8 @@ def read_version(base: GGUFFile, base_identity: str, source: Path, into: Private
     """The adapter file `source` read once into a private copy (take_copy), validated and checked against the base
     (open_adapter; `how`: its label and base_head), with its identity, temperatures and cost. OSError: the file is
     not regular, cannot be read, or changed while it was read; ClefError: it does not validate or fit the base."""
-    path, signature = take_copy(source, into)
+    label = str(how.get("label") or source)
+    path, signature = take_copy(source, into, judge_first(base, label, bool(how.get("base_head"))))
     try:
         adapter = open_adapter(base, path, **how)  # type: ignore[arg-type]
     except ClefError as e:  # (a message naming the copy's own path names the source's file name instead)

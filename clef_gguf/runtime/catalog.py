@@ -20,6 +20,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -28,7 +29,15 @@ from pathlib import Path
 
 from ..check.description import ClefDescription
 from ..check.metadata import check_temperatures
-from ..errors import AdapterUnavailableError, ClefError, CorruptModelError, IncompleteModelError, RequestError, SettingsError
+from ..errors import (
+    AdapterUnavailableError,
+    ClefError,
+    CorruptModelError,
+    IncompleteModelError,
+    RequestError,
+    SettingsError,
+    TemporarilyUnavailableError,
+)
 from ..format.header import GGUFFile, Signature, signature_of
 from ..inputs import file_kind
 from ..settings import AdapterSet
@@ -40,6 +49,9 @@ BASE_NAMES = ("clef", "clef-flash")
 JEV_ALIAS = "jev-latest"  # the SDKs' default model name (typesafe-sdk's): it means the loaded model, the base
 RETIRED_KEPT = 64  # replaced versions a prompt encoded before the change may still name (a busy folder churns)
 REFUSED_KEPT = 1 << 16  # folder files known not to load, by name, until they change
+# A file changed this close to its read may change again within the same tick of its file system's clock (1 s and
+# more on some), keeping its signature: such a read's signature is not trusted, and the next request reads it again.
+RACY_NS = 2_000_000_000
 
 
 @dataclass(eq=False)
@@ -51,7 +63,7 @@ class CatalogEntry:
     identity: str  # what its prompts' ModelRef carries; the state cache's keys and the batches follow it
     temperatures: Mapping[str, float]
     source: Path | None = None  # the adapter file as named (read again, and checked, when it is loaded again)
-    signature: Signature | None = None  # that file's (st_dev, st_ino, st_size, st_mtime_ns) when this version was read
+    signature: Signature | None = None  # that file's (format/header.signature_of) when this version was read
     nbytes: int = 0  # its LoRA's and its head's bytes, loaded
     current: bool = True  # False once its name's file is another version: then it is never loaded again
 
@@ -68,7 +80,7 @@ class ModelRef:
     catalog: str = field(default="", compare=False, repr=False)  # the key of the Catalog that resolved it
 
 
-Known = tuple[Signature, CatalogEntry]  # a name's file's version last read, and its entry
+Known = tuple[Signature | None, CatalogEntry]  # a name's file's version last read (None: read again), and its entry
 
 
 def _name_of_file(path: Path) -> str:
@@ -196,7 +208,10 @@ class Catalog:
         process, another load of the file) this catalog's entry of its identity; None when none has it."""
         if ref.catalog == self.key:
             return ref
-        entry = self.of(ref.identity)
+        with self._lock:
+            known = self._known.get(ref.name)
+        # (its name's own entry first: another name's file of the same bytes may change or go)
+        entry = known[1] if known is not None and known[1].identity == ref.identity else self.of(ref.identity)
         return None if entry is None else ModelRef(entry.identity, ref.name, entry, self.key)
 
     def entry(self, name: str | None) -> CatalogEntry:
@@ -273,6 +288,8 @@ class Catalog:
                 entry = self._read(name, source, known, source.name)
             except OSError as e:
                 raise self._read_failed(name, source, known, e) from None
+            except TemporarilyUnavailableError:
+                raise  # (this machine's state, not the file's: not remembered)
             except ClefError as e:
                 raise self._refuse(name, source, found, known, str(e)) from None
             pending.set_result(entry)
@@ -298,7 +315,10 @@ class Catalog:
         return read_version(self._base_file, self.base.identity, source, self._private, label=label, base_head=self.base_head)
 
     def _read(self, name: str, source: Path, known: Known | None, label: str) -> CatalogEntry:
-        """A new version of `name`'s file, read, validated and registered (the copy dropped: loading reads it again)."""
+        """A new version of `name`'s file, read, validated and registered (the copy dropped: loading reads it again).
+        A version's entry is its name's own: two names over equal bytes share an identity (and what is loaded and
+        cached for it), never an entry, whose source is read again when it is loaded again."""
+        started = time.time_ns()
         version = self._version(source, label)
         version.copy.close()
         signature = version.copy.signature
@@ -306,11 +326,12 @@ class Catalog:
         temperatures = version.temperatures or dict(self.base.temperatures)
         new = CatalogEntry(name, version.identity, temperatures, source, signature, version.nbytes)
         with self._lock:
-            entry = self._by_identity.get(new.identity, new)
-            if entry is not new:  # the same bytes again (a file restored, or one file under two names)
-                entry.source, entry.signature, entry.current = source, signature, True
+            same = (known[1] if known is not None else None, self._by_identity.get(new.identity))
+            entry = next((e for e in same if e is not None and e.name == name and e.identity == new.identity), new)
+            if entry is not new:  # the same bytes again under this name (read again, or a file restored)
+                entry.signature, entry.current = signature, True
             self._by_identity[entry.identity] = entry
-            self._known[name] = (signature, entry)
+            self._known[name] = (signature if signature[4] < started - RACY_NS else None, entry)
             self._refused.pop(name, None)
             if known is not None and known[1] is not entry:
                 self._retire(known[1])
@@ -352,6 +373,8 @@ class Catalog:
             raise AdapterUnavailableError(changed)
         try:
             again = self._version(source, source.name)
+        except TemporarilyUnavailableError:
+            raise
         except (OSError, ClefError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise AdapterUnavailableError(f"the adapter {entry.name!r} cannot be loaded now: {reason}") from None

@@ -122,7 +122,7 @@ class Decider:
         copy = self._catalog.reread(entry)  # AdapterUnavailableError: the file is no longer this version
         with ExitStack() as stack:
             stack.callback(copy.close)
-            lora = load_lora(self.backbone.model, copy.file)
+            lora = load_lora(self.backbone.model, copy.file, scratch=copy.file.path.parent)  # (the copy's own folder)
             stack.callback(free_lora, lora)
             head = NativeHead(self._file, self._description.head, gpu=self._gpu, n_threads=self._threads, adapter=copy.file)
             stack.pop_all()

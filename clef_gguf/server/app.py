@@ -19,7 +19,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import NOT_FOUND, UNAUTHORIZED, AdapterUnavailableError, ModelFileError, RequestError, SettingsError
+from ..errors import (
+    NOT_FOUND,
+    UNAUTHORIZED,
+    AdapterUnavailableError,
+    ModelFileError,
+    RequestError,
+    SettingsError,
+    TemporarilyUnavailableError,
+)
 from ..runtime.catalog import JEV_ALIAS  # the SDKs' default model name: the catalog resolves it to the base
 from ..runtime.failures import Failure, Invalid, internal, problem_of
 from ..runtime.protocols import Encoder, Model
@@ -160,9 +168,10 @@ class Service:
         parsed = time.perf_counter()
         try:
             decision = await self.worker.decide(prompt)
-        except (RequestError, ModelFileError, SettingsError, AdapterUnavailableError) as e:
+        except (RequestError, ModelFileError, SettingsError, AdapterUnavailableError, TemporarilyUnavailableError) as e:
             # An adapter's file refused, or gone or changed since intake, when it was loaded to decide (here or on a
-            # Ray replica, whose error arrives as raised): a 4xx, or 503 for now, as intake maps it.
+            # Ray replica, whose error arrives as raised): a 4xx, or 503 for now (no room for its copy too), as intake
+            # maps it.
             raise problem_of(e, _named(prompt)) from e
         self.metrics.decided(prompt, decision)
         note_decision(request, prompt, decision)

@@ -26,7 +26,15 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..errors import REQUEST_TOO_LARGE, AdapterUnavailableError, ModelFileError, PromptTooLongError, RequestError, SettingsError
+from ..errors import (
+    REQUEST_TOO_LARGE,
+    AdapterUnavailableError,
+    ModelFileError,
+    PromptTooLongError,
+    RequestError,
+    SettingsError,
+    TemporarilyUnavailableError,
+)
 from ..runtime import images
 from ..runtime.failures import from_request_error, problem_of
 from ..runtime.protocols import Encoder
@@ -125,8 +133,9 @@ class Intake:
             prompt = self.model.encode(value)
         except RequestError as e:  # (nesting was bounded by body.parse: the prompt renderer recurses per level)
             raise media.relocate(from_request_error(e, value), origins) from e
-        except (ModelFileError, SettingsError, AdapterUnavailableError) as e:
-            # The adapter the request names, opened for it (runtime/catalog.py): its file refused, or gone for now.
+        except (ModelFileError, SettingsError, AdapterUnavailableError, TemporarilyUnavailableError) as e:
+            # The adapter the request names, opened for it (runtime/catalog.py): its file refused, or gone for now, or
+            # no room for its private copy now.
             raise problem_of(e, value) from e
         if len(prompt.tokens) > self.model.max_prompt_tokens:
             raise from_request_error(PromptTooLongError(len(prompt.tokens), self.model.max_prompt_tokens), value)

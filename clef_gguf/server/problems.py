@@ -27,18 +27,23 @@ from ..errors import (
     OVERLOADED,
     REQUEST_TOO_LARGE,
     UNAUTHORIZED,
+    UNAVAILABLE,
     Problem,
 )
 from ..runtime.failures import Failure, Invalid
 
 # The headers every answer of a row carries. A client may retry an OVERLOADED or an ADAPTER_UNAVAILABLE (a file being
-# replaced) in a second; a late body's connection must not be reused (the head late: the protocol closes it itself).
+# replaced) in a second, an UNAVAILABLE later; a late body's connection must not be reused (the head late: the protocol
+# closes it itself).
 _RETRY = (("Retry-After", "1"),)
 ROW_HEADERS: dict[Problem, tuple[tuple[str, str], ...]] = {
     UNAUTHORIZED: (("WWW-Authenticate", "Bearer"),),
     BODY_TIMEOUT: (("Connection", "close"),),
     OVERLOADED: _RETRY,
     ADAPTER_UNAVAILABLE: _RETRY,
+    # A full temporary disk is freed by an operator or another process's cleanup, not within a second: a client that
+    # retried every second would only have the server copy the adapter again and again.
+    UNAVAILABLE: (("Retry-After", "10"),),
 }
 # The rows of the statuses Starlette raises itself (HTTPException): routing's 404 and 405, and, should a status of
 # these rows ever come from it, their types.
