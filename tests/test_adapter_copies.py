@@ -39,6 +39,7 @@ from peft_adapters import peft_adapter
 from server_helpers import start
 
 import clef_gguf
+from clef_gguf.check.validate import validate
 from clef_gguf.errors import RequestError
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.qwen35_view import open_adapter_view
@@ -267,6 +268,7 @@ def test_junk_is_refused_by_its_header_before_any_copy_and_not_read_again(files,
         finally:
             for w in watched.values():
                 w.close()
+    assert says["long"] in validate(long).summary  # (validate says it too)
 
 
 # --- copies left by a process that ended at once ---------------------------------------------------------------

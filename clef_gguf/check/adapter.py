@@ -155,9 +155,20 @@ def _head(h: Header, config: C.HeadConfig | None) -> list[Problem]:
     return []
 
 
+def _past_data(h: Header, file_size: int) -> list[Problem]:
+    """Bytes after an adapter's tensor data (padded to the alignment), which convert never writes: junk appended, which
+    the server would copy for nothing (a file of the folder is judged by its header before it is copied)."""
+    ends = h.data_offset + -(-h.data_size() // h.alignment) * h.alignment
+    return (
+        [corrupt("layout", f"{file_size - ends} bytes follow its tensor data, which ends at byte {ends}")]
+        if file_size > ends
+        else []
+    )
+
+
 def judge_adapter(h: Header, file_size: int) -> Findings:
     found = Findings(decision=True, summarize=summary)
-    found.problems += check_layout(h, file_size)
+    found.problems += check_layout(h, file_size) + _past_data(h, file_size)
     found.problems += _keys(h)
     config, problems = adapter_head_config(h)
     found.problems += problems + _head(h, config)

@@ -35,7 +35,7 @@ from ..check.adapter_pair import require_adapter
 from ..check.metadata import check_temperatures
 from ..check.report import Report
 from ..check.validate import judge_reader, judge_source
-from ..errors import ClefError, CorruptModelError, IncompleteModelError, NotADecisionModelError, TemporarilyUnavailableError
+from ..errors import ClefError, IncompleteModelError, NotADecisionModelError, TemporarilyUnavailableError
 from ..format.header import GGUFFile, Header, Signature, copy_open, signature_of
 from ..format.sizes import adapter_head_bytes, lora_bytes
 from ..inputs import open_regular
@@ -164,16 +164,12 @@ def _require_adapter_header(base: GGUFFile, report: Report, header: Header | Non
 
 def judge_first(base: GGUFFile, label: str, base_head: bool = False) -> Judge:
     """An open adapter file judged by its header before it is copied (take_copy): what validate and the base refuse
-    in a header, and a file longer than its header says (junk after its tensors: copying it would fill the temporary
-    disk for nothing)."""
+    in a header, a file longer than its header says included (junk after its tensors: a copy of it would fill the
+    temporary disk for nothing)."""
 
     def judge(src: BinaryIO, size: int) -> None:
         report, header = judge_reader(_Prefix(src, size, label))
         _require_adapter_header(base, report, header, label, base_head)
-        assert header is not None
-        ends = header.data_offset + -(-header.data_size() // header.alignment) * header.alignment
-        if size > ends:
-            raise CorruptModelError(f"{label}: {size - ends} bytes follow its tensor data, which ends at byte {ends}")
 
     return judge
 
