@@ -330,17 +330,19 @@ def test_the_watchdog_removes_the_copies_of_a_command_it_ends(files, tmp_path):
 
 
 def _stamp(pid: int) -> str:
-    """What a folder of process `pid` is named for: its pid, start time (clock ticks since boot) and boot."""
+    """What a folder of process `pid` is named for: its pid, start time (clock ticks since boot), boot and PID
+    namespace."""
     stat_line = Path(f"/proc/{pid}/stat").read_text()
     started = stat_line[stat_line.rfind(")") + 2 :].split()[19]
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
-    return f"{pid}-{started}-{boot}"
+    return f"{pid}-{started}-{boot}-{os.stat(f'/proc/{pid}/ns/pid').st_ino}"
 
 
 @pytest.mark.slow
 def test_a_killed_process_s_copies_are_removed_by_the_next_and_only_those(files, tmp_path, monkeypatch):
     """SIGKILL leaves a process's folder; the next process removes it, and a folder whose PID runs as another
-    process (a reused PID), but not a live process's folder, another user's, or another name's."""
+    process (a reused PID), but not a live process's folder, another user's, another PID namespace's (a container
+    sharing the temporary folder), or another name's."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     process = _child(files, tmp)
@@ -352,14 +354,15 @@ def test_a_killed_process_s_copies_are_removed_by_the_next_and_only_those(files,
     assert dead.startswith(f"clef-adapters-{process.pid}-") and _files_in(tmp / dead)
     live = subprocess.Popen(["sleep", "60"])
     try:
-        pid, started, boot = _stamp(live.pid).split("-")
+        pid, started, boot, ns = _stamp(live.pid).split("-")
         kept = {
-            f"clef-adapters-{pid}-{started}-{boot}": None,  # a live process's
-            f"clef-adapters-{process.pid}-1-{boot}x": None,  # not of that form
-            f"clef-adapters-{process.pid}-{started}-{boot}-other": None,
-            f"clef-adapters-{process.pid}-7-{boot}": 65534,  # another user's
+            f"clef-adapters-{pid}-{started}-{boot}-{ns}": None,  # a live process's
+            f"clef-adapters-{process.pid}-1-{boot}x-{ns}": None,  # not of that form
+            f"clef-adapters-{process.pid}-{started}-{boot}-{ns}-other": None,
+            f"clef-adapters-{process.pid}-7-{boot}-{ns}": 65534,  # another user's
+            f"clef-adapters-{process.pid}-7-{boot}-{int(ns) + 1}": None,  # another PID namespace's
         }
-        reused = f"clef-adapters-{pid}-{int(started) + 1}-{boot}"  # its PID runs, started at another time
+        reused = f"clef-adapters-{pid}-{int(started) + 1}-{boot}-{ns}"  # its PID runs, started at another time
         for name, owner in {**kept, reused: None}.items():
             (tmp / name).mkdir(mode=0o700)
             (tmp / name / "copy").write_bytes(b"x")

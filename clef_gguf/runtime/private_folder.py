@@ -1,14 +1,15 @@
 """Folders only this process writes, in the temporary folder (TMPDIR): where adapters' private copies live.
 
-A process writes into one folder, `clef-adapters-PID-START-BOOT` in tempfile.gettempdir(), mode 0700: PID its process
-id, START its start time (the kernel's, in clock ticks since boot: field 22 of /proc/PID/stat), BOOT the first 8 hex
-digits of the boot's id. Each PrivateFolder is a folder of its own in it, removed at close, and the process's folder
-with the last one; the CLI's watchdog, which ends a stuck command at once, removes it too (outputs.hold_temporary).
-A process killed outright (SIGKILL, the OOM killer) removes nothing: the next process that makes a private folder
-removes the folders of processes that no longer run. Only folders whose name has that form, owned by this user and
-not symlinks, and only when no process of that PID runs or the one that does is another (a PID reused: its start
-time or the boot differs): a live process's folder is never removed. Where a start time cannot be read (no /proc:
-macOS, Windows) nothing is removed, for a PID alone cannot tell a live process from a reused PID.
+A process writes into one folder, `clef-adapters-PID-START-BOOT-NS` in tempfile.gettempdir(), mode 0700: PID its
+process id, START its start time (the kernel's, in clock ticks since boot: field 22 of /proc/PID/stat), BOOT the first
+8 hex digits of the boot's id, NS its PID namespace's inode (containers sharing a temporary folder see other PIDs).
+Each PrivateFolder is a folder of its own in it, removed at close, and the process's folder with the last one; the
+CLI's watchdog, which ends a stuck command at once, removes it too (outputs.hold_temporary). A process killed outright
+(SIGKILL, the OOM killer) removes nothing: the next process that makes a private folder removes the folders of
+processes that no longer run. Only folders whose name has that form, of this PID namespace, owned by this user and not
+symlinks, and only when no process of that PID runs or the one that does is another (a PID reused: its start time or
+the boot differs): a live process's folder is never removed. Where a start time cannot be read (no /proc: macOS,
+Windows) nothing is removed, for a PID alone cannot tell a live process from a reused PID.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from ..outputs import drop_temporary, hold_temporary
 
 PREFIX = "clef-adapters-"
-_OURS = re.compile(rf"{PREFIX}(\d+)-(\d+)-([0-9a-f]{{8}})")
+_OURS = re.compile(rf"{PREFIX}(\d+)-(\d+)-([0-9a-f]{{8}})-(\d+)")
 _lock = threading.Lock()  # around making, sweeping and removing process folders
 _made: dict[tuple[int, Path], Path] = {}  # (pid, temporary root): this process's folder there (a fork makes its own)
 _users: dict[Path, int] = {}  # a process folder: how many PrivateFolders are open in it
@@ -35,6 +36,13 @@ _swept: set[tuple[int, Path]] = set()  # (pid, temporary root) swept at this pro
 def _boot() -> str | None:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
+    except OSError:
+        return None
+
+
+def _namespace() -> str | None:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         return None
 
@@ -56,7 +64,8 @@ def _runs(pid: int, started: str, boot: str) -> bool:
 
 def sweep(root: Path) -> list[Path]:
     """Remove the folders in `root` left by processes of this user that no longer run; the folders removed."""
-    if _boot() is None or _started(os.getpid()) is None:
+    namespace = _namespace()
+    if _boot() is None or _started(os.getpid()) is None or namespace is None:
         return []  # (no way to tell a live process from a reused PID)
     removed = []
     try:
@@ -69,7 +78,9 @@ def sweep(root: Path) -> list[Path]:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if m is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _runs(int(m[1]), m[2], m[3]):
+        if m is None or m[4] != namespace or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if _runs(int(m[1]), m[2], m[3]):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))
@@ -82,11 +93,11 @@ def _process_folder(root: Path) -> Path:
     folder = _made.get(key)
     if folder is not None and folder.is_dir():
         return folder
-    boot, started = _boot(), _started(os.getpid())
-    if boot is None or started is None:
+    boot, started, namespace = _boot(), _started(os.getpid()), _namespace()
+    if boot is None or started is None or namespace is None:
         folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
     else:
-        folder = root / f"{PREFIX}{os.getpid()}-{started}-{boot}"
+        folder = root / f"{PREFIX}{os.getpid()}-{started}-{boot}-{namespace}"
         try:
             os.mkdir(folder, 0o700)
         except FileExistsError:  # (ours, made before in this process; anything else is refused)
