@@ -88,7 +88,7 @@ def sweep(root: Path) -> list[Path]:
 
 
 def _process_folder(root: Path) -> Path:
-    """(Under _lock) This process's folder in `root`, made (and the dead's swept) when first needed."""
+    """(Under _lock) This process's folder in `root`, made when first needed."""
     key = (os.getpid(), root)
     folder = _made.get(key)
     if folder is not None and folder.is_dir():
