@@ -208,10 +208,7 @@ class Catalog:
         process, another load of the file) this catalog's entry of its identity; None when none has it."""
         if ref.catalog == self.key:
             return ref
-        with self._lock:
-            known = self._known.get(ref.name)
-        # (its name's own entry first: another name's file of the same bytes may change or go)
-        entry = known[1] if known is not None and known[1].identity == ref.identity else self.of(ref.identity)
+        entry = self.of(ref.identity, ref.name)
         return None if entry is None else ModelRef(entry.identity, ref.name, entry, self.key)
 
     def entry(self, name: str | None) -> CatalogEntry:
@@ -383,9 +380,12 @@ class Catalog:
             raise AdapterUnavailableError(changed)
         return again.copy
 
-    def of(self, identity: str) -> CatalogEntry | None:
+    def of(self, identity: str, name: str | None = None) -> CatalogEntry | None:
+        """The entry of a version: `name`'s own when its file is that version (another name's file of the same bytes
+        may change or go), else any."""
         with self._lock:
-            return self._by_identity.get(identity)
+            known = self._known.get(name) if name is not None else None
+            return known[1] if known is not None and known[1].identity == identity else self._by_identity.get(identity)
 
     def close(self) -> None:
         """Drop the private folder (the decider has closed the copies it loaded)."""
