@@ -24,6 +24,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -72,9 +73,12 @@ class _Writes:
     """A private copy's writer: an OSError writing it is this machine's (its temporary folder full or not writable),
     never the adapter file's nor the client's: TemporarilyUnavailableError."""
 
-    def __init__(self, path: Path, source: Path) -> None:
+    def __init__(self, path: Path, source: Path, size: int) -> None:
         self._source = source
         with self._ours():
+            free = shutil.disk_usage(path.parent).free
+            if free < size:  # (refused before writing what cannot fit: a large adapter, a nearly full disk)
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: it needs {size} bytes, {free} are free")
             self._file = open(path, "xb")  # noqa: SIM115 (closed by close(), the copy's end)
 
     @contextlib.contextmanager
@@ -129,7 +133,7 @@ def take_copy(source: Path, folder: PrivateFolder, judge: Judge | None = None) -
         except OSError as e:
             raise no_room(source, e) from None
         try:
-            sink = _Writes(target, source)
+            sink = _Writes(target, source, first[2])
             try:
                 signature = copy_open(src, sink)  # type: ignore[arg-type]
             finally:
