@@ -9,6 +9,7 @@ A model is declared once, as a ModelSpec: its file, its LoadOptions and its Adap
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -42,6 +43,23 @@ def bounds_of(table: type, name: str) -> dict[str, float]:
     return {typer: metadata[key] for key, typer in (("ge", "min"), ("le", "max")) if key in metadata}
 
 
+# Offload for every load that does not name it: a service whose command line is fixed (as llama-server's
+# LLAMA_ARG_N_GPU_LAYERS), and the test suite's device set (`pytest --on-device`), which sets this one value.
+N_GPU_LAYERS_ENV = "CLEF_GGUF_N_GPU_LAYERS"
+
+
+def offload_default(unset: int = 0) -> int:
+    """n_gpu_layers where none is given: $CLEF_GGUF_N_GPU_LAYERS (an integer, -1 for every layer), else `unset` (0 for a
+    load, the CPU alone; plan's -1). Read whenever options are made, never cached: the environment of the moment."""
+    value = os.environ.get(N_GPU_LAYERS_ENV, "").strip()
+    if not value:
+        return unset
+    try:
+        return int(value)
+    except ValueError:
+        raise SettingsError(f"{N_GPU_LAYERS_ENV} must be an integer (-1: every layer), not {value!r}") from None
+
+
 # pydantic's configuration of each table, when a Ray config's `args` are validated into it: a mistyped name is refused.
 _STRICT = {"extra": "forbid"}
 
@@ -52,7 +70,12 @@ class LoadOptions:
 
     __pydantic_config__ = _STRICT
 
-    n_gpu_layers: int = _setting(0, "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone).")
+    # None: the one default, offload_default() (CLEF_GGUF_N_GPU_LAYERS, else 0), fixed when the options are made.
+    n_gpu_layers: int | None = _setting(
+        None,
+        "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone); the head and the vision tower follow them. "
+        f"Default: ${N_GPU_LAYERS_ENV}, else 0.",
+    )
     # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
     # (docs/benchmarks.md, "Memory on an 8 GB card").
     max_prompt_tokens: int = _setting(
@@ -88,6 +111,10 @@ class LoadOptions:
         "The vision tower (llama.cpp's mmproj GGUF, which convert writes beside the model): requests may carry up to "
         "4 images. Without it, requests with images are refused.",
     )
+
+    def __post_init__(self) -> None:
+        if self.n_gpu_layers is None:  # (frozen: set once, here)
+            object.__setattr__(self, "n_gpu_layers", offload_default())
 
 
 @dataclass(frozen=True)

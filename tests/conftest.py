@@ -3,8 +3,9 @@ and the reference oracle. Everything is built once per session, on demand.
 
 `pytest -m device --on-device` (tools/device_check.sh) is the device set: the tests marked `device` but those in
 NOT_ON_DEVICE, with every model, head and vision tower on the build's device backend (Vulkan, CUDA) wherever a
-test leaves n_gpu_layers at its default, `clef-gguf` subprocesses included (CLEF_GGUF_N_GPU_LAYERS). On a CPU build of
-llama-cpp-python, --on-device skips them and says why.
+test leaves n_gpu_layers at its default. --on-device sets that default once (settings.N_GPU_LAYERS_ENV, which every
+load, `clef-gguf` subprocesses included, reads). A CPU build of llama-cpp-python ignores the offload: there the same
+run rehearses the device set's configuration on the CPU (tests/test_device_set.py runs a few of its tests so in CI).
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ import clef_gguf  # noqa: E402
 import clef_gguf.testing.ray_cluster  # noqa: E402, F401
 from clef_gguf.conversion.convert import default_mmproj_path  # noqa: E402
 from clef_gguf.errors import ReleaseError  # noqa: E402
+from clef_gguf.settings import N_GPU_LAYERS_ENV, offload_default  # noqa: E402
 from clef_gguf.testing.oracle import Oracle  # noqa: E402
 from clef_gguf.testing.release_builder import RELEASES, build_release  # noqa: E402
 
 MAX_PROMPT_TOKENS = 8192  # the long-state request has several thousand tokens
 MODELS_KEPT = 2  # Workspace.model's loaded models (test_api_safety compares two at once)
-NO_DEVICE = "--on-device: this llama-cpp-python has no device backend (a CPU build); tools/vulkan_env.sh builds one with Vulkan"
+NO_DEVICE = (
+    "--on-device: this llama-cpp-python has no device backend (a CPU build), which ignores the offload: the device set "
+    "runs on the CPU, a rehearsal of its configuration (tools/vulkan_env.sh builds llama-cpp-python with Vulkan)"
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,8 +47,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("on_device") and device_build():
-        _offload_by_default()
+    if not config.getoption("on_device"):
+        return
+    # The one value the device set changes: every load that omits n_gpu_layers offloads every layer, and with them its
+    # head and vision tower (runtime/decider.py), in this process, its xdist workers and its `clef-gguf` subprocesses.
+    os.environ[N_GPU_LAYERS_ENV] = "-1"
+    if device_build():
+        import live_server
+
+        live_server.HEALTH_TIMEOUT_S = 1200.0  # a served process compiles the device's pipelines before /health
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.getoption("on_device"):
+        return None if device_build() else NO_DEVICE
+    return None
 
 
 # The quick device set (`-m device_quick`, tools/device_check.sh --quick): one case of each path the device set
@@ -88,10 +106,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gone := [name for name in SAME_WORKER if not (Path(__file__).parent / name).is_file()]:
         raise pytest.UsageError(f"SAME_WORKER names test modules that are not there: {gone}")
     if not config.getoption("on_device"):
-        return
-    if not device_build():
-        for item in items:
-            item.add_marker(pytest.mark.skip(reason=NO_DEVICE))
         return
     left_out = [item for item in items if item.nodeid.startswith(NOT_ON_DEVICE)]
     if left_out:
@@ -147,9 +161,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def default_gpu_layers(request: pytest.FixtureRequest) -> int:
-    """The n_gpu_layers a test that omits it runs at: -1 in the device set, else 0."""
-    return -1 if request.config.getoption("on_device") and device_build() else 0
+def default_gpu_layers() -> int:
+    """The n_gpu_layers a load that omits it gets (settings.offload_default): -1 in the device set, else 0."""
+    return offload_default()
+
+
+def offloaded() -> bool:
+    """Whether a load that omits n_gpu_layers asks for offload: what a test that builds a head, a backbone or a vision
+    tower itself hands them (gpu, use_gpu), as the runtime does (runtime/decider.py)."""
+    return offload_default() != 0
 
 
 def f16_tiles(device: str) -> bool:
@@ -168,34 +188,6 @@ def device_build() -> bool:
     import llama_cpp
 
     return bool(llama_cpp.llama_supports_gpu_offload())
-
-
-def _set_default(function: Callable[..., object], name: str, value: object) -> None:
-    """Change one parameter's default in place, keyword-only or not, so that every caller that omits it gets `value`."""
-    if function.__kwdefaults__ and name in function.__kwdefaults__:
-        function.__kwdefaults__[name] = value
-        return
-    code = function.__code__
-    positional = code.co_varnames[: code.co_argcount]
-    defaults = list(function.__defaults__ or ())
-    defaults[positional.index(name) - (len(positional) - len(defaults))] = value
-    function.__defaults__ = tuple(defaults)
-
-
-def _offload_by_default() -> None:
-    from clef_gguf.llama.backbone import Backbone
-    from clef_gguf.llama.mtmd import VisionEncoder
-    from clef_gguf.llama.native_head import NativeHead
-    from clef_gguf.runtime import model
-
-    _set_default(model.ClefModel.__init__, "n_gpu_layers", -1)
-    _set_default(Backbone.__init__, "n_gpu_layers", -1)
-    _set_default(NativeHead.__init__, "gpu", True)
-    _set_default(VisionEncoder.__init__, "use_gpu", True)
-    os.environ["CLEF_GGUF_N_GPU_LAYERS"] = "-1"
-    import live_server
-
-    live_server.HEALTH_TIMEOUT_S = 1200.0  # a served process compiles the device's pipelines before /health
 
 
 class Workspace:
@@ -286,7 +278,7 @@ def oracle_probabilities(ws: Workspace) -> Callable[[str, str], dict[str, dict[s
     return compute
 
 
-# --- Ray (engineer H3's block) ----------------------------------------------------------------------------------------
+# --- Ray --------------------------------------------------------------------------------------------------------------
 # One local Ray cluster on loopback for the whole session, this process its driver: test_ray_serve, test_ray_dataset
 # and test_adapter_refusals' Ray cases join it (their library calls in process, their `clef-gguf`
 # subprocesses through RAY_ADDRESS). Started by the first test that asks for it, stopped at the session's end: a

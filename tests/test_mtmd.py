@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import f16_tiles
+from conftest import f16_tiles, offloaded
 from transformers import Qwen3_5ForConditionalGeneration
 
 from clef_gguf.check.mmproj import describe_mmproj
@@ -23,6 +23,7 @@ from clef_gguf.format import vision as V
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.backbone import Backbone, prompt_positions
 from clef_gguf.llama.mtmd import VisionEncoder
+from clef_gguf.settings import offload_default
 
 pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
 
@@ -40,7 +41,7 @@ F16_TILES_TOLERANCE = {"f32": 0.03, "f16": 0.03, "bf16": 0.05, "q8_0": 0.1}
 @pytest.fixture(scope="module")
 def backbone(ws):
     f = open_validated(ws.gguf("untied_f32", "f32"))
-    b = Backbone(f.file, max_prompt_tokens=512, n_threads=2)
+    b = Backbone(f.file, max_prompt_tokens=512, n_threads=2, n_gpu_layers=offload_default())
     yield b
     b.close()
     f.close()
@@ -58,7 +59,7 @@ def token_limits(mmproj) -> tuple[int, int]:
 
 def encoder(mmproj, backbone: Backbone) -> VisionEncoder:
     low, high = token_limits(mmproj)
-    return VisionEncoder(mmproj, backbone.model, n_threads=2, min_tokens=low, max_tokens=high)
+    return VisionEncoder(mmproj, backbone.model, n_threads=2, use_gpu=offloaded(), min_tokens=low, max_tokens=high)
 
 
 @pytest.mark.parametrize("file_type", list(MMPROJ_TYPES))
@@ -137,10 +138,10 @@ def test_the_tower_in_llama_cpp_is_the_release_tower(ws, backbone, reference_emb
 
 def test_mtmd_refuses_an_mmproj_of_another_width(ws):
     f = open_validated(ws.gguf("k256", "f32"))  # hidden size 256; the mmproj's embeddings are 64 wide
-    b = Backbone(f.file, max_prompt_tokens=64, n_threads=2)
+    b = Backbone(f.file, max_prompt_tokens=64, n_threads=2, n_gpu_layers=offload_default())
     try:
         with pytest.raises(ModelFileError, match="mismatch between text model"):
-            VisionEncoder(ws.mmproj("untied_f32", "f32"), b.model, n_threads=2)
+            VisionEncoder(ws.mmproj("untied_f32", "f32"), b.model, n_threads=2, use_gpu=offloaded())
     finally:
         b.close()
         f.close()

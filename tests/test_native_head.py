@@ -10,7 +10,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import f16_tiles
+from conftest import f16_tiles, offloaded
 from gguf import GGMLQuantizationType as GT
 from numpy_head import lexical_rows, reference_head
 
@@ -66,7 +66,7 @@ def test_native_head_equals_the_numpy_reference(ws, release, file_type, head_typ
     try:
         config = hparams.head_config(f.header)
         reference = reference_head(f, config)
-        native = NativeHead(f, config, n_threads=2)
+        native = NativeHead(f, config, n_threads=2, gpu=offloaded())
         # such a device's rounding is what the split products undo (head_graph.cpp), at the same tolerance; the CPU's
         # F32 products never split; elsewhere the probe decides (F32 products in TF32 round their inputs too)
         assert native.split_products if f16_tiles(native.device) else native.device != "CPU" or not native.split_products
@@ -98,7 +98,7 @@ def test_span_means_split_into_chunks_give_the_same_logits(ws):
         prompt = random_prompt(rng, 6000, f.header.tensors["token_embd.weight"].shape[0], 64, 40)
         hidden = rng.normal(0.0, 1.0, size=(6000, config.hidden_size)).astype(np.float32)
         expected = reference_head(f, config)(hidden, prompt, lexical_rows(f, prompt))
-        head = NativeHead(f, config, n_threads=2)
+        head = NativeHead(f, config, n_threads=2, gpu=offloaded())
         got = head(hidden, prompt)
         np.testing.assert_allclose(np.concatenate(got), np.concatenate(expected), rtol=1e-4, atol=1e-4)
     finally:
@@ -136,7 +136,7 @@ def test_decide_uses_the_native_head(ws):
 def test_bad_spans_and_tokens_are_errors_not_crashes(ws):
     path = ws.gguf("untied_f32", "f32")
     f = GGUFFile.open(path)
-    head = NativeHead(f, hparams.head_config(f.header), n_threads=1)
+    head = NativeHead(f, hparams.head_config(f.header), n_threads=1, gpu=offloaded())
     f.close()
     rng = np.random.default_rng(2)
     prompt = random_prompt(rng, 20, 100, 1, 2)
@@ -215,10 +215,10 @@ def test_validate_and_the_native_head_accept_the_same_types(ws, tmp_path, name, 
         config = hparams.head_config(f.header)
         if accepted:
             assert report.ok, report.summary
-            NativeHead(f, config, n_threads=1).close()
+            NativeHead(f, config, n_threads=1, gpu=offloaded()).close()
         else:
             assert [p.check for p in report.problems] == ["types"] and name in report.summary
             with pytest.raises(ModelFileError, match=rf"{name} is \w+, (which the head does not run|expected F32)"):
-                NativeHead(f, config, n_threads=1)
+                NativeHead(f, config, n_threads=1, gpu=offloaded())
     finally:
         f.close()

@@ -6,6 +6,7 @@ import re
 
 import pytest
 from cli_helpers import run_cli  # the CLI in this process
+from conftest import device_build
 
 import clef_gguf
 from clef_gguf.errors import SettingsError
@@ -52,14 +53,16 @@ def test_the_plan_is_what_llama_cpp_allocates(ws, default_gpu_layers, offload):
     on the device, as the plan says."""
     path, n_ctx = ws.gguf("k256", "q4_k_m"), 1024
     n_gpu_layers = default_gpu_layers if offload == "default" else 0
-    plan = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers)
+    # A CPU build ignores the offload asked for (the device set's rehearsal on the CPU): it allocates as for none.
+    on_device = n_gpu_layers if device_build() else 0
+    plan = memory_plan(path, n_ctx, n_gpu_layers=on_device)
     allocated = _allocated(path, max_prompt_tokens=n_ctx, n_gpu_layers=n_gpu_layers)
-    side = "device" if n_gpu_layers else "host"
+    side = "device" if on_device else "host"
     for kind, component in (("KV", "KV cache"), ("RS", "recurrent state"), ("compute", "compute buffer")):
         line = _line(plan, component)
         planned = line.device_bytes if side == "device" else line.host_bytes
         assert _close(planned, allocated[kind, side]), (component, planned, allocated)
-    if n_gpu_layers:
+    if on_device:
         weights = _line(plan, "backbone weights").device_bytes + _line(plan, "identity LM head").device_bytes
         assert _close(weights, allocated["model", "device"]), (weights, allocated)
     else:
@@ -210,8 +213,9 @@ def test_an_adapter_is_planned_as_llama_cpp_allocates_its_lora(ws, default_gpu_l
 
     path, n_ctx = ws.gguf("k256", "q4_k_m"), 1024
     n_gpu_layers = default_gpu_layers if offload == "default" else 0
-    plan = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers, adapters=k256_adapters)
-    alone = memory_plan(path, n_ctx, n_gpu_layers=n_gpu_layers)
+    on_device = n_gpu_layers if device_build() else 0  # (a CPU build ignores the offload)
+    plan = memory_plan(path, n_ctx, n_gpu_layers=on_device, adapters=k256_adapters)
+    alone = memory_plan(path, n_ctx, n_gpu_layers=on_device)
     assert [a.adapter for a in plan.adapters] == [str(p) for p in k256_adapters]
     assert plan.device_bytes + plan.host_bytes - alone.device_bytes - alone.host_bytes == plan.adapter_bytes > 0
     request = {"state": "s", "questions": {"q": {"type": "noul"}}}
@@ -230,7 +234,7 @@ def test_an_adapter_is_planned_as_llama_cpp_allocates_its_lora(ws, default_gpu_l
             f = GGUFFile.open(adapter)
             head = adapter_head_bytes(base, f)
             f.close()
-            assert (cost.head_device_bytes, cost.head_host_bytes) == ((head, 0) if n_gpu_layers else (0, head))
+            assert (cost.head_device_bytes, cost.head_host_bytes) == ((head, 0) if on_device else (0, head))
     finally:
         base.close()
 

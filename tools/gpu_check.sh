@@ -30,6 +30,11 @@
 #   automatic flash-attention setting falls back to the regular path, for the benchmark's
 #   bare llama.cpp and for clef-gguf alike.
 #
+# rehearse: here, with no GPU, what run does once installed, in this machine's python3 as it is (nothing installed):
+#   the head check (the CPU reported, not refused), each measuring program started with its arguments and --help (its
+#   imports and its options), and the device set's pytest on PYTEST ARGS (e.g. a few node ids; tests/test_device_set.py
+#   runs it so): what breaks run without a GPU shows here, not in a GPU machine's minutes.
+#
 # On the GPU machine, the checkout copied there with its .gpu/ folder: bash tools/gpu_check.sh run
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -136,18 +141,38 @@ run() {
 
     echo "== clef-gguf (its native head against that ggml)"
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-    python3 - <<'EOF'
+    measure run "$out" "$start"
+}
+
+rehearse() {
+    local out=${OUT:-$BUNDLE/out}
+    mkdir -p "$out"
+    exec > >(tee "$out/gpu_check.log") 2>&1
+    echo "== rehearsal: no GPU; $(python3 -c 'import sys; print(sys.prefix)') as installed, nothing installed"
+    measure rehearse "$out" "$SECONDS" "$@"
+}
+
+measure() {
+    # What run does once installed ($1 run), or its rehearsal without a GPU ($1 rehearse, then the device set's
+    # pytest arguments): the head check, then each step cut off where the budget ends.
+    local mode=$1 out=$2 start=$3
+    shift 3
+    MODE=$mode python3 - <<'EOF'
+import os
+
 import clef_gguf
 from importlib import resources
 model = clef_gguf.load(resources.files("clef_gguf") / "data" / "demo.gguf", n_gpu_layers=-1)
 print("demo model's head runs on", model.head.device)
-assert model.head.device.startswith("CUDA"), model.head.device
+assert model.head.device.startswith("CUDA") or os.environ["MODE"] == "rehearse", model.head.device
 EOF
     echo "   ready after $((SECONDS - start)) s"
+    local help=()
+    [[ $mode == rehearse ]] && help=(--help)  # each program parses its arguments, then stops
 
     # Each step is cut off where the budget ends (timeout's status 124), so that the log says how far it got.
     export PYTHONUNBUFFERED=1
-    local budget=${GPU_CHECK_BUDGET:-570}
+    local budget=${GPU_CHECK_BUDGET:-570} failed=0
     step() {
         local name=$1 left=$((budget - SECONDS + start))
         shift
@@ -156,27 +181,34 @@ EOF
             echo "!! not run: the budget is spent"
             return
         fi
-        timeout "$left" "$@" || echo "!! $name: exit status $? (124: cut off by the budget)"
+        timeout "$left" "$@" || {
+            echo "!! $name: exit status $? (124: cut off by the budget)"
+            failed=$((failed + 1))
+        }
         echo "   after $((SECONDS - start)) s"
     }
-    step "GPU vs CPU decisions on the fixtures" python3 tools/compare_devices.py
-    step "four tickets alone and batched" python3 tools/bench/bench_batch.py --types f32 q4_k_m --rounds 9 --n-gpu-layers -1
+    step "GPU vs CPU decisions on the fixtures" python3 tools/compare_devices.py "${help[@]}"
+    step "four tickets alone and batched" python3 tools/bench/bench_batch.py --types f32 q4_k_m --rounds 9 --n-gpu-layers -1 \
+        "${help[@]}"
     # The device set (tests/conftest.py): every model, head and vision tower the tests load on the GPU. A test
     # module whose packages this machine lacks (the released clients) fails to collect; the rest runs.
-    step "the device set" python3 -m pytest -m device --on-device -q -p no:cacheprovider --continue-on-collection-errors
-    step "the head against bare llama.cpp" python3 tools/bench/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out"
+    step "the device set" python3 -m pytest -m device --on-device -q -p no:cacheprovider --continue-on-collection-errors "$@"
+    step "the head against bare llama.cpp" python3 tools/bench/bench_head.py --n-gpu-layers -1 --repeats 10 --out "$out" \
+        "${help[@]}"
     # Clef-flash's shapes (random weights, written in a minute): plan for 8 GiB, what the card holds once loaded, and
     # the seeds' request (three questions) on the GPU; against llama-server where a CUDA one is in .gpu/bin.
     step "Clef-flash-shaped Q4_K_M on the GPU" python3 tools/shaped_model.py /tmp/shaped --plan --vram 8GiB --time \
-        --n-gpu-layers -1 --bin "$BUNDLE/bin"
-    echo "== done in $((SECONDS - start)) s"
+        --n-gpu-layers -1 --bin "$BUNDLE/bin" "${help[@]}"
+    echo "== done in $((SECONDS - start)) s, $failed steps failed"
+    ((failed == 0))  # (run's log says which; a rehearsal's exit status says whether)
 }
 
 case "${1:-}" in
     prepare) prepare ;;
     run) run ;;
+    rehearse) rehearse "${@:2}" ;;
     *)
-        echo "usage: bash tools/gpu_check.sh prepare|run" >&2
+        echo "usage: bash tools/gpu_check.sh prepare|run|rehearse [PYTEST ARGS...]" >&2
         exit 2
         ;;
 esac

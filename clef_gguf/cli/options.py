@@ -12,7 +12,18 @@ from typing import Annotated, Any, get_type_hints
 import typer
 
 from ..errors import SettingsError
-from ..settings import AdapterSet, DataFiles, LoadOptions, LogFormat, ServeSettings, body_limit, bounds_of, help_of, parse_size
+from ..settings import (
+    AdapterSet,
+    DataFiles,
+    LoadOptions,
+    LogFormat,
+    ServeSettings,
+    body_limit,
+    bounds_of,
+    help_of,
+    offload_default,
+    parse_size,
+)
 from .errors import fail
 
 
@@ -21,13 +32,29 @@ def _load(name: str, table: type = LoadOptions) -> Any:
     return {"help": help_of(table, name), **bounds_of(table, name)}
 
 
+def gpu_layers_default(unset: int) -> Callable[[int | None], int]:
+    """-ngl's value: the flag's, else settings.offload_default(unset) (CLEF_GGUF_N_GPU_LAYERS), refused as a usage
+    error where that is no integer."""
+
+    def value(given: int | None) -> int:
+        if given is not None:
+            return given
+        try:
+            return offload_default(unset)
+        except SettingsError as e:
+            raise typer.BadParameter(str(e)) from None
+
+    return value
+
+
 GpuLayers = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--n-gpu-layers",
         "-ngl",
-        envvar="CLEF_GGUF_N_GPU_LAYERS",  # as llama-server's LLAMA_ARG_N_GPU_LAYERS: for a fixed command line
         help=help_of(LoadOptions, "n_gpu_layers"),
+        show_default=False,
+        callback=gpu_layers_default(0),
     ),
 ]
 MaxPrompt = Annotated[

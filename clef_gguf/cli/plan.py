@@ -11,14 +11,25 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..settings import LoadOptions, parse_size
+from ..settings import N_GPU_LAYERS_ENV, LoadOptions, parse_size
 from .errors import line, run
-from .options import GpuLayers, Mmproj, Parallel, Threads, Ubatch, check_ubatch
+from .options import Mmproj, Parallel, Threads, Ubatch, check_ubatch, gpu_layers_default
 
 if TYPE_CHECKING:
     from ..llama.plan import Plan
 
 MIB = 1 << 20
+# A plan is for a card: every layer on it unless told otherwise (load's own default is the CPU alone).
+PlanGpuLayers = Annotated[
+    int | None,
+    typer.Option(
+        "--n-gpu-layers",
+        "-ngl",
+        help=f"Backbone layers to plan on the device (-1: all; 0: the CPU alone). Default: ${N_GPU_LAYERS_ENV}, else -1.",
+        show_default=False,
+        callback=gpu_layers_default(-1),
+    ),
+]
 
 
 def plan(
@@ -31,7 +42,7 @@ def plan(
     ] = LoadOptions.max_prompt_tokens,
     ubatch: Ubatch = None,
     parallel: Parallel = LoadOptions.parallel,
-    n_gpu_layers: GpuLayers = -1,
+    n_gpu_layers: PlanGpuLayers = None,
     mmproj: Mmproj = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
     n_threads: Threads = LoadOptions.n_threads,
