@@ -8,6 +8,11 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import json
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -202,3 +207,28 @@ def test_a_tensor_the_view_cannot_fill_is_a_one_line_error(ws, monkeypatch):
         L.llama_model_free(model)
     finally:
         f.close()
+
+
+# A process that loads llama-cpp-python's libraries from LLAMA_CPP_LIB_PATH (a copy of them here), decides on the
+# portable route (both of ggml-base's users: the rows and the view's loader), and lists the ggml-base files it maps.
+ONE_GGML = """
+import json
+import clef_gguf
+from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
+
+with clef_gguf.load(DEMO_MODEL, max_prompt_tokens=512, state_cache=0) as model:
+    model.decide(json.loads(DEMO_REQUEST.read_text()))
+print(json.dumps(sorted({line.split()[-1] for line in open("/proc/self/maps") if "ggml-base" in line})))
+"""
+
+
+@pytest.mark.slow
+def test_ggml_base_is_bound_once_from_llama_cpps_own_folder(tmp_path):
+    """One ggml in the process, the one libllama links, where LLAMA_CPP_LIB_PATH says llama-cpp-python's libraries are
+    (a second copy, with its own globals, beside the one llama.cpp uses would be a second ggml)."""
+    libraries = Path(shutil.copytree(Path(L.__file__).parent / "lib", tmp_path / "lib"))
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(libraries), LOADER_ENV: "portable"}
+    run = subprocess.run([sys.executable, "-c", ONE_GGML], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    mapped = json.loads(run.stdout.splitlines()[-1])
+    assert len(mapped) == 1 and Path(mapped[0]).parent == libraries, mapped

@@ -8,35 +8,14 @@ values llama.cpp's get_rows would, for every type, in one call per gather.
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
-import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from ..errors import ModelFileError
 from ..format.header import GGUFFile
+from .ggml_base import ggml_base
 
-
-class _TypeTraits(ctypes.Structure):
-    _fields_ = [
-        ("type_name", ctypes.c_char_p),
-        ("blck_size", ctypes.c_int64),
-        ("blck_size_interleave", ctypes.c_int64),
-        ("type_size", ctypes.c_size_t),
-        ("is_quantized", ctypes.c_bool),
-        ("to_float", ctypes.c_void_p),
-        ("from_float_ref", ctypes.c_void_p),
-    ]
-
-
-# The file libllama links (its soname; on macOS its install name, on Windows its DLL name), so that this is the ggml
-# already in the process, not a second copy: a wheel holds copies, not links, of libggml-base.so and .so.0.
-GGML_BASE = {"win32": "ggml-base.dll", "darwin": "libggml-base.0.dylib"}.get(sys.platform, "libggml-base.so.0")
-_ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / GGML_BASE))
-_ggml.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
-_ggml.ggml_get_type_traits.argtypes = [ctypes.c_int]
 _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
 
 
@@ -48,7 +27,7 @@ class RowTable:
         self.name, self.type = name, t.type
         self.n_rows, self.width = t.shape
         self._rows = f.tensor_bytes(name).reshape(self.n_rows, -1)
-        traits = _ggml.ggml_get_type_traits(int(t.type)).contents
+        traits = ggml_base().ggml_get_type_traits(int(t.type)).contents
         self._to_float = _TO_FLOAT(traits.to_float) if traits.to_float else None
 
     def rows(self, ids: np.ndarray | list[int]) -> np.ndarray:

@@ -21,16 +21,13 @@ buffer's copies them over).
 from __future__ import annotations
 
 import ctypes
-import os
 import re
-from functools import cache
-from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
-from llama_cpp._ctypes_extensions import load_shared_library
 
 from ..errors import ModelFileError
+from .ggml_base import GgufInitParams, ggml_base
 from .qwen35_view import F32, View
 
 # The optional tensors llama.cpp creates for qwen35 that a Clef backbone has none of, and the value that makes each
@@ -39,44 +36,10 @@ IDENTITIES = ((re.compile(r"^blk\.\d+\.attn_[qkv]\.bias$"), -0.0), (re.compile(r
 _SET_TENSOR_DATA = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)  # llama_model_set_tensor_data_t
 
 
-class _InitParams(ctypes.Structure):
-    """struct gguf_init_params (gguf.h)."""
-
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
 class _TensorHead(ctypes.Structure):
     """The first fields of struct ggml_tensor (ggml.h): ggml has no accessor for a tensor's buffer."""
 
     _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p)]
-
-
-_p, _size = ctypes.c_void_p, ctypes.c_size_t
-_PROTOTYPES = {
-    "gguf_init_from_buffer": (_p, [ctypes.c_char_p, _size, _InitParams]),
-    "gguf_free": (None, [_p]),
-    "ggml_get_name": (ctypes.c_char_p, [_p]),
-    "ggml_get_data": (_p, [_p]),
-    "ggml_nbytes": (_size, [_p]),
-    "ggml_backend_buffer_is_host": (ctypes.c_bool, [_p]),
-    "ggml_backend_tensor_set": (None, [_p, _p, _size, _size]),
-}
-
-
-def library_dir() -> Path:
-    """Where llama-cpp-python keeps its shared libraries, as llama_cpp/llama_cpp.py finds them (LLAMA_CPP_LIB_PATH)."""
-    override = os.environ.get("LLAMA_CPP_LIB_PATH")
-    return Path(override) if override else Path(L.__file__).parent / "lib"
-
-
-@cache
-def _ggml() -> ctypes.CDLL:
-    """ggml-base, already loaded by libllama (the same object again): libggml-base.so, .dylib, or ggml-base.dll."""
-    lib = load_shared_library("ggml-base", library_dir())
-    for name, (restype, argtypes) in _PROTOTYPES.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = restype, argtypes
-    return lib
 
 
 class _Filler:
@@ -96,7 +59,7 @@ class _Filler:
             self.error = str(e) or type(e).__name__
 
     def _fill(self, tensor: int) -> None:
-        lib = _ggml()
+        lib = ggml_base()
         name, size = lib.ggml_get_name(tensor).decode(), lib.ggml_nbytes(tensor)
         head = _TensorHead.from_address(tensor)
         extent = self.view.extents.get(name)
@@ -122,8 +85,8 @@ class _Filler:
 def load(view: View, params: L.llama_model_params) -> L.llama_model_p | None:
     """The model llama.cpp builds from the view, or None where it refused it (llama/log.py has its reason);
     ModelFileError where the view could not fill a tensor."""
-    lib = _ggml()
-    metadata = lib.gguf_init_from_buffer(view.header, len(view.header), _InitParams(True, None))
+    lib = ggml_base()
+    metadata = lib.gguf_init_from_buffer(view.header, len(view.header), GgufInitParams(True, None))
     if not metadata:
         raise ModelFileError("ggml could not read the view's header")
     filler = _Filler(view)
