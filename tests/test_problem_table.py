@@ -44,10 +44,10 @@ from clef_gguf.errors import (
     RequestTooLargeError,
 )
 from clef_gguf.runtime.failures import Failure, Invalid, error_object, from_request_error, internal, problem_of
+from clef_gguf.runtime.prompt import Request
+from clef_gguf.server.observe import REQUEST_ID_HEADER, X_REQUEST_ID
 from clef_gguf.server.problems import (
-    REQUEST_ID_HEADER,
     ROW_HEADERS,
-    X_REQUEST_ID,
     ApiError,
     headers_of,
     overloaded,
@@ -319,3 +319,13 @@ def test_a_dataset_line_holds_what_the_server_answers(error: Exception) -> None:
     status, _, body = render_problem("/v1/systemone", problem)
     assert error_object(problem) == {"status": status, **json.loads(body)}
     assert "/srv/" not in body.decode()
+
+
+@pytest.mark.parametrize("sent", [{"model": "x"}, {"model": "clef-flash", "lora": "x"}])
+def test_a_model_that_cannot_be_used_is_a_422_at_the_field_that_named_it(sent: dict[str, str]) -> None:
+    """Refused at intake (the body as sent) or once decided (the parsed request's Request.named_by): one answer."""
+    error = IncompleteModelError("/srv/tunes/x.adapter.gguf: not an adapter")
+    parsed = Request(sent["model"], "s", (), lora=sent.get("lora"))
+    field = "lora" if "lora" in sent else "model"
+    expected = {"detail": [{"loc": ["body", field], "msg": "x.adapter.gguf: not an adapter", "type": "value_error"}]}
+    assert problem_of(error, sent).body() == problem_of(error, None, parsed.named_by).body() == expected

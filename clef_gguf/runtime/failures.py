@@ -60,12 +60,16 @@ def internal(error: BaseException) -> Failure:
     return Failure(INTERNAL, without_folders(f"internal error: {type(error).__name__}: {error}"))
 
 
-def model_refused(error: Exception, body: Any) -> Invalid:
+def model_refused(error: Exception, named_by: str) -> Invalid:
     """A request naming a model that is served but whose file cannot be used (not an adapter, another base's,
-    damaged, a model file): a 422 at the field that named it (Workers AI's `lora`, else `model`), as an unknown name
-    gets, the file named without its folder. The request is sound; the client may name another model."""
-    named = "lora" if isinstance(body, dict) and body.get("lora") is not None else "model"
-    return Invalid(["body", named], without_folders(str(error)), "value_error")
+    damaged, a model file): a 422 at the field that named it (`named_by`: Workers AI's `lora`, else `model`), as an
+    unknown name gets, the file named without its folder. The request is sound; the client may name another model."""
+    return Invalid(["body", named_by], without_folders(str(error)), "value_error")
+
+
+def named_by(body: Any) -> str:
+    """The field of a request body, as sent, that names its model: prompt.Request.named_by's rule before parsing."""
+    return "lora" if isinstance(body, dict) and body.get("lora") is not None else "model"
 
 
 def location(field_path: str | None, body: Any) -> Location:
@@ -107,10 +111,11 @@ def from_request_error(error: RequestError, body: Any) -> Failure | Invalid:
     return Invalid(location(error.field, body), error.reason, "missing" if error.reason == "is required" else "value_error")
 
 
-def problem_of(error: Exception, body: Any) -> Failure | Invalid:
-    """What a client is answered for an error of encoding or deciding `body`, by the error's row (errors.py): a
-    RequestError's (from_request_error); INVALID for a model file that cannot be used (all a request meets of those
-    is the adapter it names: model_refused's 422); INTERNAL for any error the server did not expect (ComputeError, a
+def problem_of(error: Exception, body: Any, named: str | None = None) -> Failure | Invalid:
+    """What a client is answered for an error of encoding or deciding `body` (the request as sent, or None once it
+    is parsed: then `named` is its Request.named_by), by the error's row (errors.py): a RequestError's
+    (from_request_error); INVALID for a model file that cannot be used (all a request meets of those is the adapter
+    it names: model_refused's 422); INTERNAL for any error the server did not expect (ComputeError, a
     ModelOutputError's NaN, any other exception); any other row with the error's message, its folders cut
     (ADAPTER_UNAVAILABLE: a file gone or changed for now)."""
     if isinstance(error, RequestError):
@@ -119,7 +124,7 @@ def problem_of(error: Exception, body: Any) -> Failure | Invalid:
     if kind is INTERNAL:
         return internal(error)
     if kind is INVALID:
-        return model_refused(error, body)
+        return model_refused(error, named or named_by(body))
     return Failure(kind, without_folders(str(error)))
 
 

@@ -53,8 +53,13 @@ class Request:
     lora: str | None = None  # Workers AI's name of a fine-tune: the model it picks, over `model`
 
     @property
+    def named_by(self) -> str:
+        """The field that names the model: Workers AI's `lora` where it is given, else System One's `model`."""
+        return "lora" if self.lora is not None else "model"
+
+    @property
     def named(self) -> str | None:
-        """The model the request names: Workers AI's `lora`, else System One's `model`."""
+        """The model the request names (in its field named_by)."""
         return self.lora if self.lora is not None else self.model
 
 
@@ -100,6 +105,11 @@ class EncodedPrompt:
     def model_name(self) -> str:
         """The name its answer's `model` and the metrics' label give its model."""
         return self.model.name if self.model is not None else ""
+
+    @property
+    def named_by(self) -> str:
+        """The request's field that named its model (Request.named_by): where a 422 about that model points."""
+        return self.request.named_by
 
 
 # --- Validation -------------------------------------------------------------------------------------------

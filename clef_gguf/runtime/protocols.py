@@ -48,6 +48,9 @@ class Prompt(Protocol):
     @property
     def model_name(self) -> str: ...  # that model's name, as its answer gives it (the metrics' label)
 
+    @property
+    def named_by(self) -> str: ...  # the request's field that named the model (prompt.Request.named_by): where a 422 points
+
 
 class Encoder(Protocol):
     """What the server's app and its intake use of a ClefModel: a runtime.encoder.PromptEncoder is one too."""

@@ -37,8 +37,8 @@ from . import workers_ai
 from .guard import Names, OwnOrigin, send_problem
 from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
-from .observe import Observed, note_decision
-from .problems import ApiError, overloaded, render_problem, response_headers, starlette_problem
+from .observe import Observed, note_decision, response_headers
+from .problems import ApiError, overloaded, render_problem, starlette_problem
 from .ui import mount_ui
 from .worker import ComputeScheduler, Scheduler
 
@@ -84,13 +84,6 @@ def _models_listing(model: Encoder) -> dict[str, Any]:
             *tunes,
         ]
     }
-
-
-def _named(prompt: Any) -> dict[str, Any]:
-    """The field of a prompt's request that named its model ({"lora": ...} or {"model": ...}): where a 422 points."""
-    request = getattr(prompt, "request", None)
-    lora = getattr(request, "lora", None)
-    return {"lora": lora} if lora is not None else {"model": getattr(request, "model", None)}
 
 
 def _problem(request: Request, problem: Failure | Invalid) -> Response:
@@ -172,7 +165,7 @@ class Service:
             # An adapter's file refused, or gone or changed since intake, when it was loaded to decide (here or on a
             # Ray replica, whose error arrives as raised): a 4xx, or 503 for now (no room for its copy too), as intake
             # maps it.
-            raise problem_of(e, _named(prompt)) from e
+            raise problem_of(e, None, prompt.named_by) from e
         self.metrics.decided(prompt, decision)
         note_decision(request, prompt, decision)
         # Server-Timing tells a client where its latency went: reading, waiting, deciding (with how many others),

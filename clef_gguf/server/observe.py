@@ -1,8 +1,8 @@
 """Each request's id, access log line and metrics: the app's outermost middleware of its own.
 
-The id is the client's X-Request-Id when it is one to repeat (problems.accepted_request_id), else a new one; every
-answer to the request carries it (problems.response_headers reads it from the request's context), and its one
-access log line names it. The line is written when the answer is complete, with what the request cost: its
+The id is the client's X-Request-Id when it is one to repeat (accepted_request_id), else a new one; every answer to
+the request carries it (response_headers reads it from the request's context, problems.render_problem's errors
+included), and its one access log line names it. The line is written when the answer is complete, with what the request cost: its
 prompt tokens and cached tokens when it was decided (app.py notes them on the request's Record).
 
 uvicorn's own access log stays off (run.py), and so does Ray Serve's (ray_serve.py): this line is the only one.
@@ -16,25 +16,55 @@ import queue
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import INTERNAL
-from ..runtime.protocols import Prompt
 from ..settings import LogFormat
-from .metrics import Metrics
-from .problems import REQUEST_ID_HEADER, X_REQUEST_ID, accepted_request_id, current_request_id
-from .worker import Decision
+
+if TYPE_CHECKING:  # (problems.py renders every error with response_headers: this module imports none of the server's)
+    from ..runtime.protocols import Prompt
+    from .metrics import Metrics
+    from .worker import Decision
 
 ACCESS_LOGGER = "clef_gguf.access"
 UNMATCHED = "unmatched"  # the route label of a path no route has: one label, whatever paths clients try
 _RECORD = "clef_record"  # its key in the request's scope["state"]
-_ID_HEADER = X_REQUEST_ID.encode()
 
 access_log = logging.getLogger(ACCESS_LOGGER)
+
+REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
+X_REQUEST_ID = "x-request-id"  # the common name (proxies, tracing): a client's own id is taken from it
+MAX_REQUEST_ID = 128  # characters of a client's id kept; a longer one is replaced
+# The id of the request being answered, set per request (each is a task of its own) by Observed, so that every
+# answer to it, an error rendered anywhere included, carries the one id its access log line names.
+current_request_id: ContextVar[str | None] = ContextVar("clef_request_id", default=None)
+_ID_HEADER = X_REQUEST_ID.encode()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def accepted_request_id(value: str | None) -> str:
+    """A client's X-Request-Id if it is one to repeat in headers and log lines (1 to MAX_REQUEST_ID visible ASCII
+    characters: no spaces, no control characters to forge a log line with), else a new one."""
+    if value and len(value) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in value):
+        return value
+    return new_request_id()
+
+
+def response_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The headers of every answer: the request's id, under both names (typesafe-sdk's and X-Request-Id), and
+    `extra`. Outside a request (the HTTP protocol's own refusals, protocol.py) a new id."""
+    request_id = current_request_id.get() or new_request_id()
+    return {REQUEST_ID_HEADER: request_id, X_REQUEST_ID: request_id, **(extra or {})}
 
 
 @dataclass

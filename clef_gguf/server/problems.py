@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +29,7 @@ from ..errors import (
     Problem,
 )
 from ..runtime.failures import Failure, Invalid
+from .observe import response_headers  # (each answer carries its request's id)
 
 # The headers every answer of a row carries. A client may retry an OVERLOADED or an ADAPTER_UNAVAILABLE (a file being
 # replaced) in a second, an UNAVAILABLE later; a late body's connection must not be reused (the head late: the protocol
@@ -76,12 +75,6 @@ def overloaded(message: str, *, close: bool = False) -> ApiError:
     return ApiError(OVERLOADED, message, {"Connection": "close"} if close else {})
 
 
-REQUEST_ID_HEADER = "x-typesafe-request-id"  # typesafe-sdk exposes it as response.request_id
-X_REQUEST_ID = "x-request-id"  # the common name (proxies, tracing): a client's own id is taken from it
-MAX_REQUEST_ID = 128  # characters of a client's id kept; a longer one is replaced
-# The id of the request being answered, set per request (each is a task of its own) by observe.Observed, so that every
-# answer to it, an error rendered anywhere included, carries the one id its access log line names.
-current_request_id: ContextVar[str | None] = ContextVar("clef_request_id", default=None)
 # Cloudflare's REST API answers everything under its root in the envelope, a path that names no route included:
 # so does this server for any path under /accounts or /client/v4, however its slashes are doubled.
 _WORKERS_AI_PATH = re.compile(r"^/+(?:accounts|client/+v4)(?:/|$)")
@@ -95,25 +88,6 @@ def json_bytes(value: Any) -> bytes:
         return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
     except UnicodeEncodeError:
         return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def accepted_request_id(value: str | None) -> str:
-    """A client's X-Request-Id if it is one to repeat in headers and log lines (1 to MAX_REQUEST_ID visible ASCII
-    characters: no spaces, no control characters to forge a log line with), else a new one."""
-    if value and len(value) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in value):
-        return value
-    return new_request_id()
-
-
-def response_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The headers of every answer: the request's id, under both names (typesafe-sdk's and X-Request-Id), and
-    `extra`. Outside a request (the HTTP protocol's own refusals, protocol.py) a new id."""
-    request_id = current_request_id.get() or new_request_id()
-    return {REQUEST_ID_HEADER: request_id, X_REQUEST_ID: request_id, **(extra or {})}
 
 
 def is_workers_ai_path(path: str) -> bool:

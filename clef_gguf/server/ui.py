@@ -19,7 +19,7 @@ from ..runtime.catalog import JEV_ALIAS
 from ..runtime.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from ..runtime.images import MEDIA_TYPES as IMAGE_MEDIA_TYPES
 from ..runtime.prompt import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS
-from .problems import response_headers
+from .observe import response_headers
 
 UI_DIR = Path(__file__).with_name("ui")
 # The page's script: ES modules (main.js imports the others), served as they are, no build step.
