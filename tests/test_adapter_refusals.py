@@ -2,7 +2,7 @@
 file but never the server's folders; an adapter whose LoRA holds NaN or Inf, or whose alpha overflows, is refused by
 `validate BASE --adapter` and at load; llama-server's head-less variant is refused by decide and serve unless the
 base's head is asked for; names mean one thing (jev-latest, the names /v1/models lists, metrics by the name asked);
-and the same on Ray (issue 54, items 6 to 8).
+and the same on Ray.
 
 One `clef-gguf serve` on loopback over a folder of bad files (not GGUF, empty, truncated, a model, another base's
 adapter, NaN weights, alpha 1e6, llama-server's variant, one deleted after its first use) and one file under two names;

@@ -1,4 +1,4 @@
-"""One loaded adapter is one immutable thing (issue 54: items 1, 3, 5 and the catalog's part of 7).
+"""One loaded adapter is one immutable thing.
 
 An adapter file's version is read once into a private copy, validated, named by the identity of those bytes, and
 loaded from that copy (runtime/adapter_files.py, runtime/catalog.py). A file replaced on disk is a new version (a new

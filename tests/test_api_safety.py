@@ -1,6 +1,6 @@
 """The Python API refuses what it cannot answer, never crashes: a closed model, a prompt of another model, a forged
 prompt, a dict where a prompt belongs, an image prompt on a model without its vision tower. Each of these
-segfaulted, answered wrongly or raised a bare Python error before (issue 39)."""
+segfaulted, answered wrongly or raised a bare Python error before."""
 
 from __future__ import annotations
 

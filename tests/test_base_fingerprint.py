@@ -1,4 +1,4 @@
-"""A base told from its fine-tunes (issue 54, item 2): a merged fine-tune is no adapter's base.
+"""A base told from its fine-tunes: a merged fine-tune is no adapter's base.
 
 Over the k256 fixture (rows of 256: llama.cpp's K-quants apply), a PEFT checkpoint of every linear with lora_B scaled
 to 1/100 (its update's RMS about 7% of the weights' in the sampled rows, where clef-finetune's own `train` on the

@@ -1,4 +1,4 @@
-"""The dataset mode loses nothing and never ends in a traceback (issue 39): any readable input is read, every line gets
+"""The dataset mode loses nothing and never ends in a traceback: any readable input is read, every line gets
 its line, output errors are errors, --resume checks the model, image paths stay inside the data's folder, one writer
 per answers file."""
 

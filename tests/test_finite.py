@@ -1,4 +1,4 @@
-"""No model holding NaN or Inf is written, and plain validate finds one in a file's head (issue 46, F6).
+"""No model holding NaN or Inf is written, and plain validate finds one in a file's head.
 
 Checkpoints are made by hand in PEFT's layout (adapter/adapter_config.json, adapter/adapter_model.safetensors,
 joint_head.safetensors): one LoRA pair on layer 0's down_proj of the untied f32 fixture release.

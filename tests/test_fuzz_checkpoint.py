@@ -1,4 +1,4 @@
-"""Malformed checkpoints and safetensors headers: a clear ReleaseError (exit 3), never a traceback (issue 46, F7).
+"""Malformed checkpoints and safetensors headers: a clear ReleaseError (exit 3), never a traceback.
 
 The fuzz tests convert a hand-made checkpoint (tests/file_helpers.py's make_checkpoint) whose
 adapter_config.json, or whose adapter_model.safetensors header, hypothesis has damaged: the conversion either
@@ -69,7 +69,7 @@ def _safetensors(header: Any, data: bytes = DATA, length: int | None = None) -> 
     return struct.pack("<Q", len(text) if length is None else length) + text + data
 
 
-# --- The cases that gave tracebacks (F7), each named --------------------------------------------------
+# --- The cases that gave tracebacks, each named -----------------------------------------------------
 @pytest.mark.parametrize(
     ("key", "value", "said"),
     [
@@ -129,9 +129,9 @@ def test_the_cli_exits_3_on_r_0(ws, tmp_path):
     assert not out.exists()
 
 
-# --- F9, F17, F18 -----------------------------------------------------------------------------------------
+# --- Messages that said the wrong thing -----------------------------------------------------------------------------------------
 def test_a_rank_mismatch_names_the_weight_that_differs(ws, tmp_path):
-    """F9: was "adapter_config.json gives rank 4, its LoRA weights have rank 4"."""
+    """Was "adapter_config.json gives rank 4, its LoRA weights have rank 4"."""
     b = np.random.default_rng(2).normal(0, 0.05, (64, 3)).astype(np.float32)
     checkpoint = make_checkpoint(ws.release(RELEASE), tmp_path, a=np.zeros((4, 128), dtype=np.float32), b=b)
     message = _refusal(checkpoint, ws.release(RELEASE), tmp_path / "out.gguf")
@@ -139,7 +139,7 @@ def test_a_rank_mismatch_names_the_weight_that_differs(ws, tmp_path):
 
 
 def test_a_transposed_head_tensor_is_a_release_error(ws, tmp_path):
-    """F17: docs/finetune.md says a head that does not fit the base exits 3; a transposed one exited 4."""
+    """docs/finetune.md says a head that does not fit the base exits 3; a transposed one exited 4."""
     head = load_file(str(ws.release(RELEASE) / "joint_head.safetensors"))
     name = "evidence_layers.0.feedforward.0.weight"  # (64, 32)
     head[name] = np.ascontiguousarray(head[name].T)
@@ -151,7 +151,7 @@ def test_a_transposed_head_tensor_is_a_release_error(ws, tmp_path):
 
 
 def test_an_adapter_folder_that_is_a_symlink_loop_is_named(ws, tmp_path):
-    """F18: was "--base is for a clef-finetune checkpoint ...; this is not one"."""
+    """Was "--base is for a clef-finetune checkpoint ...; this is not one"."""
     checkpoint = make_checkpoint(ws.release(RELEASE), tmp_path)
     shutil.rmtree(checkpoint / "adapter")
     (checkpoint / "adapter").symlink_to("adapter")

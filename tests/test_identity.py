@@ -1,4 +1,4 @@
-"""A model's identity covers its weights (issue 46, F5): a base and its fine-tunes converted to the same type share
+"""A model's identity covers its weights: a base and its fine-tunes converted to the same type share
 their header (but for the release digest clef-gguf records, absent from llama.cpp's conversions), not their identity,
 so their prompts and answers files never mix; a copy of a file is the same model."""
 

@@ -1,4 +1,4 @@
-"""Issue 54, items 3 and 4, through the CLI (the demo model): what a command reads by path is refused at once when it
+"""Inputs and signals, through the CLI (the demo model): what a command reads by path is refused at once when it
 is not a regular file (a FIFO hung every command that opened one), a model given as an adapter is exit 6 everywhere
 (both in this process: cli_helpers), and every command stops within seconds of SIGINT or SIGTERM, whatever it waits
 on (a decision loop, a FIFO with no writer, Ray's connect in C++), with its partial output removed, exit 128+N (real

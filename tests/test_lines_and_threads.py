@@ -1,5 +1,5 @@
-"""JSON Lines read in bounded lines, --threads on every command that computes, and the messages of issue 46
-(F10, F12, F13, F19; eval reading stdin; one BOM rule; repeated ids; the help's metavars; a mistyped --base)."""
+"""JSON Lines read in bounded lines, --threads on every command that computes, and the messages
+that said too little (eval reading stdin; one BOM rule; repeated ids; the help's metavars; a mistyped --base)."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def test_eval_warns_of_repeated_ids_and_counts_them_in_json(tmp_path):
     assert "warning: id 't01' is on lines 1, 25 with contradictory labels for complaint" in run.stderr
 
 
-# --- F13: an NFD label for an NFC option ---------------------------------------------------------------
+# --- An NFD label for an NFC option ---------------------------------------------------------------
 def test_a_choice_label_matches_its_option_in_nfc():
     nfc = unicodedata.normalize("NFC", "café")
     nfd = unicodedata.normalize("NFD", "café")
@@ -186,7 +186,7 @@ def test_a_choice_label_matches_its_option_in_nfc():
         normalize_label(question, "cafe")
 
 
-# --- F12: calibrate's holdout ------------------------------------------------------------------------
+# --- calibrate's holdout ------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.1", "0.95"])
 def test_calibrate_refuses_a_holdout_that_is_no_share_in_one_line(value, tmp_path):
     run = cli("calibrate", str(DEMO_MODEL), str(LABELLED), "-o", str(tmp_path / "out.gguf"), "--holdout", value)
@@ -203,7 +203,7 @@ def test_too_few_questions_after_the_holdout_names_the_holdout(tmp_path):
     assert "after --holdout 0.5 held out" in message and "of the 72): lower --holdout" in message
 
 
-# --- F19: --resume after a half-written input line ---------------------------------------------------
+# --- --resume after a half-written input line ---------------------------------------------------
 def test_resume_after_a_half_written_input_line_says_what_to_do(demo_model, tmp_path):
     whole = json.dumps(DEMO).encode()
     source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
@@ -220,7 +220,7 @@ def test_resume_after_a_half_written_input_line_says_what_to_do(demo_model, tmp_
     assert decide_file(demo_model, str(source), str(kept), FileOptions(resume=True)).answered == 3  # what the message said works
 
 
-# --- F10, --base, the help ---------------------------------------------------------------------------
+# --- --base, the help --------------------------------------------------------------------------------
 def test_a_pseudo_file_system_is_no_place_for_a_model():
     with pytest.raises(OutputError, match=r"^/proc is on a file system that stores no files"):
         check_free_space(Path("/proc"), 1 << 20)

@@ -1,4 +1,4 @@
-"""A model is declared once (issue 55, items 1 and 2): one frozen ModelSpec (settings.py) that the API, the CLI and a
+"""A model is declared once: one frozen ModelSpec (settings.py) that the API, the CLI and a
 Ray config all build, and a model of two parts: the encoder (vocabulary, template and a catalog that needs no
 llama.cpp) and the decider. A request's model name is resolved once, into the prompt, and nothing looks it up again."""
 

@@ -1,4 +1,4 @@
-"""A llama-cpp-python whose libraries cannot load here (issue 42: a CUDA build on a machine without NVIDIA's driver)
+"""A llama-cpp-python whose libraries cannot load here (a CUDA build on a machine without NVIDIA's driver)
 is one clear error, never the dynamic loader's traceback: `import clef_gguf` works, and the first use, the CLI
 included, says what is wrong and what to do.
 

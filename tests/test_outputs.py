@@ -1,4 +1,4 @@
-"""One output rule for every command that writes (issue 46, item 1; clef_gguf/outputs.py): a special file is never
+"""One output rule for every command that writes (clef_gguf/outputs.py): a special file is never
 replaced, an input is never the output, nothing is overwritten without --force (reports included), of two runs
 exactly one creates OUT, and every such refusal comes before any work, one line, exit 9."""
 
@@ -56,7 +56,7 @@ def assert_device_intact(link: Path, device: str = "/dev/full") -> None:
     assert stat.S_ISCHR(os.stat(device).st_mode)
 
 
-# --- F1: a special file is never replaced, --force or not ---------------------------------------------------
+# --- A special file is never replaced, --force or not ---------------------------------------------------
 def test_convert_never_replaces_a_fifo_or_a_device(ws, tmp_path):
     release = ws.release("untied_f32")
     pipe = fifo(tmp_path / "out.gguf")
@@ -78,7 +78,7 @@ def test_calibrate_never_replaces_a_fifo_or_a_device(tmp_path):
     assert_device_intact(link)
 
 
-# --- F2: calibrate's DATA is an input too -----------------------------------------------------------------
+# --- calibrate's DATA is an input too -----------------------------------------------------------------
 def test_calibrate_never_writes_over_its_labelled_data(tmp_path):
     data = shutil.copy(DATA, tmp_path / "labelled.jsonl")
     before = data.read_bytes()
@@ -88,7 +88,7 @@ def test_calibrate_never_writes_over_its_labelled_data(tmp_path):
     assert data.read_bytes() == before
 
 
-# --- F3: reports are never overwritten unasked, nor their own input ------------------------------------------
+# --- Reports are never overwritten unasked, nor their own input ------------------------------------------
 def test_eval_refuses_a_report_folder_that_holds_its_reports_unless_forced(tmp_path):
     reports = tmp_path / "reports"
     reports.mkdir()
@@ -144,7 +144,7 @@ def test_decide_refuses_an_existing_answers_file_with_exit_9_as_the_other_comman
     assert out.read_text() == "precious\n"
 
 
-# --- F4: of two runs without --force, exactly one creates OUT ---------------------------------------------------
+# --- Of two runs without --force, exactly one creates OUT ---------------------------------------------------
 RACER = """
 import sys, time
 from pathlib import Path
@@ -204,7 +204,7 @@ def test_without_hard_links_the_name_is_claimed_exclusively(tmp_path, monkeypatc
     assert out.read_bytes() == b"second"
 
 
-# --- F11: every output check before any work -------------------------------------------------------------------
+# --- Every output check before any work -------------------------------------------------------------------
 def test_compare_checks_b_before_deciding_with_a(tmp_path):
     run = cli("compare", DEMO_MODEL, tmp_path / "missing.gguf", unopened_input(tmp_path), *CTX, timeout=QUICK)
     refused(run, "missing.gguf", code=5)
@@ -227,7 +227,7 @@ def test_calibrate_over_its_model_is_refused_before_deciding(tmp_path):
     assert model.read_bytes() == before
 
 
-# --- F14: decide streams into /dev/null and pipes; its model is an input ----------------------------------------
+# --- decide streams into /dev/null and pipes; its model is an input ----------------------------------------
 def test_decide_streams_into_dev_null_and_a_fifo(tmp_path):
     done = cli("decide", DEMO_MODEL, DATA, *CTX, "-o", "/dev/null")
     assert done.returncode == 0 and "into /dev/null" in done.stderr, done.stderr

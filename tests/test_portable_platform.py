@@ -1,4 +1,4 @@
-"""Where glibc, fcntl and /proc are not (macOS, Windows): a decision and the dataset mode without them (issue 57),
+"""Where glibc, fcntl and /proc are not (macOS, Windows): a decision and the dataset mode without them,
 and the portable code paths one by one (the default threads, the answers file's lock, malloc_trim, signals, paths).
 
 The first test blocks, in a fresh interpreter and before `import clef_gguf`: loading libc.so.6 (ctypes.CDLL and

@@ -298,7 +298,7 @@ def test_prompts_over_the_limit_are_refused_without_delaying_a_normal_request(se
 
 @pytest.mark.slow
 def test_uploads_in_progress_hold_no_intake_slot(server):
-    """MAX_QUEUE slow uploads take no intake slot (one is taken once a body is whole, issue 46): one more request is
+    """MAX_QUEUE slow uploads take no intake slot (one is taken once a body is whole): one more request is
     answered at once, not refused. Their own cap is --max-body-readers (tests/test_slow_bodies.py). Each trickled
     body gets a JSON 408 at the body timeout."""
     with ThreadPoolExecutor(MAX_QUEUE) as pool:
@@ -427,7 +427,7 @@ def test_requests_cut_off_by_the_drain_timeout_get_a_json_503(tmp_path):
 
 @pytest.mark.slow
 def test_bodies_under_the_minimum_rate_cannot_lock_others_out():
-    """Every intake slot taken by a connection trickling its body a byte at a time (the lock-out of issue 39: 503 for
+    """Every intake slot taken by a connection trickling its body a byte at a time (a lock-out: 503 for
     everyone until the body timeout): each gets 408 once the grace period has passed, a normal client is answered
     within about that time, and an honest slow client (1 KiB/s, over the grace period) still passes."""
     grace, rate, slots = 1.0, 240.0, 4

@@ -1,4 +1,4 @@
-"""Bodies still arriving hold no intake slot (issue 46, F15): on a real `clef-gguf serve` with the demo model.
+"""Bodies still arriving hold no intake slot: on a real `clef-gguf serve` with the demo model.
 
 Connections trickling their bodies cost a connection and the bytes they sent, bounded by --max-body-readers and
 --max-body-buffer; an intake slot (--max-queue) is taken only by a whole body. Each case is bounded in time.

@@ -1,4 +1,4 @@
-"""The state cache (issue 12): a repeated state is not prefilled again, and the answers do not change.
+"""The state cache: a repeated state is not prefilled again, and the answers do not change.
 
 Requests about one state share the prompt's first tokens (the template's pieces up to and
 including the state); the cache keeps the backbone's state after them and computes only the

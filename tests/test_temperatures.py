@@ -1,4 +1,4 @@
-"""Softmax temperatures, llama.cpp's way (issue 40): `clef.decision.temperature.<type>[.<bucket>]` applied as
+"""Softmax temperatures, llama.cpp's way: `clef.decision.temperature.<type>[.<bucket>]` applied as
 llama-server applies them (tools/server/server-decision.cpp:682-700, rendered in numpy below, independently of the
 package), refused by validate when not a finite number > 0, and fitted by `calibrate`."""
 

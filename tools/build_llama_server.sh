@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama-server and llama-quantize from the pinned llama.cpp source
 # (tools/llama_cpp_source.sh): llama.cpp's own Clef support, the other side of the
-# interop checks of issue 10. Prints the directory holding the two binaries (stdout's
+# interop checks (tools/interop_llama_server.py). Prints the directory holding the two binaries (stdout's
 # last line); everything else goes to stderr.
 #
 #   CLEF_LLAMA_BUILD  build dir (default $HOME/.cache/clef-gguf/llama-build). Outside the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # clef-gguf installed over the CUDA wheel that tools/cuda_build.sh makes, on this machine: no GPU, no NVIDIA driver.
-# What a user of that wheel sees here must be clear (issue 42): `import clef_gguf` works, and `clef-gguf demo` at
+# What a user of that wheel sees here must be clear: `import clef_gguf` works, and `clef-gguf demo` at
 # -ngl 0 and -ngl -1 says in one line that this is a CUDA build without a driver, never a crash or the loader's
 # traceback. .ci/run runs this where the wheel is built (~/.cache/clef-gguf/cuda), as it runs the Vulkan quick set.
 #

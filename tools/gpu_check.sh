@@ -20,7 +20,7 @@
 #   (editable: its native head is compiled against that CUDA ggml), checks the head runs
 #   on the GPU, then runs, with n_gpu_layers=-1, the quick checks first: tools/compare_devices.py
 #   (the request suite on the GPU against the CPU), tools/bench/bench_batch.py (tickets alone against
-#   batched: what batching gives on a GPU, issue 22), then the device set (the tests marked
+#   batched: what batching gives on a GPU), then the device set (the tests marked
 #   `device`, as tools/device_check.sh runs them on Vulkan) and tools/bench/bench_head.py, each cut off
 #   where the budget ends (GPU_CHECK_BUDGET seconds from the start, default 570: the device tool
 #   runs a command for 10 minutes at most), so that one call brings back what it got to.

@@ -1,4 +1,4 @@
-"""A soak of many fine-tunes over one base while their files change under the server (issue 54).
+"""A soak of many fine-tunes over one base while their files change under the server.
 
     python tools/soak_adapters.py [--minutes 10] [--clients 8] [--max-adapters 2] [--out DIR] [--json]
 

@@ -4,7 +4,7 @@ processes keep busy.
 llama.cpp's kernels keep every thread busy until a graph is done, so a thread that shares
 a core with another (an SMT sibling, or a core the process may not use) slows all of them:
 on an oversubscribed machine llama.cpp's default was measured about 6 times slower than one
-thread (issue 12). Hence: the CPUs of the process's affinity mask, counted once per
+thread. Hence: the CPUs of the process's affinity mask, counted once per
 physical core (the (package, core) pair sysfs gives each logical CPU), and no more than a
 cgroup v2 CPU quota allows (physical_threads). A core another process keeps busy is the same
 oversubscription: beside one spinning neighbour, eval on 2 threads of a 2-CPU machine took 10 times as

@@ -6,7 +6,7 @@ costs a connection and the bytes it sent, which body.Bodies bounds across the se
 model: decoded, parsed, validated and tokenized. At most `max_reading` requests hold one, bounded like
 decisions are (worker.py): past it, a whole body gets OVERLOADED, and the memory of bodies being prepared is
 bounded by max_reading bodies of at most `limit` bytes. So clients trickling their bodies, however many,
-never take the slots of requests whose bodies are in (issue 46, F15).
+never take the slots of requests whose bodies are in.
 
 Tokenizing happens here, on intake threads, never on the decision worker: a prompt over the
 token limit gets its PROMPT_TOO_LONG without waiting for (or delaying) any decision. Bodies over LARGE_BODY

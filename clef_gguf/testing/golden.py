@@ -1,4 +1,5 @@
-"""Golden Clef GGUF files made by llama.cpp's OWN converter, for interop tests (issue 10).
+"""Golden Clef GGUF files made by llama.cpp's OWN converter, for interop tests: the format
+llama.cpp itself reads and writes, which ours must match.
 
     python -m clef_gguf.testing.golden RELEASE_DIR -o OUTDIR --type f32|f16|bf16|q8_0 [--mmproj] [--describe]
 

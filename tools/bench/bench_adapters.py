@@ -1,4 +1,4 @@
-"""Many fine-tunes over one base, against one merged model per fine-tune (issue 47), at the default threads.
+"""Many fine-tunes over one base, against one merged model per fine-tune, at the default threads.
 
     python tools/bench/bench_adapters.py [--requests 160] [--clients 8] [--rank 64] [--type q4_k_m] [--out DIR]
 

@@ -8,7 +8,7 @@ tools/bench/bench_vs_llama_server.py uses), the state cache on as in serve, four
 ways interleaved round by round; medians of the time for all four, and their ratio to one at a time.
 
 On a GPU (--n-gpu-layers -1), where one ticket leaves most of the device idle, batching is meant to be most of
-the throughput (issue 22); on this project's 2-CPU machine the cost grows with the tokens and it gains little.
+the throughput; on this project's 2-CPU machine the cost grows with the tokens and it gains little.
 
     python tools/bench/bench_batch.py [--types f32 q4_k_m] [--rounds 15] [--threads N] [--n-gpu-layers -1]
 """

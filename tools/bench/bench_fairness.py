@@ -1,4 +1,4 @@
-"""Small requests behind a heavy one (issue 46, "Fair compute"): their latency with and without a heavy one running.
+"""Small requests behind a heavy one: their latency with and without a heavy one running.
 
     python tools/bench/bench_fairness.py [--heavy-questions 12] [--smalls 40] [--heavies 2] [--model FILE]
 

@@ -1,6 +1,6 @@
 """The state cache's gain: a repeated state with a new schema, against the same request cold.
 
-Issue 12's target: a repeated 8k-token state with a new 3-question schema answers in at most
+The target: a repeated 8k-token state with a new 3-question schema answers in at most
 0.15 x the cold latency, with the same answers. On the benchmark fixture (hidden 256, 8
 layers, head 128 wide: the one tools/bench/bench_vs_llama_server.py uses), in one process, two
 models loaded from the same file: one with the state cache (default budget), one without.
