@@ -94,7 +94,8 @@ def _rehearsal_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_the_device_check_rehearsed_on_the_cpu_runs_device_tests_with_offload_asked(tmp_path):
-    command = ["bash", "tools/device_check.sh", sys.prefix, "--quick", "--rehearse", "-p", "offload_probe", *REHEARSED]
+    inner = ["-p", "offload_probe", "--basetemp", str(tmp_path / "pytest"), *REHEARSED]
+    command = ["bash", "tools/device_check.sh", sys.prefix, "--quick", "--rehearse", *inner]
     run = subprocess.run(command, cwd=ROOT, env=_rehearsal_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     assert f"{len(REHEARSED)} passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-3000:]

@@ -5,6 +5,7 @@ llama.cpp) and the decider. A request's model name is resolved once, into the pr
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from clef_gguf.errors import SettingsError
 from clef_gguf.runtime.catalog import Catalog
 from clef_gguf.runtime.model import ClefModel, load, open_encoder
 from clef_gguf.server import create_app
-from clef_gguf.settings import AdapterSet, LoadOptions, ModelSpec
+from clef_gguf.settings import N_GPU_LAYERS_ENV, AdapterSet, LoadOptions, ModelSpec
 from clef_gguf.testing.request_suite import labelled_requests
 
 CONTEXT = 2048
@@ -166,3 +167,19 @@ def test_a_name_is_resolved_once_per_request(tuned, lookups):
     assert lookups == {"resolve": 9, "of": 0}
     assert tuned.decide(prompt) == tuned.decide({**REQUEST, "model": "a"})
     assert lookups == {"resolve": 10, "of": 1}
+
+
+def test_offload_has_one_default_read_from_the_environment(monkeypatch):
+    """n_gpu_layers not given: CLEF_GGUF_N_GPU_LAYERS, else 0, for load() as for every command's -ngl (and for the test
+    suite's device set, which sets that one value); given, it is what was given."""
+    monkeypatch.delenv(N_GPU_LAYERS_ENV, raising=False)
+    assert LoadOptions().n_gpu_layers == 0 and ModelSpec.of(DEMO_MODEL).options.n_gpu_layers == 0
+    monkeypatch.setenv(N_GPU_LAYERS_ENV, "-1")
+    assert LoadOptions().n_gpu_layers == -1 and ModelSpec.of(DEMO_MODEL).options.n_gpu_layers == -1
+    assert LoadOptions(n_gpu_layers=0).n_gpu_layers == 0 and ModelSpec.of(DEMO_MODEL, n_gpu_layers=3).options.n_gpu_layers == 3
+    monkeypatch.setenv(N_GPU_LAYERS_ENV, "0")  # plan's own default (-1, a card) gives way to it too
+    planned = run_cli("plan", str(DEMO_MODEL), "--json")
+    assert planned.returncode == 0 and json.loads(planned.stdout)["n_gpu_layers"] == 0, planned.stderr
+    monkeypatch.setenv(N_GPU_LAYERS_ENV, "all")
+    with pytest.raises(SettingsError, match=N_GPU_LAYERS_ENV):
+        LoadOptions()
