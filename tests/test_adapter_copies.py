@@ -1,4 +1,4 @@
-"""Nothing served that was not loaded (issue 64, items 4 and 5): an adapter's versions cannot go stale or be shared,
+"""Nothing served that was not loaded: an adapter's versions cannot go stale or be shared,
 and its private copies never outlive their use nor fill the temporary disk for nothing.
 
 - A file rewritten in place with the same size and its mtime put back (`rsync --inplace -t`) is a new version: the

@@ -1,4 +1,4 @@
-"""The page at `/` of `clef-gguf serve` (issue 56), driven in a real browser: Debian's chromium under Playwright for
+"""The page at `/` of `clef-gguf serve`, driven in a real browser: Debian's chromium under Playwright for
 Python (pointed at /usr/bin/chromium, no browser download), against one `serve` on loopback of a fixture model with
 its vision tower and two adapters, behind --api-key. Every request the browser makes is recorded: none may leave
 the server. The screenshots land in SHOTS (build/ is ignored by git)."""

@@ -1,4 +1,4 @@
-"""The page at `/` (issue 56): static files that ask a model, show each option's probability and the request as code.
+"""The page at `/`: static files that ask a model, show each option's probability and the request as code.
 
 The files are plain HTML, CSS and JavaScript modules in ui/ beside this module, shipped in the wheel, read once when the
 app is built; the request's limits come from the runtime's own constants (/ui/limits.json). They hold no data and need
