@@ -88,7 +88,7 @@ def test_the_summary_says_the_errors_and_json_gives_it_to_a_machine(tmp_path):
     assert (summary["records"], summary["answered"], summary["errors"], summary["exit_code"]) == (2, 1, 1, 8)
     assert b"1 errors" in run.stderr and b"exit 8" in run.stderr
     again = decide(str(source), "-o", str(tmp_path / "a.jsonl"))
-    assert again.returncode == 2 and b"--resume" in again.stderr  # an answers file is never overwritten unasked
+    assert again.returncode == 9 and b"--resume" in again.stderr  # an output refused: never overwritten unasked
 
 
 def test_stdin_to_stdout_gives_the_same_lines(reference):
