@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from .errors import SettingsError
 
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
+# Bounds where llama.cpp would abort or a C type would wrap, checked before anything is loaded. A prompt's positions
+# (llama_pos) and a batch's token count are int32, and llama.cpp pads n_ctx (a uint32) up to 256 cells.
+INT32_MAX = (1 << 31) - 1
+MAX_PROMPT_TOKENS = INT32_MAX
+# Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of
+# 32768 aborts the process inside ggml's graph allocator (GGML_ASSERT, no error return).
+MAX_UBATCH = 28672
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS (many more: the CPU backend crashes creating its threads)
 # A JSON Lines record's largest size: the server's body limit at the default context (65536 tokens x 16 bytes,
 # server/body.py), read from files as from sockets. The CLI's --max-line-bytes defaults to the server's limit for
 # its --max-prompt-tokens and --mmproj.
@@ -60,6 +69,41 @@ def offload_default(unset: int = 0) -> int:
         raise SettingsError(f"{N_GPU_LAYERS_ENV} must be an integer (-1: every layer), not {value!r}") from None
 
 
+def _allows(value: Any, hint: Any) -> bool:
+    """Whether `value` is of the type `hint` names; a bool is no int here (True is no prompt limit)."""
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_allows(value, h) for h in get_args(hint))
+    if origin is Literal:
+        return value in get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        return isinstance(value, (int, hint)) and not isinstance(value, bool)
+    return isinstance(value, origin or hint)
+
+
+def _named(hint: Any) -> str:
+    names = [getattr(get_origin(h) or h, "__name__", str(h)) for h in get_args(hint) or (hint,)]
+    return " or ".join("None" if n == "NoneType" else n for n in names)
+
+
+def check_table(table: Any) -> None:
+    """A table's values held to their types, bounds and paths, as the CLI's flags and a Ray config's pydantic hold
+    them: load()'s keywords reach the tables unparsed. A SettingsError names the first value refused."""
+    hints = get_type_hints(type(table))
+    for f in fields(table):
+        value, hint, bounds = getattr(table, f.name), hints[f.name], f.metadata
+        if not _allows(value, hint):
+            raise SettingsError(f"{f.name} must be {_named(hint)}, not {value!r}")
+        low, high = bounds.get("ge"), bounds.get("le")
+        if isinstance(value, (int, float)) and ((low is not None and value < low) or (high is not None and value > high)):
+            within = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
+            raise SettingsError(f"{f.name} must be {within}, not {value}")
+        if value == "":  # Path("") is the working directory: a path left empty is a mistake, not "here"
+            raise SettingsError(f"{f.name} is an empty path")
+
+
 # pydantic's configuration of each table, when a Ray config's `args` are validated into it: a mistyped name is refused.
 _STRICT = {"extra": "forbid"}
 
@@ -75,17 +119,23 @@ class LoadOptions:
         None,
         "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone); the head and the vision tower follow them. "
         f"Default: ${N_GPU_LAYERS_ENV}, else 0.",
+        ge=-1,
+        le=INT32_MAX,
     )
     # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
     # (docs/benchmarks.md, "Memory on an 8 GB card").
     max_prompt_tokens: int = _setting(
-        65536, "Largest prompt accepted (the context; default Clef's). Raising it grows the KV cache.", ge=1
+        65536,
+        "Largest prompt accepted (the context; default Clef's), at least --parallel. Raising it grows the KV cache.",
+        ge=1,
+        le=MAX_PROMPT_TOKENS,
     )
     ubatch: int | None = _setting(
         None,
         "Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
         f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
         ge=1,
+        le=MAX_UBATCH,
     )
     parallel: int = _setting(
         4,
@@ -99,6 +149,7 @@ class LoadOptions:
         "llama.cpp CPU threads (default: the physical cores this process may use, less those other processes keep busy "
         "when it loads; with --ray, 1 per replica).",
         ge=1,
+        le=MAX_THREADS,
     )
     state_cache: int = _setting(
         1 << 30,  # two 8k-token states of Clef-flash
@@ -115,6 +166,16 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.n_gpu_layers is None:  # (frozen: set once, here)
             object.__setattr__(self, "n_gpu_layers", offload_default())
+        # Here, where load(), every command and a Ray config's `args` build the options: llama.cpp aborts the process
+        # (GGML_ASSERT) on a context of fewer cells than sequences, since it reserves an output per sequence.
+        check_table(self)
+        if self.parallel > self.max_prompt_tokens:
+            raise SettingsError(
+                f"max_prompt_tokens ({self.max_prompt_tokens}) must be at least parallel ({self.parallel}): "
+                "each sequence decoded together needs a cell of the context"
+            )
+        if self.ubatch is not None and self.ubatch > self.max_prompt_tokens:
+            raise SettingsError(f"ubatch ({self.ubatch}) cannot exceed max_prompt_tokens ({self.max_prompt_tokens})")
 
 
 @dataclass(frozen=True)
@@ -150,6 +211,9 @@ class AdapterSet:
 
     def __post_init__(self) -> None:
         # (here, not where they are used: load(), the CLI and a Ray config's `args` build the same set, refused alike)
+        check_table(self)
+        if any(not isinstance(p, (str, Path)) or p == "" for p in (self.adapters or {}).values()):
+            raise SettingsError(f"adapters maps each name to an adapter file's path, not {self.adapters!r}")
         if self.max_adapters < 1 or (self.adapter_memory is not None and self.adapter_memory < 1):
             raise SettingsError(
                 f"max_adapters must be >= 1 and adapter_memory > 0 bytes, not {self.max_adapters}, {self.adapter_memory}"

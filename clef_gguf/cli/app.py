@@ -8,6 +8,7 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
 from . import convert, decide, plan, quality, serve, validate
+from .errors import one_line
 
 
 class _Command(TyperCommand):
@@ -64,7 +65,7 @@ def _options(
 
 
 for command in (convert.convert, convert.graft, decide.decide, plan.plan, decide.demo, validate.validate, serve.serve):
-    app.command(cls=_Command)(command)
-app.command("eval", cls=_Command)(quality.eval_)
-app.command(cls=_Command)(quality.compare)
-app.command(cls=_Command)(quality.calibrate)
+    app.command(cls=_Command)(one_line(command))
+app.command("eval", cls=_Command)(one_line(quality.eval_))
+app.command(cls=_Command)(one_line(quality.compare))
+app.command(cls=_Command)(one_line(quality.calibrate))

@@ -15,6 +15,7 @@ the one line, and ends it: exit 128+N, within STOP_S of the signal whatever it w
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from types import FrameType
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -208,3 +209,18 @@ def run(action: Callable[[], T], *, stopped: str = PARTIAL_REMOVED, signals: boo
         error(f"stopped by {signal.Signals(signum).name}; {stopped}")
         _state.said = True
         raise typer.Exit(signalled(signum)) from None
+
+
+def one_line(command: Callable[..., None]) -> Callable[..., None]:
+    """A command whose own settings (a table of settings.py refusing what llama.cpp would abort on) raise a ClefError
+    before it reaches `run`: the same one line and exit code."""
+
+    @functools.wraps(command)  # (typer reads the flags from the wrapped signature)
+    def mapped(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except ClefError as e:
+            error(e)
+            raise typer.Exit(e.exit_code) from None
+
+    return mapped

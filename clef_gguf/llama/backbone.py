@@ -32,15 +32,12 @@ import numpy as np
 
 from ..errors import ComputeError, ModelFileError, PromptTooLongError, SettingsError
 from ..format.header import GGUFFile
-from ..settings import MAX_PARALLEL
+from ..settings import MAX_PARALLEL, MAX_UBATCH
 from . import loader
 from . import log as llama_log
 from .rows import RowTable
 from .threads import default_threads
 
-# Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of
-# 32768 aborts the process inside ggml's graph allocator (GGML_ASSERT, no error return).
-MAX_UBATCH = 28672
 _MULTI_POSITION_ROPE = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE, L.LLAMA_ROPE_TYPE_VISION)
 
 
@@ -221,8 +218,11 @@ class Backbone:
                 f"graph (it aborts above {MAX_UBATCH}); keep the prompt limit and process it in ubatches of at most "
                 f"{MAX_UBATCH} tokens (ubatch / --ubatch)"
             )
-        if not 1 <= parallel <= MAX_PARALLEL:
-            raise SettingsError(f"parallel (sequences decoded together) must be between 1 and {MAX_PARALLEL}, not {parallel}")
+        if not 1 <= parallel <= min(MAX_PARALLEL, max_prompt_tokens):  # (llama.cpp aborts on fewer cells than sequences)
+            raise SettingsError(
+                f"parallel (sequences decoded together) must be between 1 and {MAX_PARALLEL} and at most the prompt limit "
+                f"({max_prompt_tokens}), not {parallel}"
+            )
         llama_log.init_backend()
         self.max_prompt_tokens = max_prompt_tokens
         self.ubatch = ubatch or max_prompt_tokens
@@ -242,7 +242,10 @@ class Backbone:
                 reason = llama_log.last_error("out of memory?")
                 raise ModelFileError(f"llama.cpp could not create a context of {max_prompt_tokens} tokens: {reason}")
             stack.callback(L.llama_free, self.ctx)
-            self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos, parallel)
+            try:
+                self.batch = _EmbeddingBatch(max_prompt_tokens, self.n_embd, n_pos, parallel)
+            except MemoryError:
+                raise ModelFileError(f"not enough memory for a batch of {max_prompt_tokens} tokens' embeddings") from None
             self._dirty = True  # the first clear zeroes the memory (see clear)
             self.wipes = 0  # clears of the whole memory so far: a prefill in steps is told its sequence went with it
             self._resources = stack.pop_all()

@@ -25,7 +25,7 @@ import llama_cpp as L
 from ..check.adapter import is_adapter
 from ..check.adapter_pair import require_adapter
 from ..check.mmproj import describe_mmproj
-from ..errors import ModelFileError, NotADecisionModelError, SettingsError
+from ..errors import ModelFileError, NotADecisionModelError
 from ..format import contract as C
 from ..format import hparams
 from ..format import vision as V
@@ -34,7 +34,7 @@ from ..format.header import GGUFFile
 from ..format.sizes import adapter_head_bytes, head_bytes
 from ..settings import LoadOptions, default_ubatch
 from . import log as llama_log
-from .backbone import MAX_UBATCH, context_params, load_model
+from .backbone import context_params, load_model
 from .qwen35_view import lean_vocab
 
 MIB = 1 << 20
@@ -241,8 +241,8 @@ def memory_plan(
     its default: settings.default_ubatch, DEFAULT_UBATCH or the prompt limit when that is smaller), up to `parallel` of them
     together (each with a recurrent state of its own).
     """
-    if ubatch is not None and not 1 <= ubatch <= MAX_UBATCH:
-        raise SettingsError(f"ubatch must be between 1 and {MAX_UBATCH} (llama.cpp aborts above), not {ubatch}")
+    # load()'s checks (settings.LoadOptions): what would abort llama.cpp or wrap its C types is refused here too
+    LoadOptions(n_gpu_layers=n_gpu_layers, max_prompt_tokens=n_ctx, ubatch=ubatch, parallel=parallel)
 
     def ubatch_at(n: int) -> int:
         return default_ubatch(n) if ubatch is None else min(ubatch, n)
