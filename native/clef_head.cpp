@@ -106,7 +106,8 @@ bool rounds_products(ggml_backend_t device) {
     return worst > 1e-5;
 }
 
-void init_backends(clef_head & head, const char * path, const clef::Manifest & manifest, bool use_gpu, int n_threads) {
+void init_backends(clef_head & head, const char * path, const void * const * blocks, const uint64_t * block_sizes,
+                   const clef::Manifest & manifest, bool use_gpu, int n_threads) {
     head.cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     if (head.cpu == nullptr) throw clef::Error("ggml has no CPU backend");
     set_threads(head.cpu, n_threads);
@@ -130,7 +131,7 @@ void init_backends(clef_head & head, const char * path, const clef::Manifest & m
     std::vector<std::string> paths;  // `path` holds one path a line: the model's, then an adapter's
     std::istringstream lines(path);
     for (std::string line; std::getline(lines, line);) paths.push_back(line);
-    clef::load_model(head.model, paths, manifest, ggml_backend_get_default_buffer_type(primary));
+    clef::load_model(head.model, paths, blocks, block_sizes, manifest, ggml_backend_get_default_buffer_type(primary));
 }
 
 void free_head(clef_head * head) {
@@ -208,12 +209,12 @@ void run(clef_head & head, const clef::Decision & d, float * logits) {
 
 extern "C" {
 
-int clef_head_load(const char * path, const char * manifest, const int64_t * config, float norm_eps, int use_gpu, int n_threads,
-                   clef_head ** out, char * err, size_t err_size) {
+int clef_head_load(const char * path, const void * const * blocks, const uint64_t * block_sizes, const char * manifest,
+                   const int64_t * config, float norm_eps, int use_gpu, int n_threads, clef_head ** out, char * err, size_t err_size) {
     auto * head = new clef_head();
     try {
         head->model.config = {config[0], config[1], config[2], config[3], config[4], config[5], norm_eps};
-        init_backends(*head, path, parse_manifest(manifest), use_gpu != 0, n_threads);
+        init_backends(*head, path, blocks, block_sizes, parse_manifest(manifest), use_gpu != 0, n_threads);
     } catch (const std::exception & e) {
         free_head(head);
         report(err, err_size, e.what());

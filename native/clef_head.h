@@ -22,12 +22,16 @@ typedef struct clef_head clef_head;
 // one "role<TAB>ggml type<TAB>ne0<TAB>ne1<TAB>absolute offset[<TAB>file]" line a tensor, checked against the file
 // (`path` may hold several paths, one a line: a row's optional file is the index of the one its bytes are in;
 // an adapter's head is read from the adapter file over its base's lexicon)
-// by the caller (clef_gguf/llama/native_head.py, from contract.head_manifest). config: hidden_size,
+// by the caller (clef_gguf/llama/native_head.py, from contract.head_manifest). blocks: null, or one entry a path: where
+// blocks[i] is not null, file i is those block_sizes[i] bytes of memory, which the caller keeps unchanged until
+// clef_head_free (its path line then only names it), and the head reads no file for it. Only the lexicon's file is
+// read after clef_head_load returns: the others are closed then (a block other than the lexicon's may be freed). config: hidden_size,
 // width, routing_layers, layers, heads, feedforward; norm_eps: the head's LayerNorm epsilon. use_gpu:
 // run on the first GPU device ggml knows (CUDA or Vulkan when llama-cpp-python was built with it),
 // else on the CPU.
-CLEF_HEAD_API int clef_head_load(const char * path, const char * manifest, const int64_t * config, float norm_eps, int use_gpu,
-                                 int n_threads, clef_head ** out, char * err, size_t err_size);
+CLEF_HEAD_API int clef_head_load(const char * path, const void * const * blocks, const uint64_t * block_sizes, const char * manifest,
+                                 const int64_t * config, float norm_eps, int use_gpu, int n_threads, clef_head ** out, char * err,
+                                 size_t err_size);
 CLEF_HEAD_API void clef_head_free(clef_head * head);
 
 // The device the head runs on ("CPU", "CUDA0", ...) and the hidden size it expects.

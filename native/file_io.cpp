@@ -96,4 +96,10 @@ void read_at(FileHandle file, void * dst, size_t size, uint64_t offset) {
 
 #endif
 
+void read_at(const Source & source, void * dst, size_t size, uint64_t offset) {
+    if (source.data == nullptr) return read_at(source.file, dst, size, offset);
+    if (offset > source.size || size > source.size - offset) throw Error("cannot read the model file: unexpected end of file");
+    std::memcpy(dst, source.data + offset, size);
+}
+
 }  // namespace clef

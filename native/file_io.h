@@ -17,4 +17,13 @@ void close_file(FileHandle file);
 // Exactly `size` bytes at `offset`, or Error.
 void read_at(FileHandle file, void * dst, size_t size, uint64_t offset);
 
+// A model file: an open file, or its bytes in memory that the caller keeps, unchanged, while the head lives (a
+// runtime's private copy of what it reads of a base after load: no other process can change or truncate it).
+struct Source {
+    FileHandle file = NO_FILE;
+    const uint8_t * data = nullptr;
+    uint64_t size = 0;
+};
+void read_at(const Source & source, void * dst, size_t size, uint64_t offset);
+
 }  // namespace clef

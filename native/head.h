@@ -75,7 +75,7 @@ struct Model {
     Lexicon lexicon;
     // The files the manifest's rows lie in: the model's own, then (an adapter's head) the adapter file whose
     // tensors replace some of the model's.
-    std::vector<FileHandle> files;
+    std::vector<Source> files;
     ggml_context * ctx = nullptr;  // tensor metadata of the weights
     ggml_backend_buffer_t buffer = nullptr;
     bool on_cpu = true;  // the head's graph runs on the CPU backend (no GPU)
@@ -97,7 +97,9 @@ struct ManifestRow {
 using Manifest = std::map<std::string, ManifestRow>;
 
 // Load the head's tensors into a buffer of `buft`; throws Error.
-void load_model(Model & model, const std::vector<std::string> & paths, const Manifest & manifest, ggml_backend_buffer_type_t buft);
+// paths[i], or blocks[i] where it is not null (blocks: null, or one entry a path): the files the manifest's rows lie in.
+void load_model(Model & model, const std::vector<std::string> & paths, const void * const * blocks, const uint64_t * block_sizes,
+                const Manifest & manifest, ggml_backend_buffer_type_t buft);
 void free_model(Model & model);
 std::vector<uint8_t> read_lexicon_rows(const Model & model, const std::vector<int32_t> & ids);
 

@@ -95,7 +95,7 @@ Weights head_weights(TensorTable & t, const Config & c) {
 }
 
 // decision.scales: [prior, joint, gate], F32.
-void read_scales(const std::vector<FileHandle> & files, const ManifestRow & scales, Weights & w) {
+void read_scales(const std::vector<Source> & files, const ManifestRow & scales, Weights & w) {
     float values[3];
     read_at(files.at(scales.file), values, sizeof values, scales.offset);
     w.prior_scale = values[0];
@@ -103,7 +103,7 @@ void read_scales(const std::vector<FileHandle> & files, const ManifestRow & scal
     w.gate = values[2];
 }
 
-std::vector<uint8_t> tensor_bytes(const std::vector<FileHandle> & files, const ManifestRow & row) {
+std::vector<uint8_t> tensor_bytes(const std::vector<Source> & files, const ManifestRow & row) {
     std::vector<uint8_t> bytes(ggml_row_size(row.type, row.ne0) * (size_t) row.ne1);
     read_at(files.at(row.file), bytes.data(), bytes.size(), row.offset);
     return bytes;
@@ -132,7 +132,7 @@ std::vector<float> transposed_keys(const std::vector<uint8_t> & key, const Manif
 }
 
 // Copy each head tensor's bytes from the file into the backend buffer, and derive key_t.
-void upload(const std::vector<FileHandle> & files, const TensorTable & table, int64_t heads) {
+void upload(const std::vector<Source> & files, const TensorTable & table, int64_t heads) {
     for (const auto & [tensor, source] : table.sources()) {
         std::vector<uint8_t> bytes = tensor_bytes(files, source);
         ggml_backend_tensor_set(tensor, bytes.data(), 0, bytes.size());
@@ -145,10 +145,15 @@ void upload(const std::vector<FileHandle> & files, const TensorTable & table, in
 
 }  // namespace
 
-void load_model(Model & model, const std::vector<std::string> & paths, const Manifest & manifest, ggml_backend_buffer_type_t buft) {
+void load_model(Model & model, const std::vector<std::string> & paths, const void * const * blocks, const uint64_t * block_sizes,
+                const Manifest & manifest, ggml_backend_buffer_type_t buft) {
     try {
         const Config & c = model.config;
-        for (const std::string & path : paths) model.files.push_back(open_file(path));
+        for (size_t i = 0; i < paths.size(); i++) {
+            const void * block = blocks != nullptr ? blocks[i] : nullptr;
+            model.files.push_back(block != nullptr ? Source{NO_FILE, static_cast<const uint8_t *>(block), block_sizes[i]}
+                                                   : Source{open_file(paths[i])});
+        }
         for (const auto & [role, row] : manifest) {
             if (row.file < 0 || (size_t) row.file >= paths.size()) throw Error("the head manifest's " + role + " is in no file given");
         }
@@ -167,6 +172,12 @@ void load_model(Model & model, const std::vector<std::string> & paths, const Man
         // The scheduler runs an op where its weights are: mark the buffer as weights.
         ggml_backend_buffer_set_usage(model.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         upload(model.files, table, c.heads);
+        // Only the lexicon is read after load: every other file is closed (a block is its caller's again).
+        for (size_t i = 0; i < model.files.size(); i++) {
+            if ((int) i == model.lexicon.file) continue;
+            close_file(model.files[i].file);
+            model.files[i] = Source{};
+        }
     } catch (...) {
         free_model(model);
         throw;
@@ -176,7 +187,7 @@ void load_model(Model & model, const std::vector<std::string> & paths, const Man
 void free_model(Model & model) {
     if (model.buffer) ggml_backend_buffer_free(model.buffer);
     if (model.ctx) ggml_free(model.ctx);
-    for (FileHandle file : model.files) close_file(file);
+    for (const Source & source : model.files) close_file(source.file);
     model.buffer = nullptr;
     model.ctx = nullptr;
     model.files.clear();

@@ -1,11 +1,11 @@
 """Every failure while loading closes what the earlier stages opened: no file descriptor, no mapping, no model.
 
-A failure is injected at each load stage (validation, the two llama.cpp models, the embedding rows,
-the context, the native head, the probe decision); afterwards the process holds neither a
+A failure is injected at each load stage (validation, the base's pinned copy, the two llama.cpp models, the
+embedding rows, the context, the native head, the probe decision); afterwards the process holds neither a
 descriptor of the model file (/proc/self/fd) nor a mapping of it (/proc/self/maps), and every
-llama.cpp model and context made was freed. Then the same file loads and closes cleanly. On both of
-llama/loader.py's routes, each counted where it makes its models: the cookie route through a FILE*
-(llama_model_load_from_file_ptr), the portable one from a header and a callback (llama_model_init_from_user),
+llama.cpp model and context made was freed. Then the same file loads, holding neither once loaded, and closes
+cleanly. On both of llama/loader.py's routes, each counted where it makes its models: the cookie route through a
+FILE* (llama_model_load_from_file_ptr), the portable one from a header and a callback (llama_model_init_from_user),
 which has a failure of its own: a tensor the callback cannot fill.
 """
 
@@ -23,6 +23,7 @@ import clef_gguf
 from clef_gguf.errors import ClefError, ModelFileError, ModelOutputError
 from clef_gguf.llama import backbone, cookie_file, native_head, user_model
 from clef_gguf.llama.loader import COOKIE, PORTABLE
+from clef_gguf.runtime import base_file
 from clef_gguf.runtime import model as runtime_model
 from clef_gguf.settings import LOADER_ENV
 from clef_gguf.testing.gguf_bytes import rebuild
@@ -72,6 +73,7 @@ def _fill_fails(self: user_model._Filler, tensor: int) -> None:
 
 
 STAGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "base pinned": lambda mp: mp.setattr(base_file.PinnedFile, "pin", _fail),
     "vocabulary model": lambda mp: mp.setattr(backbone, "load_model", _fail),
     "lean model": lambda mp: mp.setattr(backbone, "load_model", _second_call_fails(backbone.load_model)),
     "embedding rows": lambda mp: mp.setattr(backbone, "RowTable", _fail),
@@ -147,7 +149,8 @@ def test_a_failed_load_leaves_nothing_open(route: str, model_copy: Path, monkeyp
     with monkeypatch.context() as mp:
         objects = LlamaObjects(mp, route)
         with clef_gguf.load(model_copy, max_prompt_tokens=512) as model:  # the file itself is fine
-            assert held(model_copy) and len(objects.made) == 3  # two models, one context
+            # The base pinned (format/pinned.py): once loaded, neither a descriptor nor a mapping of its path is held.
+            assert held(model_copy) == [] and len(objects.made) == 3  # two models, one context
             model.decide(runtime_model.PROBE)
         assert held(model_copy) == [] and objects.leaked() == 0  # close() released it all, the object still alive
 

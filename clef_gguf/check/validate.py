@@ -35,7 +35,7 @@ from gguf import Keys
 
 from ..errors import ModelFileError, NotADecisionModelError, SettingsError
 from ..format import contract as C
-from ..format.header import GGUFFile, Header
+from ..format.header import GGUFFile, Header, Signature, signature_of
 from ..format.hparams import prefix_of, read_backbone_shape, read_head_config
 from ..inputs import open_regular
 from .adapter import is_adapter, judge_adapter, lora_values
@@ -122,20 +122,22 @@ def _normalize_sha256(sha256: str | None) -> str | None:
     return sha256.strip().lower()
 
 
-def _open_map(path: Path) -> tuple[mmap.mmap | None, int, list[Problem]]:
+def _open_map(path: Path) -> tuple[mmap.mmap | None, Signature | None, list[Problem]]:
+    """The file mapped, and the signature of the version mapped (what the runtime pins: format/pinned.py)."""
     try:
         with open_regular(path) as fh:  # (a FIFO is refused, not waited on)
-            size = os.fstat(fh.fileno()).st_size
-            if size == 0:
-                return None, 0, [corrupt("source", EMPTY)]
-            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), size, []
+            signature = signature_of(os.fstat(fh.fileno()))
+            if signature[2] == 0:
+                return None, None, [corrupt("source", EMPTY)]
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), signature, []
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        return None, 0, [corrupt("source", f"cannot read {path}: {reason}")]
+        return None, None, [corrupt("source", f"cannot read {path}: {reason}")]
 
 
 def _judge_local(path: Path, deep: bool, sha256: str | None, started: float) -> tuple[Report, GGUFFile | None, Findings]:
-    mapped, size, problems = _open_map(path)
+    mapped, signature, problems = _open_map(path)
+    size = signature[2] if signature is not None else 0
     if mapped is None:
         found = Findings(problems=problems)
         return make_report(str(path), found, None, None, started), None, found
@@ -149,7 +151,7 @@ def _judge_local(path: Path, deep: bool, sha256: str | None, started: float) -> 
         found = Findings(problems=problems)
         return make_report(str(path), found, None, size, started), None, found
     found = judge_header(header, size)
-    f = GGUFFile(path, mapped, header)
+    f = GGUFFile(path, mapped, header, signature)
     extra: dict[str, Any] = {"deep": deep}
     laid_out = not any(p.check == "layout" for p in found.problems)
     if deep and laid_out:

@@ -23,6 +23,7 @@ import llama_cpp as L
 
 from ..errors import ModelFileError, SettingsError, TemporarilyUnavailableError
 from ..format.header import GGUFFile
+from ..format.pinned import changed
 from ..settings import LOADER_ENV
 from . import cookie_file, cpu_buffers, user_model
 from . import log as llama_log
@@ -62,6 +63,9 @@ def load_model(f: GGUFFile, lean: bool, params: L.llama_model_params) -> L.llama
                 model = _through_cookie(view, lambda fp: L.llama_model_load_from_file_ptr(fp, params))
             else:
                 model = user_model.load(view, params)
+            if model and view.changed():  # (a pinned base's file written while llama.cpp read it: two versions mixed)
+                L.llama_model_free(model)
+                raise ModelFileError(changed(f.path))
     except ModelFileError as e:
         raise ModelFileError(f"could not load the backbone of {f.path.name}: {e}") from None
     if not model:

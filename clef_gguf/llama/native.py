@@ -38,6 +38,8 @@ _PROTOTYPES = {
         _int,
         [
             _char_p,
+            ctypes.POINTER(_void_p),
+            ctypes.POINTER(ctypes.c_uint64),
             _char_p,
             ctypes.POINTER(ctypes.c_int64),
             ctypes.c_float,

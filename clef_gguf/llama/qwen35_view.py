@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGUFValueType, Keys
 
+from ..errors import ModelFileError
 from ..format import adapter as A
 from ..format import contract as C
 from ..format.header import GGUF_MAGIC, GGUFFile
+from ..format.pinned import PinnedFile, Version, changed, version_of
 
 _GLOBAL_KEYS = (Keys.General.ALIGNMENT, Keys.General.NAME, Keys.General.FILE_TYPE, Keys.General.QUANTIZATION_VERSION)
 LEAN_TOKENS = 258  # the lean view's tokenizer: a byte alphabet, one merge, an end token (then fillers)
@@ -168,12 +170,18 @@ class View:
     (llama/loader.py hands it to llama.cpp by one route or another). Not thread-safe: one reader at a time.
     """
 
-    def __init__(self, header: bytes, path: os.PathLike[str] | str, data_offset: int, extents: list[Extent]) -> None:
+    def __init__(
+        self, header: bytes, path: os.PathLike[str] | str, data_offset: int, extents: list[Extent], version: Version | None = None
+    ) -> None:
         self.header = header
         self.extents = {e.name: e for e in extents}
         self._ordered = extents
         self._starts = [e.start for e in extents]
         self._file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
+        self.version = version  # a pinned base's: the file read must be that version, before and after (changed())
+        if self.changed():
+            self._file.close()
+            raise ModelFileError(changed(path))
         self._data_offset = data_offset
         last = extents[-1] if extents else None
         self.size = len(header) + (last.start + last.size if last else 0)
@@ -209,6 +217,10 @@ class View:
             done += n
         return done
 
+    def changed(self) -> bool:
+        """Whether the file read is no longer the version pinned (written, truncated, replaced before it was opened)."""
+        return self.version is not None and version_of(os.fstat(self._file.fileno())) != self.version
+
     def close(self) -> None:
         self._file.close()
 
@@ -221,7 +233,8 @@ class View:
 
 def open_qwen35_view(f: GGUFFile, lean: bool = False) -> View:
     extents = _extents(f, view_tensor_names(f, lean), lean)
-    return View(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents)
+    version = f.version if isinstance(f, PinnedFile) else None
+    return View(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents, version)
 
 
 def open_adapter_view(f: GGUFFile) -> View:

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 import numpy as np
 from PIL import Image
 
-from ..check.validate import open_validated
 from ..errors import ComputeError, ModelClosedError, ModelOutputError, PromptTooLongError, RequestError
 from ..format.temperatures import temperature_of
 from ..llama.backbone import Vocabulary
 from ..llama.native_head import NativeHead
 from ..settings import AdapterSet, LoadOptions, ModelSpec
 from .answers import Scores, question_probabilities, response
+from .base_file import open_pinned
 from .dataset import decide_many
 from .decider import Decider, load_backbone
 from .encoder import PromptEncoder
@@ -94,7 +94,7 @@ class ClefModel:
     def _load(self) -> None:
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
-            validated = open_validated(self.path)  # header-only `clef-gguf validate`: refuse what it rejects, with its message
+            validated = open_pinned(self.spec)  # header-only `clef-gguf validate` (its refusals), then one version pinned
             stack.callback(validated.close)
             self.file, self.description = validated.file, validated.description
             self.header_digest = self.file.digest()  # an older clef-gguf's model_sha256
@@ -335,10 +335,10 @@ load.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 
 def open_encoder(spec: ModelSpec) -> PromptEncoder:
     """The encoding part of the model `spec` declares, alone, with llama.cpp's tokenizer and no weights: the Ray
-    ingress encodes what its replicas decide. Its base file stays mapped (a folder's adapters are checked against it
-    when first named)."""
+    ingress encodes what its replicas decide. Its base is pinned (runtime/base_file.py): a folder's adapters are
+    checked against the version loaded when first named."""
     with ExitStack() as stack:
-        validated = open_validated(spec.path)  # the header check ClefModel runs: the same refusals, the same messages
+        validated = open_pinned(spec, compute=False)  # ClefModel's header check: the same refusals and messages
         stack.callback(validated.close)
         vocabulary = Vocabulary(validated.file, nfc=validated.description.nfc)  # llama.cpp keeps its own copy
         stack.callback(vocabulary.close)

@@ -1,0 +1,117 @@
+"""A loaded base as one immutable version: what the runtime reads of it after load, in memory this process owns.
+
+A served base file may be truncated (`cp new.gguf served.gguf` truncates it first), rewritten in place, replaced or
+deleted while the process runs. A mapping of it would then raise SIGBUS on the next page read past the new end, and
+serve another version's bytes under the identity of the one loaded. So, as an adapter is (runtime/adapter_files.py:
+a private copy read once), the base is pinned once its header is validated: its header bytes and the tensors the
+runtime reads per request (the token embeddings, the head's lexicon rows, the head, the norms an adapter is checked
+against) are copied into an anonymous mapping, with the file's identity, and the file's mapping is closed. Nothing of
+this copy is read from the path again; no other process can write, truncate or delete it.
+
+Any other tensor (a backbone row an older adapter's content check compares, format/lineage.py) is read through a new
+descriptor only while the file is still the version pinned (device, inode, size, modification and change times), and
+refused otherwise: read, never mapped, so a truncation is an error and no signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ModelFileError
+from ..inputs import open_regular
+from .header import GGUFFile, signature_of
+
+Version = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns: one version of a file
+
+
+def version_of(st: os.stat_result) -> Version:
+    return (*signature_of(st), st.st_ctime_ns)
+
+
+def changed(path: os.PathLike[str] | str) -> str:
+    return f"{os.fspath(path)} changed while it was loaded (written or replaced in place): load it again"
+
+
+@dataclass
+class PinnedFile(GGUFFile):
+    """A GGUF file's header bytes (at their offsets: `map[:header_end]` is the file's) and `resident` tensors, in an
+    anonymous mapping; its identity and header digest as computed from the file when it was pinned."""
+
+    version: Version | None = None
+    offsets: dict[str, int] = field(default_factory=dict)  # a resident tensor's first byte in `map`
+    pinned_identity: str = ""
+    pinned_digest: str = ""
+
+    @classmethod
+    def pin(cls, f: GGUFFile, resident: Iterable[str]) -> PinnedFile:
+        """`f` (mapped after its validation, its signature the version mapped) pinned: ModelFileError if the path no
+        longer names that version, or stops naming it while the copy is made. `f` stays the caller's to close."""
+        try:
+            st = os.stat(f.path)
+        except OSError as e:
+            raise ModelFileError(f"{f.path}: cannot read ({e.strerror or e})") from e
+        if f.signature is None or signature_of(st) != f.signature:
+            raise ModelFileError(changed(f.path))
+        h, names = f.header, sorted(set(resident) & set(f.header.tensors))
+        offsets, end = {}, h.header_end
+        for name in names:
+            end += -end % h.alignment
+            offsets[name] = end
+            end += h.tensors[name].n_bytes
+        block = mmap.mmap(-1, max(end, 1))
+        try:
+            block[: h.header_end] = f.map[: h.header_end]
+            for name in names:
+                block[offsets[name] : offsets[name] + h.tensors[name].n_bytes] = f.tensor_bytes(name)
+            pinned = cls(f.path, block, h, f.signature, version_of(st), offsets, f.identity(), f.digest())
+            if pinned.current() != pinned.version:
+                raise ModelFileError(changed(f.path))
+        except BaseException:
+            block.close()
+            raise
+        return pinned
+
+    def current(self) -> Version | None:
+        """The version the path names now (None: none, or not readable)."""
+        try:
+            return version_of(os.stat(self.path))
+        except OSError:
+            return None
+
+    def identity(self) -> str:
+        return self.pinned_identity
+
+    def digest(self) -> str:
+        return self.pinned_digest
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        t = self.header.tensors[name]
+        if name in self.offsets:
+            return np.frombuffer(self.map, dtype=np.uint8, count=t.n_bytes, offset=self.offsets[name])
+        return self._read(self.header.data_offset + t.offset, t.n_bytes)
+
+    def _read(self, start: int, size: int) -> np.ndarray:
+        """Bytes of the file, through a new descriptor, while it is the version pinned."""
+        out = np.empty(size, dtype=np.uint8)
+        gone = ModelFileError(f"{self.path} is no longer the version loaded (replaced, written or deleted): restart to load it")
+        try:
+            with open_regular(self.path) as fh:
+                if version_of(os.fstat(fh.fileno())) != self.version:
+                    raise gone
+                fh.seek(start)
+                done = fh.readinto(memoryview(out)) or 0
+                if done != size or version_of(os.fstat(fh.fileno())) != self.version:
+                    raise gone
+        except OSError:
+            raise gone from None
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # (views still held: the block goes with them)
+            self.map.close()
