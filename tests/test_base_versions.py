@@ -143,3 +143,24 @@ def test_a_pinned_file_reads_only_its_own_version(versions, tmp_path):
             pinned.tensor_bytes("output.weight")
     finally:
         pinned.close()
+
+
+def test_llama_cpp_never_loads_another_version_than_the_one_pinned(versions, tmp_path):
+    """The backbone's load reads the file through a view (llama/qwen35_view.py): refused when the file is no longer
+    the version pinned, rather than a backbone of one version under the embeddings and head of another."""
+    from clef_gguf.llama.backbone import load_model
+
+    base, other, _ = versions
+    target = tmp_path / "base.gguf"
+    shutil.copyfile(base, target)
+    validated = open_validated(target)
+    try:
+        pinned = PinnedFile.pin(validated.file, ["token_embd.weight"])
+    finally:
+        validated.close()
+    try:
+        shutil.copyfile(other, target)
+        with pytest.raises(ModelFileError, match="changed while it was loaded"):
+            load_model(pinned, lean=True)
+    finally:
+        pinned.close()
