@@ -172,7 +172,7 @@ class LoadOptions:
         if self.parallel > self.max_prompt_tokens:
             raise SettingsError(
                 f"max_prompt_tokens ({self.max_prompt_tokens}) must be at least parallel ({self.parallel}): "
-                "each sequence decoded together needs a cell of the context"
+                "each sequence decoded together needs a cell of the context (raise max_prompt_tokens or lower parallel)"
             )
         if self.ubatch is not None and self.ubatch > self.max_prompt_tokens:
             raise SettingsError(f"ubatch ({self.ubatch}) cannot exceed max_prompt_tokens ({self.max_prompt_tokens})")

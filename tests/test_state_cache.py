@@ -156,7 +156,7 @@ def test_zero_turns_the_cache_off(ws):
 
 @pytest.mark.parametrize("size", [-1, 1.5, "1GiB", True])
 def test_a_bad_size_is_a_settings_error(ws, size):
-    with pytest.raises(SettingsError, match="state cache"):
+    with pytest.raises(SettingsError, match="state_cache must be"):
         clef_gguf.load(ws.gguf("untied_f32", "f32"), max_prompt_tokens=N_CTX, state_cache=size)
 
 
