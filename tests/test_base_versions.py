@@ -58,10 +58,15 @@ def answers(path: Path) -> tuple[list[list[float]], str]:
 
 
 @pytest.fixture(scope="module")
-def versions(ws, tmp_path_factory):
-    root = tmp_path_factory.mktemp("base")
+def pair(ws, tmp_path_factory) -> tuple[Path, Path]:
+    """The base, and a file of its layout with other weights."""
     base = ws.gguf("untied_f32", "f32")
-    other = other_weights(base, root / "other.gguf")
+    return base, other_weights(base, tmp_path_factory.mktemp("base") / "other.gguf")
+
+
+@pytest.fixture(scope="module")
+def versions(pair):
+    base, other = pair
     loaded, changed = answers(base), answers(other)
     assert loaded[1] != changed[1]
     assert max(np.abs(np.subtract(a, b)).max() for a, b in zip(loaded[0], changed[0], strict=True)) > 0.01
@@ -111,8 +116,8 @@ def test_serve_answers_as_the_version_it_loaded_whatever_happens_to_the_file(ver
                 shutil.copyfile(base, target)
 
 
-def test_a_file_changed_after_its_validation_is_not_pinned(versions, tmp_path):
-    base, other, _ = versions
+def test_a_file_changed_after_its_validation_is_not_pinned(pair, tmp_path):
+    base, other = pair
     target = tmp_path / "base.gguf"
     shutil.copyfile(base, target)
     validated = open_validated(target)
@@ -124,9 +129,9 @@ def test_a_file_changed_after_its_validation_is_not_pinned(versions, tmp_path):
         validated.close()
 
 
-def test_a_pinned_file_reads_only_its_own_version(versions, tmp_path):
+def test_a_pinned_file_reads_only_its_own_version(pair, tmp_path):
     """Resident tensors from its own memory whatever the file becomes; any other only while the file is that version."""
-    base, other, _ = versions
+    base, other = pair
     target = tmp_path / "base.gguf"
     shutil.copyfile(base, target)
     validated = open_validated(target)
@@ -145,12 +150,12 @@ def test_a_pinned_file_reads_only_its_own_version(versions, tmp_path):
         pinned.close()
 
 
-def test_llama_cpp_never_loads_another_version_than_the_one_pinned(versions, tmp_path):
+def test_llama_cpp_never_loads_another_version_than_the_one_pinned(pair, tmp_path):
     """The backbone's load reads the file through a view (llama/qwen35_view.py): refused when the file is no longer
     the version pinned, rather than a backbone of one version under the embeddings and head of another."""
     from clef_gguf.llama.backbone import load_model
 
-    base, other, _ = versions
+    base, other = pair
     target = tmp_path / "base.gguf"
     shutil.copyfile(base, target)
     validated = open_validated(target)
