@@ -21,10 +21,8 @@ from .errors import SettingsError
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
 # Bounds where llama.cpp would abort or a C type would wrap, checked before anything is loaded. A prompt's positions
 # (llama_pos) and a batch's token count are int32, and llama.cpp pads n_ctx (a uint32) up to 256 cells.
-INT32_MAX = (1 << 31) - 1
-MAX_PROMPT_TOKENS = INT32_MAX
-# Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of
-# 32768 aborts the process inside ggml's graph allocator (GGML_ASSERT, no error return).
+INT32_MAX = (1 << 31) - 1  # the largest prompt limit
+# Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of 32768 aborts in ggml.
 MAX_UBATCH = 28672
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS (many more: the CPU backend crashes creating its threads)
 # A JSON Lines record's largest size: the server's body limit at the default context (65536 tokens x 16 bytes,
@@ -74,10 +72,6 @@ def _allows(value: Any, hint: Any) -> bool:
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
         return any(_allows(value, h) for h in get_args(hint))
-    if origin is Literal:
-        return value in get_args(hint)
-    if hint is type(None):
-        return value is None
     if hint in (int, float):
         return isinstance(value, (int, hint)) and not isinstance(value, bool)
     return isinstance(value, origin or hint)
@@ -125,10 +119,8 @@ class LoadOptions:
     # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
     # (docs/benchmarks.md, "Memory on an 8 GB card").
     max_prompt_tokens: int = _setting(
-        65536,
-        "Largest prompt accepted (the context; default Clef's), at least --parallel. Raising it grows the KV cache.",
-        ge=1,
-        le=MAX_PROMPT_TOKENS,
+        65536, "Largest prompt accepted (the context, at least --parallel; default Clef's). It sizes the KV cache.", ge=1,
+        le=INT32_MAX,
     )
     ubatch: int | None = _setting(
         None,
