@@ -25,13 +25,7 @@ import numpy as np
 
 from ..errors import ModelFileError
 from ..inputs import open_regular
-from .header import GGUFFile, signature_of
-
-Version = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns: one version of a file
-
-
-def version_of(st: os.stat_result) -> Version:
-    return (*signature_of(st), st.st_ctime_ns)
+from .header import GGUFFile, Signature, signature_of
 
 
 def changed(path: os.PathLike[str] | str) -> str:
@@ -41,9 +35,9 @@ def changed(path: os.PathLike[str] | str) -> str:
 @dataclass
 class PinnedFile(GGUFFile):
     """A GGUF file's header bytes (at their offsets: `map[:header_end]` is the file's) and `resident` tensors, in an
-    anonymous mapping; its identity and header digest as computed from the file when it was pinned."""
+    anonymous mapping; its identity and header digest as computed from the file when it was pinned; `signature`, the
+    version of the file pinned."""
 
-    version: Version | None = None
     offsets: dict[str, int] = field(default_factory=dict)  # a resident tensor's first byte in `map`
     pinned_identity: str = ""
     pinned_digest: str = ""
@@ -69,18 +63,18 @@ class PinnedFile(GGUFFile):
             block[: h.header_end] = f.map[: h.header_end]
             for name in names:
                 block[offsets[name] : offsets[name] + h.tensors[name].n_bytes] = f.tensor_bytes(name)
-            pinned = cls(f.path, block, h, f.signature, version_of(st), offsets, f.identity(), f.digest())
-            if pinned.current() != pinned.version:
+            pinned = cls(f.path, block, h, f.signature, offsets, f.identity(), f.digest())
+            if pinned.current() != pinned.signature:
                 raise ModelFileError(changed(f.path))
         except BaseException:
             block.close()
             raise
         return pinned
 
-    def current(self) -> Version | None:
+    def current(self) -> Signature | None:
         """The version the path names now (None: none, or not readable)."""
         try:
-            return version_of(os.stat(self.path))
+            return signature_of(os.stat(self.path))
         except OSError:
             return None
 
@@ -102,11 +96,11 @@ class PinnedFile(GGUFFile):
         gone = ModelFileError(f"{self.path} is no longer the version loaded (replaced, written or deleted): restart to load it")
         try:
             with open_regular(self.path) as fh:
-                if version_of(os.fstat(fh.fileno())) != self.version:
+                if signature_of(os.fstat(fh.fileno())) != self.signature:
                     raise gone
                 fh.seek(start)
                 done = fh.readinto(memoryview(out)) or 0
-                if done != size or version_of(os.fstat(fh.fileno())) != self.version:
+                if done != size or signature_of(os.fstat(fh.fileno())) != self.signature:
                     raise gone
         except OSError:
             raise gone from None

@@ -27,8 +27,8 @@ from gguf import GGUFValueType, Keys
 from ..errors import ModelFileError
 from ..format import adapter as A
 from ..format import contract as C
-from ..format.header import GGUF_MAGIC, GGUFFile
-from ..format.pinned import PinnedFile, Version, changed, version_of
+from ..format.header import GGUF_MAGIC, GGUFFile, Signature, signature_of
+from ..format.pinned import PinnedFile, changed
 
 _GLOBAL_KEYS = (Keys.General.ALIGNMENT, Keys.General.NAME, Keys.General.FILE_TYPE, Keys.General.QUANTIZATION_VERSION)
 LEAN_TOKENS = 258  # the lean view's tokenizer: a byte alphabet, one merge, an end token (then fillers)
@@ -171,7 +171,12 @@ class View:
     """
 
     def __init__(
-        self, header: bytes, path: os.PathLike[str] | str, data_offset: int, extents: list[Extent], version: Version | None = None
+        self,
+        header: bytes,
+        path: os.PathLike[str] | str,
+        data_offset: int,
+        extents: list[Extent],
+        version: Signature | None = None,
     ) -> None:
         self.header = header
         self.extents = {e.name: e for e in extents}
@@ -219,7 +224,7 @@ class View:
 
     def changed(self) -> bool:
         """Whether the file read is no longer the version pinned (written, truncated, replaced before it was opened)."""
-        return self.version is not None and version_of(os.fstat(self._file.fileno())) != self.version
+        return self.version is not None and signature_of(os.fstat(self._file.fileno())) != self.version
 
     def close(self) -> None:
         self._file.close()
@@ -233,7 +238,7 @@ class View:
 
 def open_qwen35_view(f: GGUFFile, lean: bool = False) -> View:
     extents = _extents(f, view_tensor_names(f, lean), lean)
-    version = f.version if isinstance(f, PinnedFile) else None
+    version = f.signature if isinstance(f, PinnedFile) else None
     return View(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents, version)
 
 
