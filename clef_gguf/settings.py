@@ -1,5 +1,5 @@
 """Every setting of `load()` and `clef-gguf serve`, once: its name, its default and the help the CLI shows; and the
-defaults of other commands whose own modules are heavy to import (convert's file types, eval's target precisions).
+defaults of other commands whose own modules are heavy to import (eval's target precisions).
 
 A setting has one name from the CLI flag to the place it is used (--max-queue is max_queue in ServeSettings,
 create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py),
@@ -25,9 +25,8 @@ INT32_MAX = (1 << 31) - 1  # the largest prompt limit
 # Measured on llama-cpp-python 0.3.36: a qwen35 context with n_ubatch 28672 builds, one of 32768 aborts in ggml.
 MAX_UBATCH = 28672
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS (many more: the CPU backend crashes creating its threads)
-# A JSON Lines record's largest size: the server's body limit at the default context (65536 tokens x 16 bytes,
-# server/body.py), read from files as from sockets. The CLI's --max-line-bytes defaults to the server's limit for
-# its --max-prompt-tokens and --mmproj.
+# A JSON Lines record's largest size: the server's body limit at the default context (65536 tokens x 16 bytes), read
+# from files as from sockets. The CLI's --max-line-bytes defaults to the server's for its --max-prompt-tokens, --mmproj.
 MAX_LINE_BYTES = 1 << 20
 DEFAULT_UBATCH = 1024  # (docs/benchmarks.md, "Memory on an 8 GB card": what a ubatch's compute buffer costs)
 LogFormat = Literal["text", "json"]
@@ -112,9 +111,7 @@ class LoadOptions:
     n_gpu_layers: int | None = _setting(
         None,
         "Backbone layers to offload to the GPU (-1: all; 0: the CPU alone); the head and the vision tower follow them. "
-        f"Default: ${N_GPU_LAYERS_ENV}, else 0.",
-        ge=-1,
-        le=INT32_MAX,
+        f"Default: ${N_GPU_LAYERS_ENV}, else 0.", ge=-1, le=INT32_MAX,
     )
     # Clef's context. Device memory is its KV cache plus one ubatch's compute buffer, whatever the prompt
     # (docs/benchmarks.md, "Memory on an 8 GB card").
@@ -358,29 +355,6 @@ class ServeSettings:
 API_KEY_ENV = "CLEF_GGUF_API_KEY"  # --api-key's environment variable, read by `serve` and a Ray config alike
 LOADER_ENV = "CLEF_GGUF_LOADER"  # how llama.cpp reads a model: auto, cookie (glibc) or portable (llama/loader.py)
 
-# --- convert's file types, named here so that `convert --help` and the other commands load no converter ------------
-# llama.cpp's quantizations (conversion/quantize.py), each llama_ftype constant LLAMA_FTYPE_MOSTLY_<NAME>, looked up
-# when a file is quantized. Types that need an importance matrix (IQ1/IQ2/IQ3) are left out.
-LLAMA_FILE_TYPES = (
-    "q4_k_m",
-    "q4_k_s",
-    "q5_k_m",
-    "q5_k_s",
-    "q6_k",
-    "q3_k_m",
-    "q3_k_l",
-    "q2_k",
-    "q4_0",
-    "q4_1",
-    "q5_0",
-    "q5_1",
-    "iq4_nl",
-    "iq4_xs",
-)
-FILE_TYPES = (*LLAMA_FILE_TYPES, "f32", "f16", "bf16", "q8_0")  # then those conversion/convert.py writes itself
-DEFAULT_FILE_TYPE = "q4_k_m"
-ADAPTER_FILE_TYPES = ("f32", "f16", "q8_0")  # an adapter file's LoRA (conversion/adapter.py)
-DEFAULT_ADAPTER_TYPE = "f16"
 # eval's, compare's and calibrate's auto-decide coverage (quality/metrics.py), at these precisions by default.
 DEFAULT_TARGET_PRECISIONS = (0.99, 0.95)
 

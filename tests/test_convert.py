@@ -14,9 +14,9 @@ from clef_gguf.conversion.convert import NUMPY_FILE_TYPES
 from clef_gguf.errors import OutputError, ReleaseError
 from clef_gguf.format import contract as C
 from clef_gguf.format import hparams
+from clef_gguf.format.file_types import FILE_TYPES, LLAMA_FILE_TYPES
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.format.template import SYSTEMONE_TEMPLATE
-from clef_gguf.settings import FILE_TYPES, LLAMA_FILE_TYPES
 from clef_gguf.testing.release_builder import CLEF_FLASH_LAYOUT, build_release
 
 GT = gguf.GGMLQuantizationType

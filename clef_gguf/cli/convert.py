@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..settings import DEFAULT_ADAPTER_TYPE, DEFAULT_FILE_TYPE, FILE_TYPES
+from ..format.file_types import DEFAULT_ADAPTER_TYPE, DEFAULT_FILE_TYPE, FILE_TYPES
 from .common import run_with_progress
 from .errors import fail, say
 

@@ -20,8 +20,8 @@ from ..errors import ConversionError, ReleaseError
 from ..format import adapter as A
 from ..format import contract as C
 from ..format import lineage as L
+from ..format.file_types import ADAPTER_FILE_TYPES, DEFAULT_ADAPTER_TYPE
 from ..outputs import refuse_inputs
-from ..settings import ADAPTER_FILE_TYPES, DEFAULT_ADAPTER_TYPE
 from .convert import NUMPY_FILE_TYPES, apply_transform, backbone_tensors
 from .graft import head_qtype, head_tensors, release_files
 from .lineage import release_digest

@@ -23,8 +23,8 @@ import numpy as np
 from ..errors import ConversionError, ReleaseError
 from ..format import contract as C
 from ..format import vision as V
+from ..format.file_types import DEFAULT_FILE_TYPE, FILE_TYPES, LLAMA_FILE_TYPES
 from ..outputs import refuse_inputs
-from ..settings import DEFAULT_FILE_TYPE, FILE_TYPES, LLAMA_FILE_TYPES
 from .graft import assemble, head_qtype, head_tensors, release_files, write_clef
 from .lineage import Kv, source_keys
 from .lora import checkpoint_files, is_checkpoint, needs_base, open_checkpoint
