@@ -4,7 +4,8 @@ Over the k256 fixture (rows of 256: llama.cpp's K-quants apply), a PEFT checkpoi
 to 1/100 (its update's RMS about 7% of the weights' in the sampled rows, where clef-finetune's own `train` on the
 fixture gives 21%: docs/finetune.md) is converted to an adapter and to merged files. Every quantization of the
 base takes the adapter; a merged file is exit 7 in `validate`, `decide` and at load, with the keys clef-gguf writes
-and, with them stripped (as llama.cpp's converter writes a file), by the content check alone.
+and, with them stripped (as llama.cpp's converter writes a file), by the content check alone; and with its base's
+keys copied in, by the content check too, which runs whatever the keys say.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing import finetune
 from clef_gguf.testing.gguf_bytes import kv_str, rebuild
 from clef_gguf.testing.golden import make_golden
+from clef_gguf.testing.processes import free_port
 from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
 
 EVERY_LINEAR = "q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj|gate_proj|up_proj|down_proj"
@@ -64,7 +66,7 @@ def tune(ws, tmp_path_factory) -> Tune:
 
 def _foreign(path: Path, out_dir: Path) -> Path:
     """The file as llama.cpp's converter (or an older clef-gguf) would have written it: no lineage key of ours."""
-    return rebuild(path, out_dir / f"foreign-{path.name}", drop_keys=SOURCE_KEYS)
+    return rebuild(path, out_dir / f"foreign-{path.name}", drop_keys=SOURCE_KEYS | {L.KEY_SOURCE_VISION})
 
 
 def _keys(path: Path) -> dict:
@@ -133,6 +135,37 @@ def test_a_merged_file_as_base_is_exit_7_with_why(tune, tmp_path, file_type):
     assert report.exit_code == 7 and "hold the adapter's own update already" in report.summary, report.summary
     with pytest.raises(AdapterBaseError, match="update already"):
         _require(foreign, tune.adapter)
+
+
+def _forged(merged: Path, base: Path, out_dir: Path) -> Path:
+    """A merged fine-tune whose lineage keys claim its base: the base's clef.source.digest, the merged mark dropped
+    (what a tool that copies its base's key-values into its output writes)."""
+    digest = kv_str(L.KEY_SOURCE_DIGEST, _keys(base)[L.KEY_SOURCE_DIGEST])
+    drop = {L.KEY_SOURCE_MERGED, L.KEY_SOURCE_BASE_DIGEST}
+    return rebuild(merged, out_dir / f"forged-{merged.name}", drop_keys=drop, replace={L.KEY_SOURCE_DIGEST: digest})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file_type", ["f32", "q4_k_m"])
+def test_a_merged_file_with_its_bases_keys_is_exit_7_everywhere(tune, tmp_path, file_type):
+    """Keys refuse early, never accept alone: the content check runs whatever they say."""
+    forged = _forged(tune.merged[file_type], tune.base(file_type), tmp_path)
+    assert _keys(forged) == _keys(tune.base(file_type))  # its keys are the base's, word for word
+    report = validate_adapter_pair(forged, tune.adapter)
+    assert report.exit_code == 7 and "hold the adapter's own update already" in report.summary, report.summary
+    assert "keys (clef.source.digest) name the release the adapter was trained over" in report.summary
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps(labelled_requests(1)[0]))
+    for command in (
+        ("validate", forged, "--adapter", tune.adapter),
+        ("decide", forged, request, "--adapter", tune.adapter, "--ctx", str(CONTEXT)),
+        ("serve", forged, "--adapter", f"tune={tune.adapter}", "--ctx", str(CONTEXT), "--port", str(free_port())),
+    ):
+        done = run_cli(*command, timeout=120)
+        assert done.returncode == 7 and "update already" in done.stdout + done.stderr, (command[0], done.stderr)
+        assert "Traceback" not in done.stderr
+    with pytest.raises(AdapterBaseError, match="update already"):
+        clef_gguf.load(forged, max_prompt_tokens=CONTEXT, adapters={"tune": tune.adapter})
 
 
 def test_decide_refuses_a_merged_base_in_one_line(tune, tmp_path):

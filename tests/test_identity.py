@@ -20,7 +20,7 @@ from clef_gguf.conversion.rekey import rekey
 from clef_gguf.data import DEMO_CONTEXT, DEMO_REQUEST
 from clef_gguf.errors import RequestError
 from clef_gguf.format.header import IDENTITY_WINDOW, GGUFFile
-from clef_gguf.format.lineage import KEY_SOURCE_BASE_DIGEST, KEY_SOURCE_DIGEST, KEY_SOURCE_MERGED
+from clef_gguf.format.lineage import KEY_SOURCE_BASE_DIGEST, KEY_SOURCE_DIGEST, KEY_SOURCE_MERGED, KEY_SOURCE_VISION
 from clef_gguf.testing.gguf_bytes import rebuild
 
 BASE = "k256"  # its MLP matrices (512 KiB in f32) are over the sample's 64 KiB: the identity samples them
@@ -66,9 +66,8 @@ def tunes(ws, tmp_path_factory) -> tuple[Path, Path]:
 def _as_foreign(path: Path, out_dir: Path) -> Path:
     """The file without clef-gguf's lineage keys (clef.source.*: its release's weights digest, in the header), as
     llama.cpp's converter writes one: then the header alone cannot tell a base from its fine-tunes."""
-    return rebuild(
-        path, out_dir / f"foreign-{path.name}", drop_keys={KEY_SOURCE_DIGEST, KEY_SOURCE_MERGED, KEY_SOURCE_BASE_DIGEST}
-    )
+    drop = {KEY_SOURCE_DIGEST, KEY_SOURCE_MERGED, KEY_SOURCE_BASE_DIGEST, KEY_SOURCE_VISION}
+    return rebuild(path, out_dir / f"foreign-{path.name}", drop_keys=drop)
 
 
 def test_a_base_and_its_fine_tunes_share_the_header_not_the_identity(ws, tunes, tmp_path):

@@ -15,7 +15,7 @@ from clef_gguf.conversion.quantize import load_imatrix, quantize
 from clef_gguf.errors import ConversionError
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
-from clef_gguf.format.lineage import KEY_SOURCE_DIGEST
+from clef_gguf.format.lineage import KEY_SOURCE_DIGEST, KEY_SOURCE_VISION
 from clef_gguf.llama.qwen35_view import write_backbone_gguf
 from clef_gguf.testing.gguf_bytes import rebuild
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
@@ -98,8 +98,9 @@ def test_graft_equals_converting_the_release_directly(ws, tmp_path):
     backbone = _backbone_only(direct, tmp_path / "community-q4_k_m.gguf")
     assert not any(C.is_head_tensor(n) for n in _types(backbone))
     grafted = graft(backbone, ws.release("k256"), tmp_path / "grafted.gguf")
-    # But for the release's weights digest that convert records: graft cannot vouch for a backbone's source.
-    unkeyed = rebuild(direct, tmp_path / "unkeyed.gguf", drop_keys={KEY_SOURCE_DIGEST})
+    # But for the release's weights digest and tower fingerprint that convert records: graft cannot vouch for a
+    # backbone's source.
+    unkeyed = rebuild(direct, tmp_path / "unkeyed.gguf", drop_keys={KEY_SOURCE_DIGEST, KEY_SOURCE_VISION})
     assert grafted.read_bytes() == unkeyed.read_bytes() != direct.read_bytes()
     request = all_requests()["mixed"]
     with clef_gguf.load(grafted) as model:

@@ -2,10 +2,11 @@
 
 The base's identity is format/adapter.model_fingerprint (its norms, the same in every quantization of one release),
 which tells one release from another but not a base from its fine-tunes (a LoRA changes no norm): format/lineage.py
-does, by the keys conversions write (the release's weights digest, merged files marked) or, for a file without them
-(llama.cpp's converter), by the content check of the adapter's base sample. Then what llama.cpp's adapter loader
-checks (src/llama-adapter.cpp:333-371: every pair's model tensor exists, lora_a's ne[0] is the weight's ne[0],
-lora_b's ne[1] its ne[1]) and what clef-gguf's head needs (the head's shapes).
+does. The keys conversions write (the release's weights digest, merged files marked) may refuse a pair early; the
+content check of the adapter's base sample then runs whatever they say, since keys can be copied (a tool that copies
+its base's keys into a merged fine-tune writes the base's digest): keys never accept a pair alone. Then what
+llama.cpp's adapter loader checks (src/llama-adapter.cpp:333-371: every pair's model tensor exists, lora_a's ne[0] is
+the weight's ne[0], lora_b's ne[1] its ne[1]) and what clef-gguf's head needs (the head's shapes).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from .validate import judge_source
 CHECK = "pairing"
 
 
-def _by_keys(base: Header, adapter: Header) -> tuple[list[Problem], str] | None:
-    """The pairing the lineage keys decide (format/lineage.py); None where they do not (a file without them)."""
+def _by_keys(base: Header, adapter: Header) -> tuple[list[Problem], str]:
+    """What the lineage keys (format/lineage.py) say: why they refuse the pair, or else (no problem) the release they
+    name, '' where they name none. They can refuse, never accept alone: a tool that copies its base's keys into a
+    merged fine-tune writes the base's digest and no merged mark, so the content check runs after them whatever
+    they say."""
     theirs, ours = adapter.get(L.KEY_BASE_DIGEST), base.get(L.KEY_SOURCE_DIGEST)
     merged, parent = base.get(L.KEY_SOURCE_MERGED) is True, base.get(L.KEY_SOURCE_BASE_DIGEST)
     if L.is_digest(theirs) and L.is_digest(ours):
@@ -57,33 +61,39 @@ def _by_keys(base: Header, adapter: Header) -> tuple[list[Problem], str] | None:
                 "the release's own conversion",
             )
         ], ""
-    return None
+    return [], ""
 
 
-def _by_content(base: GGUFFile, adapter: Header) -> tuple[list[Problem], str]:
-    """The content check of format/lineage.py: how much of the adapter's update the base's weights hold."""
+def _by_content(base: GGUFFile, adapter: Header, keys: str) -> tuple[list[Problem], str]:
+    """The content check of format/lineage.py: how much of the adapter's update the base's weights hold. `keys`: the
+    release the lineage keys name ('' for none), which the basis states beside what the content says."""
+    ground = keys or "the same norms fingerprint"
     sample = L.read_sample(adapter)
     if sample is None:
         return [Problem(CHECK, f"the adapter's base sample ({L.SAMPLE_PREFIX}*) is damaged: its keys disagree")], ""
     if not sample:
         return [], (
-            "the same norms fingerprint only: the adapter holds no base sample (an older clef-gguf wrote it), so a "
-            "merged fine-tune is not told from its base"
+            f"{ground} only: the adapter holds no base sample (an older clef-gguf wrote it), so a merged fine-tune is "
+            "not told from its base"
         )
     share = L.sample_share(base, sample)
     if share is None:
-        return [], "the same norms fingerprint; the content check found no sampled row it could read"
+        return [], f"{ground}; the content check found no sampled row it could read"
     measured = f"{share.value:.3f} ± {share.error:.3f} of the adapter's update over {share.n} values"
     if share.merged and share.value > 0:
+        forged = f" whose keys ({L.KEY_SOURCE_DIGEST}) name the release the adapter was trained over" if keys else ""
         why = (
             f"the base's weights hold the adapter's own update already ({measured}; its base holds 0, its merged "
-            "conversion 1): a merged fine-tune, over which the LoRA would apply twice; give the release's own conversion"
+            f"conversion 1): a merged fine-tune{forged}, over which the LoRA would apply twice; give the release's own "
+            "conversion"
         )
         return [Problem(CHECK, why)], ""
     if share.merged:
         return [Problem(CHECK, f"the base's weights are not the adapter's base: they differ from it by {measured}")], ""
     if not share.conclusive:
-        return [], f"the same norms fingerprint; the content check cannot tell at this quantization ({measured})"
+        return [], f"{ground}; the content check cannot tell at this quantization ({measured})"
+    if keys:
+        return [], f"{keys} and none of the adapter's update in the weights (content check: {measured})"
     return [], f"the same norms fingerprint and none of the adapter's update in the weights (content check: {measured})"
 
 
@@ -93,11 +103,13 @@ def _short(digest: str) -> str:
 
 def judge_pair(base: GGUFFile, adapter: Header) -> tuple[list[Problem], str]:
     """Why `adapter` (a header that validates) cannot be applied to `base` (a model file that validates), and on
-    what ground it fits where it does: the norms, then the lineage keys, or else the content check."""
+    what ground it fits where it does: the norms, then the lineage keys (which may refuse), then the content check
+    (which runs whatever the keys say)."""
     theirs, ours = adapter.get(A.KEY_BASE_FINGERPRINT), A.model_fingerprint(base)
     if theirs != ours:
         return [Problem(CHECK, f"the adapter was trained over another base (fingerprint {theirs}; this base's is {ours})")], ""
-    problems, basis = _by_keys(base.header, adapter) or _by_content(base, adapter)
+    problems, keys = _by_keys(base.header, adapter)
+    problems, basis = (problems, "") if problems else _by_content(base, adapter, keys)
     return problems + _shape_problems(base, adapter), basis
 
 

@@ -1,7 +1,11 @@
 """validate MODEL --mmproj MMPROJ: both files validated, then whether the mmproj is this model's vision tower.
 
 What mtmd_init_from_file compares (the image embeddings' width, clip_n_mmproj_embd, against the text
-model's), and what an image prompt needs of the model (the tokens that bracket each image).
+model's), and what an image prompt needs of the model (the tokens that bracket each image). Then, by content,
+which release's tower it is: a model file convert wrote records the fingerprint of its release's tower
+(format/lineage.KEY_SOURCE_VISION), and the mmproj's own tensors are fingerprinted (format/vision.tower_fingerprint),
+so that another release's tower of the same width is refused whatever its keys say. A model file without that key
+(llama.cpp's converter writes none) is paired by the width alone, and the basis says so.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from dataclasses import replace
 from gguf import Keys
 
 from ..errors import IncompleteModelError, ModelFileError, NotADecisionModelError
+from ..format import lineage as L
 from ..format import vision as V
-from ..format.header import Header
+from ..format.header import GGUFFile, Header
 from ..format.hparams import VisionDescription, backbone_shape
 from .mmproj import describe_mmproj, is_mmproj
 from .report import PairReport, Problem, Report, Verdict
@@ -47,6 +52,45 @@ def check_pairing(model: Header, mmproj: Header) -> list[Problem]:
     return problems
 
 
+def mmproj_fingerprint(mmproj: GGUFFile) -> str:
+    """vision.tower_fingerprint of an mmproj that validates (its fingerprint tensors are F32: check/mmproj.py)."""
+    tensors = mmproj.header.tensors.items()
+    return V.tower_fingerprint(
+        (name, t.shape, mmproj.tensor_bytes(name).view("<f4")) for name, t in tensors if V.is_fingerprint_tensor(name, t.shape)
+    )
+
+
+def check_lineage(model: Header, mmproj: GGUFFile | None) -> tuple[list[Problem], str]:
+    """Whether `mmproj` (None: a remote file, whose tensors are not read) holds the tower of the release `model` was
+    converted from: why not, or on what ground it does."""
+    recorded = model.get(L.KEY_SOURCE_VISION)
+    if not L.is_digest(recorded):
+        return [], (
+            f"the model records no vision tower fingerprint ({L.KEY_SOURCE_VISION}: llama.cpp's converter writes none), "
+            "so only the width was compared: another release's tower of that width is not told from its own"
+        )
+    if mmproj is None:
+        return [], "the mmproj is not local: its tensors were not read, so only the width was compared"
+    found = mmproj_fingerprint(mmproj)
+    if found != recorded:
+        why = (
+            f"the mmproj is another release's vision tower: its tensors' fingerprint is {found[:12]}..., the model's "
+            f"release's tower is {recorded[:12]}... ({L.KEY_SOURCE_VISION})"
+        )
+        return [Problem("pairing", why)], ""
+    return [], f"the vision tower of the model's release (its tensors' fingerprint {found[:12]}...)"
+
+
+def _lineage_of_local(model: Header, mmproj: str | os.PathLike[str]) -> tuple[list[Problem], str]:
+    if not os.path.exists(mmproj):  # (a Hub or URL source: read remotely, header only)
+        return check_lineage(model, None)
+    f = GGUFFile.open(mmproj)
+    try:
+        return check_lineage(model, f)
+    finally:
+        f.close()
+
+
 def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str], *, deep: bool = False) -> PairReport:
     """Validate a model, an mmproj, and their pairing (each source local, on the Hub or a URL, as validate takes)."""
     model_report, model_header = judge_source(model, deep=deep)
@@ -60,11 +104,15 @@ def validate_pair(model: str | os.PathLike[str], mmproj: str | os.PathLike[str],
             mmproj_report,
             f"a GGUF of architecture {arch!r}, not an mmproj (a vision tower has {Keys.General.ARCHITECTURE} {V.ARCH!r})",
         )
+    basis = ""
     if model_report.ok and mmproj_report.ok and model_header is not None and mmproj_header is not None:
         problems += check_pairing(model_header, mmproj_header)
-    fits = "model and mmproj belong together: the image embeddings are as wide as the backbone's hidden size"
+        if not problems:
+            problems, basis = _lineage_of_local(model_header, mmproj)
+    fits = f"model and mmproj belong together: {basis}; the image embeddings are as wide as the backbone's hidden size"
     names = ("model", "mmproj")
-    return PairReport(names, model_report, mmproj_report, tuple(problems), fits, "model and mmproj do not belong together")
+    misfit = "model and mmproj do not belong together"
+    return PairReport(names, model_report, mmproj_report, tuple(problems), fits, misfit, basis or None)
 
 
 def _wrong_kind(report: Report, summary_line: str) -> Report:
@@ -84,7 +132,7 @@ def open_vision(model: Header, mmproj: str | os.PathLike[str]) -> VisionDescript
         )
     report.raise_for_verdict()
     assert header is not None
-    problems = check_pairing(model, header)
+    problems = check_pairing(model, header) or _lineage_of_local(model, mmproj)[0]
     if problems:
         raise IncompleteModelError(f"{mmproj} is not this model's vision tower: {problems[0].message}")
     description = describe_mmproj(header)

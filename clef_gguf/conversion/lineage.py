@@ -1,4 +1,5 @@
-"""The lineage keys a conversion writes (format/lineage.py): the release's weights digest, and whether it is merged.
+"""The lineage keys a conversion writes (format/lineage.py): the release's weights digest, whether it is merged, and
+its vision tower's fingerprint.
 
 A release folder's digest is its tensors' (model*.safetensors and joint_head.safetensors: every value a fine-tune may
 change). A merged fine-tune is either a folder `clef-finetune merge` wrote (it leaves CLEF_FINETUNE.json there) or
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..format import lineage as L
 from .lora import MergedTensor
+from .mmproj import tower_fingerprint
 from .release import Release, StoredTensor
 
 FINETUNE_MARKER = "CLEF_FINETUNE.json"  # what clef-finetune's merge writes beside the merged release
@@ -49,15 +51,23 @@ def is_merged_folder(root: Path) -> bool:
     return (root / FINETUNE_MARKER).is_file()
 
 
+def _vision_keys(release: Release) -> Kv:
+    """The fingerprint of the vision tower convert writes of `release` (none without one): what the pairing of an
+    mmproj with the model file compares the mmproj's own tensors with (check/pair.py)."""
+    fingerprint = tower_fingerprint(release)
+    return {} if fingerprint is None else {L.KEY_SOURCE_VISION: ("string", fingerprint)}
+
+
 def source_keys(release: Release, base: Release | None = None) -> Kv:
     """The lineage keys of a model file converted from `release`, or from a checkpoint merged into `base`
     (`release` then being lora.open_checkpoint's)."""
     if base is None:
         kv: Kv = {L.KEY_SOURCE_DIGEST: ("string", release_digest(release))}
-        return kv | ({L.KEY_SOURCE_MERGED: ("bool", True)} if is_merged_folder(release.root) else {})
+        kv |= {L.KEY_SOURCE_MERGED: ("bool", True)} if is_merged_folder(release.root) else {}
+        return kv | _vision_keys(release)
     base_digest = release_digest(base)
     return {
         L.KEY_SOURCE_DIGEST: ("string", L.merged_digest(base_digest, _update_digest(release))),
         L.KEY_SOURCE_MERGED: ("bool", True),
         L.KEY_SOURCE_BASE_DIGEST: ("string", base_digest),
-    }
+    } | _vision_keys(release)

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 from gguf import Keys
 
-from ..errors import ConversionError, ReleaseError
+from ..errors import ConversionError, NonFiniteWeightsError, ReleaseError
 from ..format import vision as V
 from .release import Release, StoredTensor
 from .writer import GT, OutTensor, Progress, encode, write_gguf
@@ -258,6 +258,18 @@ def mmproj_tensors(tower: VisionTower, qtype: GT) -> list[OutTensor]:
         )
         raise ReleaseError(f"tensor {unknown[0]} is {why} (and {len(unknown) - 1} more unknown tensors)")
     return planned
+
+
+def tower_fingerprint(release: Release) -> str | None:
+    """vision.tower_fingerprint of the mmproj convert writes of `release`, of any type (its fingerprint tensors are F32
+    in every one); None for a release whose tower it cannot write (the model file then records none)."""
+    if no_tower_reason(release) is not None:
+        return None
+    try:
+        tensors = mmproj_tensors(vision_tower(release), GT.F32)
+        return V.tower_fingerprint((t.name, t.shape, t.data()) for t in tensors if V.is_fingerprint_tensor(t.name, t.shape))
+    except (ReleaseError, NonFiniteWeightsError):  # (the mmproj's conversion says why, when it is asked for)
+        return None
 
 
 def write_mmproj_metadata(w: gguf.GGUFWriter, *, name: str, tower: VisionTower, file_type: int) -> None:

@@ -31,6 +31,9 @@ from .header import GGUFFile, Header
 KEY_SOURCE_DIGEST = f"{ARCH}.source.digest"  # string: weights_digest of the release converted (merged: merged_digest)
 KEY_SOURCE_MERGED = f"{ARCH}.source.merged"  # bool: its weights hold a fine-tune's LoRA, merged
 KEY_SOURCE_BASE_DIGEST = f"{ARCH}.source.base.digest"  # string: a merged file's base release, where known
+# string: vision.tower_fingerprint of the release's vision tower, the mmproj convert writes beside the model (its
+# pairing compares the mmproj's content with it: check/pair.py)
+KEY_SOURCE_VISION = f"{ARCH}.source.vision.fingerprint"
 # An adapter's keys.
 KEY_BASE_DIGEST = f"{ADAPTER_KEYS}base.digest"  # string: weights_digest of the release it was trained over
 SAMPLE_PREFIX = f"{ADAPTER_KEYS}base.sample."

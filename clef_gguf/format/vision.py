@@ -13,9 +13,13 @@ qwen3vl graph, `models/qwen3vl.cpp`). Tensor order is not part of the format.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+
+import numpy as np
 
 ARCH = "clip"
 FILE_KIND = "mmproj"  # general.type, as llama.cpp's converter writes for every mmproj
@@ -205,3 +209,24 @@ def default_mmproj_name(model_file_name: str) -> str:
     """llama.cpp's converter names a model `NAME.gguf` and its vision tower `mmproj-NAME.gguf` (base.py:2692-2694)."""
     stem = model_file_name[: -len(".gguf")] if model_file_name.endswith(".gguf") else model_file_name
     return f"mmproj-{stem}.gguf"
+
+
+# --- The tower's fingerprint: which release's tower a file holds ---------------------------------------------------
+# The tensors every converter stores as F32 whatever the mmproj's type (the rules above): the 1-D ones (biases,
+# LayerNorms) and the position embeddings. Their values are the release's, in f32, f16, bf16 and q8_0 mmproj files
+# alike, llama.cpp's converter's too; another release's tower (another training, another seed) has other values.
+FINGERPRINT_DOMAIN = b"clef-gguf vision tower fingerprint 1\n"
+
+
+def is_fingerprint_tensor(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 1 or name in F32_ONLY
+
+
+def tower_fingerprint(tensors: Iterable[tuple[str, tuple[int, ...], np.ndarray]]) -> str:
+    """sha256 (hex) over (llama.cpp's name, numpy shape, float32 values) of the fingerprint tensors, in name order."""
+    h = hashlib.sha256(FINGERPRINT_DOMAIN)
+    for name, shape, values in sorted(tensors, key=lambda t: t[0]):
+        if is_fingerprint_tensor(name, shape):
+            h.update(f"{name} {'x'.join(map(str, shape))}\n".encode())
+            h.update(np.ascontiguousarray(values, dtype="<f4").tobytes())
+    return h.hexdigest()

@@ -291,6 +291,9 @@ RELEASES: dict[str, ReleaseSpec] = {
     "k256": ReleaseSpec(
         seed=2, hidden=256, intermediate=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, head_width=64
     ),
+    # untied_f32's shapes, other weights: another release whose files (its vision tower's too) are as wide as
+    # untied_f32's, which only their lineage tells apart.
+    "other_f32": ReleaseSpec(seed=7),
 }
 
 
