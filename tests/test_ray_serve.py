@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip in
 
 import yaml  # noqa: E402  (Ray's own dependency, for `serve run` configs)
 from cli_helpers import run_cli  # noqa: E402
-from live_server import free_port, served  # noqa: E402
+from live_server import free_port, served, wait_healthy  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.schema import ApplicationStatus  # noqa: E402
 from server_helpers import (  # noqa: E402
@@ -48,6 +50,7 @@ from server_helpers import (  # noqa: E402
 )
 
 import clef_gguf  # noqa: E402
+from clef_gguf.cli.errors import STOP_S  # noqa: E402
 from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST  # noqa: E402
 from clef_gguf.errors import ModelFileError, SettingsError  # noqa: E402
 from clef_gguf.server.ray_serve import APP_NAME, RaySettings, build_app, settings_from_args  # noqa: E402
@@ -325,6 +328,47 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(ray
             for route in ("/v1/systemone", WORKERS_AI_PATHS[0]):
                 same_response(post(ray_url, route, body, headers), post(plain_url, route, body, headers))
         assert httpx.get(f"{ray_url}/health").status_code == 200  # unauthenticated, for probes
+
+
+# --- An idle `serve --ray` on a cluster of its own stops at once ------------------------------------------------------
+STOPPED_WITHIN = STOP_S + 1.0  # s from the signal to the exit, as tests/test_inputs_and_signals.py allows every command
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("group", [False, True], ids=["to_the_process", "to_its_process_group"])
+def test_an_idle_serve_ray_stops_at_sigterm_within_seconds_exit_128_plus_15(tmp_path, group):
+    """A local cluster of its own (no RAY_ADDRESS; Ray's folder one of its own, RAY_TMPDIR). SIGTERM to the command:
+    nothing to drain, the proxy and the cluster stopped (the monitor's own stop took a second of them). SIGTERM to its
+    process group (`timeout`'s, a service manager's stop), which holds the cluster's processes: they stop with it, and
+    the command no longer waits a minute for the stopped GCS to end with exit 1."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # (short: Ray's socket paths fit AF_UNIX's 107 bytes)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+    port = free_port()
+    command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--ray", "--replicas", "1", "--port", str(port)]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as output:
+        server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}", DEPLOY_TIMEOUT_S)
+        started = time.monotonic()
+        if group:
+            os.killpg(server.pid, signal.SIGTERM)
+        else:
+            server.send_signal(signal.SIGTERM)
+        server.wait(timeout=TIMEOUT)
+        took = time.monotonic() - started
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        sessions = list((ray_tmp / "ray").glob("session_2*"))
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    text = log.read_text()
+    assert server.returncode == 128 + signal.SIGTERM and took < STOPPED_WITHIN, (server.returncode, took, text[-3000:])
+    [line] = [line for line in text.splitlines() if line.startswith("stopped by")]
+    assert line.startswith("stopped by SIGTERM; ") and ("nothing was left to drain" in line) == group, line
+    assert "Traceback" not in text and not sessions, (sessions, text[-3000:])
 
 
 # --- The command's own refusals (no cluster needed) -------------------------------------------------------------------

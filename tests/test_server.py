@@ -608,7 +608,10 @@ def test_memory_stays_flat_under_repeated_requests(ws):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_then_exits(ws, model):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_drains_in_flight_requests_then_exits_128_plus_n(ws, model, signum):
+    """SIGTERM, SIGINT and SIGHUP alike (SIGHUP killed the server at once, dropping what it was answering): the
+    requests inside are answered, then the exit status says the signal, as every command's does."""
     port = free_port()
     process = serve_process(ws.gguf("untied_f32", "f32"), port)
     url = f"http://127.0.0.1:{port}"
@@ -621,14 +624,15 @@ def test_sigterm_drains_in_flight_requests_then_exits(ws, model):
             while c.get("/health").json()["pending"] < 4:
                 assert time.monotonic() < deadline and not any(f.done() for f in in_flight), "requests finished too soon"
                 time.sleep(0.005)
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signum)
             responses = [f.result() for f in in_flight]
         assert [r.status_code for r in responses] == [200] * 4
         want = reuse_apart(model.decide(request))
         assert all(reuse_apart(r.json()) == want for r in responses)
         _, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0, stderr
+        assert process.returncode == 128 + signum, stderr
         assert "Traceback" not in stderr and "Application shutdown complete" in stderr
+        assert stderr.rstrip().endswith(f"stopped by {signum.name}; drained: the requests admitted before it were answered")
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
     finally:

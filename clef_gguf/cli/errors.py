@@ -224,3 +224,28 @@ def one_line(command: Callable[..., None]) -> Callable[..., None]:
             raise typer.Exit(e.exit_code) from None
 
     return mapped
+
+
+DRAINED = "drained: the requests admitted before it were answered"
+CLUSTER_GONE = "the local Ray cluster stopped with it (the signal reached its processes too): nothing was left to drain"
+
+
+def _ray_driver_abandoned() -> bool:
+    """runtime/ray_local.driver_abandoned, where this process loaded it (the CLI imports no Ray for this)."""
+    ray_local = sys.modules.get("clef_gguf.runtime.ray_local")
+    return ray_local is not None and ray_local.driver_abandoned()
+
+
+def serve_until_stopped(action: Callable[[], int | None]) -> None:
+    """Run a server (`serve`, `serve --ray`), which drains at SIGTERM, SIGINT or SIGHUP and then returns the signal:
+    the one line, and exit 128+N, as every command stopped by a signal. Not inside signals_clean_up: its watchdog would
+    end the process during a drain longer than STOP_S."""
+    signum = run(action, signals=False)
+    if signum is None:
+        return
+    if _ray_driver_abandoned():  # (its cluster's folder already removed: what is left is Ray's driver, stuck)
+        say(f"stopped by {signal.Signals(signum).name}; {CLUSTER_GONE}")
+        sys.stdout.flush()
+        os._exit(signalled(signum))
+    say(f"stopped by {signal.Signals(signum).name}; {DRAINED}")
+    raise typer.Exit(signalled(signum))

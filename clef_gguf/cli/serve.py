@@ -20,7 +20,7 @@ from ..settings import (
     bounds_of,
     help_of,
 )
-from .errors import fail, run
+from .errors import fail, run, serve_until_stopped
 from .options import (
     AdapterDir,
     AdapterMemory,
@@ -153,8 +153,8 @@ def serve(
         if replicas is not None and autoscale is not None:
             fail("--replicas and --autoscale exclude each other")
         scale = RayScale(replicas=replicas, autoscale=autoscale, gpus=gpus_per_replica, address=ray_address)
-        run(lambda: serve_on_ray(spec, settings, scale), signals=False)  # (it drains at SIGTERM)
+        serve_until_stopped(lambda: serve_on_ray(spec, settings, scale))
     elif replicas is not None or autoscale is not None:
         fail("--replicas and --autoscale need --ray")
     else:
-        run(lambda: serve_file(spec, settings), signals=False)  # (the server drains at SIGTERM)
+        serve_until_stopped(lambda: serve_file(spec, settings))

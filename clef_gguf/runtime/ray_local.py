@@ -24,10 +24,11 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..errors import SettingsError
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 CONNECT_S = 10  # Ray's wait for the GCS of a cluster at an address (its py_gcs_connect_timeout_s; Ray's default: 30)
 PROBE_S = 5.0  # a TCP connect to that address first: a closed port or an unreachable host is refused in this time
+MONITOR = "monitor"  # Ray's autoscaler monitor, as its node names the process (ray_constants.PROCESS_TYPE_MONITOR)
 
 
 def loopback_only() -> None:
@@ -143,6 +145,59 @@ def join(address: str | None, **init: Any) -> Any:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _node_processes(kind: str | None = None) -> list[Any]:
+    """The processes (Popen) of the local cluster this process started (its GCS, raylet, monitor...), or those of one
+    `kind`; [] when it started none. Ray's private API: the node its driver keeps (ray/_private/node.py)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None) or {}
+    return [info.process for k, infos in processes.items() if kind in (None, k) for info in infos]
+
+
+def local_cluster_alive() -> bool:
+    """Whether every process of the local cluster this process started still runs (True for a cluster at an address)."""
+    return all(process.poll() is None for process in _node_processes())
+
+
+def _end_monitor() -> None:
+    """Ray's autoscaler monitor of a local cluster, ended at once: ray.shutdown stops the cluster's processes one after
+    the other, and the monitor outlives its SIGTERM for the second ray.shutdown then waits before killing it (measured:
+    1.0 of an idle cluster's 1.1 s). It holds nothing of the session the driver needs."""
+    for process in _node_processes(MONITOR):
+        if process.poll() is None:
+            with suppress(OSError):  # (ended meanwhile)
+                process.kill()
+
+
+_abandoned: list[bool] = []  # a stopped cluster's driver left connected (_abandon_stopped_cluster)
+
+
+def driver_abandoned() -> bool:
+    """Whether this process's Ray driver was left connected to a local cluster that a signal stopped: its core worker
+    can neither disconnect in time (ray.shutdown waits seconds for the stopped GCS, measured 8 s) nor be torn down by
+    the interpreter's exit (a segfault, measured): the process must end at once (os._exit), its cleanups done."""
+    return bool(_abandoned)
+
+
+def _abandon_stopped_cluster() -> None:
+    """A local cluster a signal stopped along with this process (sent to the whole process group): the processes left
+    killed, the driver left connected (driver_abandoned)."""
+    import atexit
+
+    from ray._private import worker
+
+    _abandoned.append(True)
+    for process in _node_processes():
+        if process.poll() is None:
+            with suppress(OSError):
+                process.kill()
+    for process in _node_processes():
+        with suppress(OSError, subprocess.TimeoutExpired):
+            process.wait(timeout=1.0)
+    atexit.unregister(worker.shutdown)
+
+
 @contextmanager
 def cluster(address: str | None, *, log_to_driver: bool, num_cpus: int | None = None) -> Iterator[bool]:
     """Connected to the Ray cluster at `address` (join), or to a local one started here (None: `num_cpus` of it, Ray's
@@ -161,6 +216,11 @@ def cluster(address: str | None, *, log_to_driver: bool, num_cpus: int | None = 
     try:
         yield session is not None
     finally:
-        ray.shutdown(wait_for_processes=session is not None)  # a local cluster's processes stopped before its folder goes
+        if session is not None and not local_cluster_alive():
+            _abandon_stopped_cluster()
+        else:
+            if session is not None:
+                _end_monitor()
+            ray.shutdown(wait_for_processes=session is not None)  # its processes stopped before its folder goes
         if session is not None:
             remove_session(session)

@@ -19,19 +19,21 @@ from ..settings import ModelSpec, RayScale, ServeSettings
 from .run import serve
 
 
-def serve_file(spec: ModelSpec, settings: ServeSettings) -> None:
-    """Load the model `spec` declares, say where it is served on stderr, and serve it until SIGTERM or SIGINT."""
+def serve_file(spec: ModelSpec, settings: ServeSettings) -> int | None:
+    """Load the model `spec` declares, say where it is served on stderr, and serve it until SIGTERM, SIGINT or SIGHUP;
+    the signal that stopped it, once drained."""
     loaded = ClefModel(spec)
     url = f"http://{settings.host}:{settings.port}/v1/systemone"
     name = printable(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     images = f", up to {MAX_IMAGES} images" if loaded.vision is not None else ""
     print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens{images})", file=sys.stderr, flush=True)
-    serve(loaded, settings)
+    return serve(loaded, settings)
 
 
-def serve_on_ray(spec: ModelSpec, settings: ServeSettings, scale: RayScale) -> None:
-    """The model `spec` declares on Ray Serve (the ingress over model replicas, each loading it), until SIGTERM
-    or SIGINT. Without Ray Serve installed, or with settings that cannot work there, a SettingsError."""
+def serve_on_ray(spec: ModelSpec, settings: ServeSettings, scale: RayScale) -> int | None:
+    """The model `spec` declares on Ray Serve (the ingress over model replicas, each loading it), until SIGTERM,
+    SIGINT or SIGHUP; the signal, once drained. Without Ray Serve installed, or with settings that cannot work there,
+    a SettingsError."""
     check_spec(spec)
     from ..runtime.ray_local import bounded_connect, loopback_only
 
@@ -49,4 +51,4 @@ def serve_on_ray(spec: ModelSpec, settings: ServeSettings, scale: RayScale) -> N
     # Through the checks a config file's `args` get (the autoscale range among them).
     arguments = ray_serve.RaySettings(str(placed.path), settings, placed.options, placed.adapter_set, scale)
     checked = ray_serve.validated(asdict(arguments))
-    ray_cluster.run(checked)
+    return ray_cluster.run(checked)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from contextlib import suppress
 
@@ -14,21 +15,28 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.schema import DeploymentStatus
 
 from ..errors import DeploymentError
-from ..runtime.ray_local import cluster
+from ..runtime.ray_local import cluster, local_cluster_alive
 from ..settings import ServeSettings
 from .ray_private import stop_proxies
 from .ray_serve import APP_NAME, RaySettings, build_app
 
 # The time Ray may take to hand the ingress the drain call, beyond the drain itself.
 DRAIN_CALL_MARGIN_S = 30.0
+# What `serve --ray` drains at: the plain server's signals (server/run.DRAINED_AT).
+STOPPING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGBREAK") if hasattr(signal, name))
+WATCH_S = 0.02  # how often the stop looks at the local cluster's processes
 
 
 class _Stopped(Exception):
-    """SIGTERM or SIGINT while `clef-gguf serve --ray` deploys or serves."""
+    """A signal of STOPPING while `clef-gguf serve --ray` deploys or serves."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _stop(signum: int, _frame: object) -> None:
-    raise _Stopped(signal.Signals(signum).name)
+    raise _Stopped(signum)
 
 
 def _why_not_deployed(error: RuntimeError) -> str:
@@ -67,16 +75,18 @@ def start_serve(settings: ServeSettings) -> None:
     serve.start(http_options=http, logging_config={"enable_access_log": False})
 
 
-def run(settings: RaySettings) -> None:
+def run(settings: RaySettings) -> int | None:
     """`clef-gguf serve --ray`: deploy on the Ray cluster at settings.scale.address, or on a local one started here, and
-    serve until SIGTERM or SIGINT. Then the ingress refuses new requests with our 503 and Retry-After while those
-    admitted finish (up to drain_timeout); then, on a local cluster, Serve's proxy stops (the port refuses
-    connections) and the cluster with it, its session folder removed; on another cluster, the application is
-    deleted (its proxy, the cluster's, then answers 404 for the routes). A signal while deploying (replicas Ray
+    serve until SIGTERM, SIGINT or SIGHUP; that signal, once stopped (None: stopped otherwise). Then the ingress
+    refuses new requests with our 503 and Retry-After while those admitted finish (up to drain_timeout); then, on a
+    local cluster, Serve's proxy stops (the port refuses connections) and the cluster with it, its session folder
+    removed; on another cluster, the application is deleted (its proxy, the cluster's, then answers 404 for the
+    routes). A signal while deploying (replicas Ray
     cannot place wait for resources forever) stops it the same way, with nothing to drain. Ray's HTTP proxy listens
     on settings.serve's host and port, keeping idle connections its keep_alive."""
+    stopped_by = None
     with cluster(settings.scale.address, log_to_driver=True) as local:
-        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, _stop) for sig in STOPPING}
         deployed = False
         try:
             start_serve(settings.serve)
@@ -89,21 +99,38 @@ def run(settings: RaySettings) -> None:
             print(f"serving {APP_NAME} on {where} (Ray Serve)", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)  # until a signal raises _Stopped
-        except _Stopped:
-            pass
+        except _Stopped as e:
+            stopped_by = e.signum
         finally:
             for sig, handler in previous.items():  # a second signal cuts the drain short
                 signal.signal(sig, handler)
             _stop_serving(deployed, settings.serve.drain_timeout, local)
+    return stopped_by
 
 
 def _stop_serving(deployed: bool, drain_timeout: float, local: bool) -> None:
     """The ingress drained; then a local cluster's proxies stopped (the cluster stops after), or on another cluster
-    the application deleted."""
-    if deployed:
-        _drain(drain_timeout)
-    if local:
-        stop_proxies()
-    else:
+    the application deleted.
+
+    A local cluster's processes are in this process's process group: a signal sent to the group (a terminal's,
+    `timeout`'s, a service manager's stop of the whole unit) stops them too, and every call into a cluster whose GCS is
+    gone waits a minute for it (then Ray ends the process, exit 1). So the stop runs aside while this thread watches
+    those processes, and leaves it at once when one has ended: nothing is left to drain."""
+    if not local:
+        if deployed:
+            _drain(drain_timeout)
         with suppress(RayServeException):  # Serve never started, or someone shut it down
             serve.delete(APP_NAME)  # nothing left to drain, unless it never served
+        return
+
+    def stop() -> None:
+        if deployed:
+            _drain(drain_timeout)
+        stop_proxies()
+
+    stopping = threading.Thread(target=stop, name="clef-serve-stop", daemon=True)
+    stopping.start()
+    while stopping.is_alive():
+        if not local_cluster_alive():  # (ray_local.cluster then leaves it: runtime/ray_local.driver_abandoned)
+            return
+        stopping.join(WATCH_S)

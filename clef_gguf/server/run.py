@@ -1,14 +1,17 @@
-"""Running the app on uvicorn: loopback by default, HTTP limits (protocol.py), graceful drain on SIGTERM."""
+"""Running the app on uvicorn: loopback by default, HTTP limits (protocol.py), graceful drain on SIGTERM, SIGINT and
+SIGHUP."""
 
 from __future__ import annotations
 
 import gc
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
-from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at, and raises again once drained
+from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at (SIGINT, SIGTERM; Windows: SIGBREAK)
 
 from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
@@ -20,8 +23,30 @@ from .protocol import protocol_class
 ACCESS_LOG_DRAIN_S = 5.0  # at exit, for the access log's last lines (a stderr nobody reads never takes them)
 
 
-def _drained(_signum: int, _frame: object) -> None:
-    """uvicorn re-raises SIGTERM/SIGINT to the previous handler once it has drained: the stop was clean."""
+# SIGHUP too (a closed terminal, a service manager's reload-or-stop): every other command stops at it as at SIGTERM
+# (cli/errors.py), and so does the server, draining first.
+DRAINED_AT = tuple(dict.fromkeys((*HANDLED_SIGNALS, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining at DRAINED_AT, and keeping the signal once drained (uvicorn raises it again, to the
+    handler it replaced): `stopped_by` says which, for the command's exit status (128+N)."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in DRAINED_AT}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @property
+    def stopped_by(self) -> int | None:
+        return self._captured_signals[0] if self._captured_signals else None
 
 
 def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
@@ -38,10 +63,10 @@ def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
     return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **names, **options)
 
 
-def serve(model: Model, settings: ServeSettings | None = None) -> None:
-    """Serve until SIGTERM/SIGINT. uvicorn then stops accepting connections, lets in-flight and
-    queued requests finish (up to settings.drain_timeout), and the app closes the model; then this returns.
-    One access log line per request on stderr, in settings.log_format (observe.py)."""
+def serve(model: Model, settings: ServeSettings | None = None) -> int | None:
+    """Serve until SIGTERM, SIGINT or SIGHUP. uvicorn then stops accepting connections, lets in-flight and
+    queued requests finish (up to settings.drain_timeout), and the app closes the model; then this returns the signal
+    (None: stopped otherwise). One access log line per request on stderr, in settings.log_format (observe.py)."""
     access_lines = configure_access_log()
     s = settings or ServeSettings()
     app = settings_app(model, s)
@@ -55,21 +80,14 @@ def serve(model: Model, settings: ServeSettings | None = None) -> None:
         timeout_graceful_shutdown=s.drain_timeout,
         server_header=False,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     # The model, the app and the libraries are objects the cyclic GC tracks, alive as long as the process: a full
     # collection walked them all, a pause inside whichever request triggered it. Frozen, collections walk only what
     # requests allocate (docs/benchmarks.md, "Measurements behind the code").
     gc.collect()
     gc.freeze()
     try:
-        if threading.current_thread() is not threading.main_thread():
-            server.run()  # no signals off the main thread: the caller stops it with server.should_exit
-            return
-        previous = {sig: signal.signal(sig, _drained) for sig in HANDLED_SIGNALS}  # (Windows: and SIGBREAK)
-        try:
-            server.run()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        server.run()  # (off the main thread no signal reaches it: the caller stops it with server.should_exit)
+        return server.stopped_by
     finally:
         access_lines.drain(ACCESS_LOG_DRAIN_S)  # the last requests' lines, before the process exits
