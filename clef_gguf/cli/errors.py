@@ -203,12 +203,12 @@ def run(action: Callable[[], T], *, stopped: str = PARTIAL_REMOVED, signals: boo
         return guarded()
     except ClefError as e:
         error(e)
-        raise typer.Exit(e.exit_code) from None
+        _exit(e.exit_code)
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         error(f"stopped by {signal.Signals(signum).name}; {stopped}")
         _state.said = True
-        raise typer.Exit(signalled(signum)) from None
+        _exit(signalled(signum))
 
 
 def one_line(command: Callable[..., None]) -> Callable[..., None]:
@@ -226,14 +226,23 @@ def one_line(command: Callable[..., None]) -> Callable[..., None]:
     return mapped
 
 
-DRAINED = "drained: the requests admitted before it were answered"
-CLUSTER_GONE = "the local Ray cluster stopped with it (the signal reached its processes too): nothing was left to drain"
-
-
 def _ray_driver_abandoned() -> bool:
     """runtime/ray_local.driver_abandoned, where this process loaded it (the CLI imports no Ray for this)."""
     ray_local = sys.modules.get("clef_gguf.runtime.ray_local")
     return ray_local is not None and ray_local.driver_abandoned()
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit `code`; at once (os._exit, the cleanups done) where Ray's driver was left connected to a local cluster
+    that stopped with this process: the interpreter's own exit would wait for that cluster."""
+    if _ray_driver_abandoned():
+        sys.stdout.flush()
+        os._exit(code)
+    raise typer.Exit(code) from None
+
+
+DRAINED = "drained: the requests admitted before it were answered"
+CLUSTER_GONE = "the local Ray cluster stopped with it (the signal reached its processes too): nothing was left to drain"
 
 
 def serve_until_stopped(action: Callable[[], int | None]) -> None:
@@ -241,11 +250,6 @@ def serve_until_stopped(action: Callable[[], int | None]) -> None:
     the one line, and exit 128+N, as every command stopped by a signal. Not inside signals_clean_up: its watchdog would
     end the process during a drain longer than STOP_S."""
     signum = run(action, signals=False)
-    if signum is None:
-        return
-    if _ray_driver_abandoned():  # (its cluster's folder already removed: what is left is Ray's driver, stuck)
-        say(f"stopped by {signal.Signals(signum).name}; {CLUSTER_GONE}")
-        sys.stdout.flush()
-        os._exit(signalled(signum))
-    say(f"stopped by {signal.Signals(signum).name}; {DRAINED}")
-    raise typer.Exit(signalled(signum))
+    if signum is not None:
+        say(f"stopped by {signal.Signals(signum).name}; {CLUSTER_GONE if _ray_driver_abandoned() else DRAINED}")
+        _exit(signalled(signum))

@@ -37,7 +37,7 @@ from ..errors import SettingsError
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 CONNECT_S = 10  # Ray's wait for the GCS of a cluster at an address (its py_gcs_connect_timeout_s; Ray's default: 30)
 PROBE_S = 5.0  # a TCP connect to that address first: a closed port or an unreachable host is refused in this time
-MONITOR = "monitor"  # Ray's autoscaler monitor, as its node names the process (ray_constants.PROCESS_TYPE_MONITOR)
+MONITOR = "monitor"  # Ray's autoscaler monitor, as a local cluster's node names its process (ray_constants)
 
 
 def loopback_only() -> None:
@@ -156,14 +156,16 @@ def _node_processes(kind: str | None = None) -> list[Any]:
 
 
 def local_cluster_alive() -> bool:
-    """Whether every process of the local cluster this process started still runs (True for a cluster at an address)."""
+    """Whether every process of the local cluster this process started still runs (True for a cluster at an address).
+    Each runs as long as the cluster: one that ended was stopped, as its GCS and raylet are, or soon will be (they take
+    seconds to stop at SIGTERM, the monitor and log monitor milliseconds)."""
     return all(process.poll() is None for process in _node_processes())
 
 
 def _end_monitor() -> None:
     """Ray's autoscaler monitor of a local cluster, ended at once: ray.shutdown stops the cluster's processes one after
-    the other, and the monitor outlives its SIGTERM for the second ray.shutdown then waits before killing it (measured:
-    1.0 of an idle cluster's 1.1 s). It holds nothing of the session the driver needs."""
+    the other, and waits a second for the monitor, which outlives its SIGTERM, before it kills it (measured: 1.0 s of
+    an idle cluster's 1.1). The monitor holds nothing the driver's disconnect needs."""
     for process in _node_processes(MONITOR):
         if process.poll() is None:
             with suppress(OSError):  # (ended meanwhile)
@@ -174,19 +176,15 @@ _abandoned: list[bool] = []  # a stopped cluster's driver left connected (_aband
 
 
 def driver_abandoned() -> bool:
-    """Whether this process's Ray driver was left connected to a local cluster that a signal stopped: its core worker
-    can neither disconnect in time (ray.shutdown waits seconds for the stopped GCS, measured 8 s) nor be torn down by
-    the interpreter's exit (a segfault, measured): the process must end at once (os._exit), its cleanups done."""
+    """Whether this process's Ray driver was left connected to a local cluster that a signal stopped: its disconnect
+    (ray.shutdown, which the interpreter's exit runs too) waits for the stopped GCS (8 s measured), so a command ends
+    at once (os._exit), its cleanups done."""
     return bool(_abandoned)
 
 
 def _abandon_stopped_cluster() -> None:
     """A local cluster a signal stopped along with this process (sent to the whole process group): the processes left
     killed, the driver left connected (driver_abandoned)."""
-    import atexit
-
-    from ray._private import worker
-
     _abandoned.append(True)
     for process in _node_processes():
         if process.poll() is None:
@@ -195,7 +193,6 @@ def _abandon_stopped_cluster() -> None:
     for process in _node_processes():
         with suppress(OSError, subprocess.TimeoutExpired):
             process.wait(timeout=1.0)
-    atexit.unregister(worker.shutdown)
 
 
 @contextmanager
