@@ -184,7 +184,9 @@ def test_llama_cpps_mmproj_validates_and_pairs_with_our_model(golden, ws):
     report = validate(path)
     assert report.ok, report.summary
     assert len(report.notes) == 1 and "no image pixel limits" in report.notes[0]
-    assert validate_pair(ws.gguf("untied_f32", "q8_0"), path).ok
+    # By content: its tower's F32 tensors are ours, so it has the fingerprint our model file records.
+    pair = validate_pair(ws.gguf("untied_f32", "q8_0"), path)
+    assert pair.ok and "the vision tower of the model's release" in pair.summary, pair.summary
 
 
 @pytest.mark.slow
