@@ -160,8 +160,9 @@ def test_a_merged_file_with_its_bases_keys_is_exit_7_everywhere(tune, tmp_path, 
         ("validate", forged, "--adapter", tune.adapter),
         ("decide", forged, request, "--adapter", tune.adapter, "--ctx", str(CONTEXT)),
         ("serve", forged, "--adapter", f"tune={tune.adapter}", "--ctx", str(CONTEXT), "--port", str(free_port())),
+        ("serve", forged, "--ray", "--adapter", f"tune={tune.adapter}", "--ctx", str(CONTEXT), "--port", str(free_port())),
     ):
-        done = run_cli(*command, timeout=120)
+        done = run_cli(*command, env={"RAY_ADDRESS": ""}, timeout=120)
         assert done.returncode == 7 and "update already" in done.stdout + done.stderr, (command[0], done.stderr)
         assert "Traceback" not in done.stderr
     with pytest.raises(AdapterBaseError, match="update already"):

@@ -1,8 +1,8 @@
 """Another release's vision tower is not this model's: a model file convert wrote records its release's tower
 fingerprint, and the mmproj is fingerprinted by its own tensors (check/pair.py), so that `validate --mmproj`,
-`decide --mmproj` and `serve --mmproj` refuse, exit 7, an mmproj of the same width from another release (other_f32:
-untied_f32's shapes, another seed), whatever its keys. A model file without the key (llama.cpp's converter writes
-none) is paired by the width alone, and validate says so.
+`decide --mmproj`, `serve --mmproj` (`--ray` too) and load() refuse, exit 7, an mmproj of the same width from another
+release (other_f32: untied_f32's shapes, another seed), whatever its keys. A model file without the key (llama.cpp's
+converter writes none) is paired by the width alone, and validate says so.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli  # the CLI in this process
 
+import clef_gguf
 from clef_gguf.check.pair import mmproj_fingerprint, validate_pair
+from clef_gguf.errors import IncompleteModelError
 from clef_gguf.format import lineage as L
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.testing.gguf_bytes import rebuild
@@ -72,10 +74,13 @@ def test_decide_and_serve_refuse_another_releases_tower_in_one_line(ws, other_mm
     for command in (
         ("decide", model, request, "--mmproj", other_mmproj, "--ctx", CONTEXT),
         ("serve", model, "--mmproj", other_mmproj, "--ctx", CONTEXT, "--port", str(free_port())),
+        ("serve", model, "--ray", "--mmproj", other_mmproj, "--ctx", CONTEXT, "--port", str(free_port())),  # (no Ray yet)
     ):
-        done = run_cli(*command, timeout=120)
+        done = run_cli(*command, env={"RAY_ADDRESS": ""}, timeout=120)
         assert done.returncode == 7 and ANOTHER in done.stderr, (command[0], done.stderr)
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    with pytest.raises(IncompleteModelError, match=ANOTHER):
+        clef_gguf.load(model, max_prompt_tokens=int(CONTEXT), mmproj=other_mmproj)
 
 
 @pytest.mark.slow
