@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -183,16 +182,10 @@ def driver_abandoned() -> bool:
 
 
 def _abandon_stopped_cluster() -> None:
-    """A local cluster a signal stopped along with this process (sent to the whole process group): the processes left
-    killed, the driver left connected (driver_abandoned)."""
+    """A local cluster a signal stopped along with this process (sent to the whole process group): its processes left
+    to their own stop (killed, the raylet ends the driver's process at once, exit 1), the driver left connected
+    (driver_abandoned)."""
     _abandoned.append(True)
-    for process in _node_processes():
-        if process.poll() is None:
-            with suppress(OSError):
-                process.kill()
-    for process in _node_processes():
-        with suppress(OSError, subprocess.TimeoutExpired):
-            process.wait(timeout=1.0)
 
 
 @contextmanager
