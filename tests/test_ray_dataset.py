@@ -19,9 +19,11 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from cli_helpers import run_cli  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import clef_gguf  # noqa: E402
+from clef_gguf.cli.errors import STOP_S  # noqa: E402
 from clef_gguf.data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST  # noqa: E402
 from clef_gguf.errors import DeploymentError, SettingsError  # noqa: E402
 from clef_gguf.quality import evaluate as evaluating  # noqa: E402
@@ -185,6 +188,38 @@ def test_eval_on_ray_gives_evals_result(ray_address, tmp_path):
     on_ray = json.loads(run.stdout)
     assert {k: v for k, v in on_ray.items() if k not in timing} == {k: v for k, v in local.items() if k not in timing}
     assert on_ray["rows"] == 72 and len(on_ray["errors"]) == 1
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_command_on_its_own_cluster_stops_at_once_at_sigterm_to_its_process_group(tmp_path):
+    """`decide --ray` with a local cluster of its own, whose processes are in its process group: SIGTERM to the group
+    (`timeout`'s, a service manager's stop) stops them with it. It ends at once, 128+15, its session folder removed (it
+    waited for the watchdog's 3 s, and left the folder)."""
+    source = _write(tmp_path / "requests.jsonl", _lines(2000))
+    out = tmp_path / "answers.jsonl"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # (short: Ray's socket paths fit AF_UNIX's 107 bytes)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+    args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--ray", "--workers", "1"]
+    process = subprocess.Popen([*CLI, *args], env=env, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and not (out.exists() and out.stat().st_size):  # deciding
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=300)
+        took = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        sessions = list((ray_tmp / "ray").glob("session_2*"))
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    text = stderr.decode()
+    assert process.returncode == 128 + signal.SIGTERM and took < STOP_S, (process.returncode, took, text[-3000:])
+    assert "stopped by SIGTERM; the answers written are kept" in text and not sessions, (sessions, text[-3000:])
 
 
 @pytest.mark.ray
