@@ -56,7 +56,7 @@ def start(app: Any) -> Live:
 
 
 class BlockingModel:
-    """A real model whose decide_batch waits for a release: to hold the queue full on purpose."""
+    """A real model whose answer_batch waits for a release: to hold the queue full on purpose."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -74,12 +74,18 @@ class BlockingModel:
     def batchable(self, prompts: list[Any]) -> bool:
         return self.model.batchable(prompts)
 
-    def decide_batch(self, prompts: list[Any]) -> list[Any]:
+    def answer_batch(self, prompts: list[Any]) -> list[Any]:
         assert self.release.wait(60)
-        return self.model.decide_batch(prompts)
+        return self.model.answer_batch(prompts)
 
     def submit(self, fn: Any) -> Any:
         return self.model.submit(fn)
+
+    def stepped(self, prompt: Any) -> bool:
+        return self.model.stepped(prompt)
+
+    def begin(self, prompt: Any) -> Any:
+        return self.model.begin(prompt)
 
     def close(self) -> None:
         pass

@@ -73,8 +73,8 @@ def test_batched_hidden_states_and_answers_are_those_alone(loaded):
     file_type, model = loaded
     prompts = [model.encode(r) for r in requests(4)]
     assert model.batchable(prompts)
-    alone = [model._hidden_states([p])[0][0].copy() for p in prompts]  # (views of llama.cpp's buffer: copied)
-    together = model._hidden_states(prompts)
+    alone = [model.decider.prefill.hidden_states([p])[0][0].copy() for p in prompts]  # (views of llama.cpp's buffer: copied)
+    together = model.decider.prefill.hidden_states(prompts)
     f16 = f16_tiles(model.head.device)
     for one, (other, _) in zip(alone, together, strict=True):
         assert one.shape == other.shape and hidden_close(one, other, file_type, f16)
@@ -127,8 +127,8 @@ class GatedModel(BlockingModel):
         super().__init__(model)
         self.batches: list[int] = []
 
-    def decide_batch(self, prompts: list[Any]) -> list[Any]:
-        answers = super().decide_batch(prompts)
+    def answer_batch(self, prompts: list[Any]) -> list[Any]:
+        answers = super().answer_batch(prompts)
         self.batches.append(len(prompts))
         return answers
 

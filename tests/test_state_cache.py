@@ -128,7 +128,7 @@ def test_a_hit_is_float_noise_away_from_one_unsplit_prefill(ws, release, ubatch,
         hit = model.decide(prompt)
         assert _cached(hit) == prompt.state_prefix and _cached(unsplit) == 0
         whole = model.backbone.hidden_states(prompt.tokens)
-        [(hidden, reused)] = model._hidden_states([prompt])
+        [(hidden, reused)] = model.decider.prefill.hidden_states([prompt])
     assert reused == prompt.state_prefix
     # Positions and the recurrent state continue after the prefix: only ubatch boundaries move. Float noise on
     # hidden states of RMS ~1 (the bounds of tests/test_native_head.py for another ubatch size).

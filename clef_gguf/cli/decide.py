@@ -111,11 +111,7 @@ def _decide_jsonl(
     bar = err.is_terminal and not (out == "-" and sys.stdout.isatty())  # (answers on this terminal would tear the bar)
 
     def decided(progress: Callable[[Summary, int | None], None] | None) -> Summary:
-        if ray is not None:
-            if spec.adapter_set.adapter is not None:  # checked against the model as loading checks it: before a cluster
-                from ..runtime.encoder import check_spec  # starts
-
-                check_spec(spec)
+        if ray is not None:  # (the adapter is checked against the model there, once, before any Ray process starts)
             on = on_ray(ray[0])
             return on.decide_file_on_ray(spec, source, out, on.RayData(*ray), file, progress)  # (each actor builds spec)
         from ..runtime.dataset_file import decide_file

@@ -7,8 +7,9 @@ first, from that open file, as validate judges it and against the base: junk, an
 than its header says is refused before a byte is copied. The copy is what is validated in full, what the identity
 hashes, and what llama.cpp's LoRA loader and the native head read by path. Another process may then replace, truncate
 or delete the adapter file: nothing here maps or reopens it, so no answer mixes two versions and no truncation raises
-SIGBUS. A copy lives only while its version is validated or loaded (runtime/decider.py re-reads a version it loads
-again, and refuses it if the file is no longer that version). A copy that cannot be written (the temporary disk
+SIGBUS. A copy lives only while its version is validated or loaded (a version loaded again is read again,
+reopen_version, and refused if the file is no longer that version; it is validated once per process: the same
+signature and the same identity of the bytes say it is the version validated). A copy that cannot be written (the temporary disk
 full) is this machine's state, not the file's: TemporarilyUnavailableError, and nothing of it is left.
 
 A folder's names are listed again only when the folder changes (its mtime), never per request: a request for a name
@@ -223,6 +224,27 @@ def read_version(base: GGUFFile, base_identity: str, source: Path, into: Private
     except BaseException:
         copy.close()
         raise
+
+
+def reopen_version(
+    base_identity: str, source: Path, into: PrivateFolder, signature: Signature, identity: str
+) -> AdapterCopy | None:
+    """A version validated before, read again into a private copy (take_copy) and not validated again: the copy, if
+    the file is still that version (its signature, and the identity of the bytes read), else None. OSError as
+    take_copy; a ClefError if the copy is no GGUF file now."""
+    path, found = take_copy(source, into)
+    if found != signature:
+        discard(path)
+        return None
+    try:
+        copy = AdapterCopy(source, found, GGUFFile.open(path))
+    except BaseException:
+        discard(path)
+        raise
+    if adapter_identity(base_identity, copy.file) != identity:
+        copy.close()
+        return None
+    return copy
 
 
 def servable(name: str) -> bool:

@@ -84,6 +84,19 @@ class Scores:
         return dict(zip(self.questions, zip(self.options, self.probabilities, self.logits, strict=True), strict=True))
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A prompt decided (runtime/decider.py's Decider.decide): its response body, and its Scores, the cached tokens
+    among them (what the server's timing header and metrics, the dataset mode's counts and the quality tools read)."""
+
+    body: dict[str, Any]
+    scores: Scores
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.scores.cached_tokens
+
+
 def question_probabilities(model_name: str, logits: list[np.ndarray], temperatures: list[float]) -> list[np.ndarray]:
     """Each question's option probabilities (float64, unrounded) from its scores and its softmax temperature (the
     file's clef.decision.temperature.* keys: temperatures.temperature_of); ModelOutputError if a score is not finite."""

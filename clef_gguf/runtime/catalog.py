@@ -41,7 +41,16 @@ from ..errors import (
 from ..format.header import GGUFFile, Signature, signature_of
 from ..inputs import file_kind
 from ..settings import AdapterSet
-from .adapter_files import ADAPTER_SUFFIX, AdapterCopy, FolderListing, PrivateFolder, Version, read_version, servable
+from .adapter_files import (
+    ADAPTER_SUFFIX,
+    AdapterCopy,
+    FolderListing,
+    PrivateFolder,
+    Version,
+    read_version,
+    reopen_version,
+    servable,
+)
 from .adapter_files import unknown_name_message as _unknown_message
 
 # Clef's public model names (System One's `model`, Workers AI's route): a request naming one is the base's.
@@ -149,7 +158,6 @@ class Catalog:
         self._known: dict[str, Known] = {}  # by name: the file's version last read, its entry
         self._by_identity: dict[str, CatalogEntry] = {base_identity: self.base}
         self._retired: deque[CatalogEntry] = deque()  # versions replaced since, newest last
-        self._held: set[str] = set()  # the identities the decider has loaded (hold): kept while loaded
         self._reading: dict[str, Future[CatalogEntry]] = {}  # by name: the read in progress (one per name)
         self._refused: dict[str, tuple[Signature, type[ClefError], str]] = {}  # by name: files that do not load
         self.pinned: CatalogEntry | None = None
@@ -203,12 +211,13 @@ class Catalog:
         name = asked if isinstance(asked, str) and entry is not self.base and self.pinned is None else entry.name
         return ModelRef(entry.identity, name, entry, self.key)
 
-    def adopt(self, ref: ModelRef) -> ModelRef | None:
+    def adopt(self, ref: ModelRef, loaded: CatalogEntry | None = None) -> ModelRef | None:
         """A ref as this catalog's: itself when this catalog resolved it, else (a prompt encoded elsewhere: another
-        process, another load of the file) this catalog's entry of its identity; None when none has it."""
+        process, another load of the file) the entry of its identity: this catalog's (its name's own first), else
+        `loaded` (the decider's loaded version of it, replaced since); None when neither has it."""
         if ref.catalog == self.key:
             return ref
-        entry = self.of(ref.identity, ref.name)
+        entry = self.of(ref.identity, ref.name) or loaded
         return None if entry is None else ModelRef(entry.identity, ref.name, entry, self.key)
 
     def entry(self, name: str | None) -> CatalogEntry:
@@ -343,31 +352,27 @@ class Catalog:
         self._retired.append(old)
         while len(self._retired) > RETIRED_KEPT:
             dropped = self._retired.popleft()
-            if not dropped.current and dropped.identity not in self._held and self._by_identity.get(dropped.identity) is dropped:
+            if not dropped.current and self._by_identity.get(dropped.identity) is dropped:
                 del self._by_identity[dropped.identity]
 
-    def hold(self, entry: CatalogEntry) -> None:
-        """(The decider, once it loaded `entry`) Kept, replaced or not, while it is loaded."""
-        with self._lock:
-            self._held.add(entry.identity)
-
-    def release(self, entry: CatalogEntry) -> None:
-        """(The decider, once it unloaded `entry`) A replaced version no longer kept: another catalog's prompts that
-        name it are refused now (this catalog's own are, when they ask to load it again: reread)."""
-        with self._lock:
-            self._held.discard(entry.identity)
-            if not entry.current and entry not in self._retired and self._by_identity.get(entry.identity) is entry:
-                del self._by_identity[entry.identity]
-
     def reread(self, entry: CatalogEntry) -> AdapterCopy:
-        """The private copy of a version about to be loaded (again): its file read and validated again, and refused
-        (AdapterUnavailableError) unless it is still that version, byte for byte as its signature and identity say."""
+        """The private copy of a version about to be loaded (again): its file read again (not validated again: the
+        version was, when it was read first), and refused (AdapterUnavailableError) unless it is still that version,
+        byte for byte as its signature and identity say."""
         with self._lock:
             source, signature, current = entry.source, entry.signature, entry.current
-        assert source is not None
+        assert source is not None and signature is not None
         changed = f"the adapter {entry.name!r} changed after this request named it: send the request again"
         if not current:
             raise AdapterUnavailableError(changed)
+        try:
+            copy = reopen_version(self.base.identity, source, self._private, signature, entry.identity)
+        except TemporarilyUnavailableError:
+            raise
+        except (OSError, ClefError):
+            copy = None  # (read and validated again below, for the reason it is refused)
+        if copy is not None:
+            return copy
         try:
             again = self._version(source, source.name)
         except TemporarilyUnavailableError:

@@ -1,9 +1,9 @@
 """Deciding many requests: `model.decide_many(requests)`, one answer per request, in order.
 
-The model decides them in batches (ClefModel.score_batch: the prompts that are `batchable`, prefilled in the
-same llama_decode calls), and its state cache serves every request after the first about a state. With
-`sort_by_state` the requests of each window are decided grouped by state, so that a state repeated far apart
-is still in the cache; the answers still come in input order.
+The model decides them in batches (ClefModel.answer_batch, the server's own answer path: the prompts that are
+`batchable`, prefilled in the same llama_decode calls), and its state cache serves every request after the first
+about a state. With `sort_by_state` the requests of each window are decided grouped by state, so that a state
+repeated far apart is still in the cache; the answers still come in input order.
 
 A request that cannot be decided gets the error object the server answers it with ({"status", "detail"}:
 runtime/failures.py, by the error table of errors.py), and the others go on.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import PromptTooLongError, RequestError
-from .answers import Scores, response
+from .answers import Scores
 from .batching import each, take
 from .failures import error_object, problem_of
 from .prompt import EncodedPrompt
@@ -162,14 +162,13 @@ class _Window:
 
     def decide(self, batch: list[int]) -> None:
         prompts = [self.prompts.pop(i) for i in batch]
-        scored = each(self.model.score_batch, prompts)
-        for i, prompt, scores in zip(batch, prompts, scored, strict=True):
-            if isinstance(scores, Exception):
-                self.outcomes[i] = Outcome.failed(scores, self.parsed[i])
+        answers = each(self.model.answer_batch, prompts)
+        for i, prompt, answer in zip(batch, prompts, answers, strict=True):
+            if isinstance(answer, Exception):
+                self.outcomes[i] = Outcome.failed(answer, self.parsed[i])
                 continue
-            answer = response(prompt, self.model.name, scores.probabilities, scores.cached_tokens)
-            hit = _cached_state(prompt) and scores.cached_tokens >= prompt.state_prefix
-            self.outcomes[i] = Outcome(answer, None, self.parsed[i], len(prompt.tokens), hit, scores)
+            hit = _cached_state(prompt) and answer.cached_tokens >= prompt.state_prefix
+            self.outcomes[i] = Outcome(answer.body, None, self.parsed[i], len(prompt.tokens), hit, answer.scores)
 
 
 def _windows(items: Iterable[tuple[Any, Any]], size: int) -> Iterator[list[tuple[Any, Any]]]:

@@ -40,7 +40,7 @@ import ray
 from ray.exceptions import RayError
 
 from ..check.validate import open_validated
-from ..errors import ClefError, DeploymentError, ModelFileError, SettingsError
+from ..errors import ClefError, CorruptModelError, DeploymentError, ModelFileError, SettingsError
 from ..settings import FileOptions, ModelSpec
 from .catalog import adapter_file_identity
 from .dataset_file import Progress, Summary, Tally, answer_line, answered_records, answers_file, tally, write_line
@@ -122,8 +122,8 @@ def _model_identity(spec: ModelSpec) -> _Model:
         if adapter is not None:  # read once and checked against its base as a load checks it, before any Ray process
             try:
                 identity = adapter_file_identity(validated.file, identity, Path(adapter), base_head=base_head)
-            except OSError as e:
-                raise ModelFileError(f"--adapter {adapter}: cannot read ({e.strerror or e})") from None
+            except OSError as e:  # (the message and exit code of the load's own: runtime/catalog.py)
+                raise CorruptModelError(f"{adapter}: cannot read ({e.strerror or e})") from None
     finally:
         validated.close()
     return _Model(model, identity, digest)

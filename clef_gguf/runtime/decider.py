@@ -1,45 +1,46 @@
-"""The deciding part of a loaded model: the backbone, the heads, the vision tower and the loaded adapters.
+"""The deciding part of a loaded model: a batch's whole way from prompts to answers, on the model's compute thread.
 
-Clef is a frozen base plus a LoRA and a head, and so is every clef-finetune fine-tune. The catalog (runtime/catalog.py)
-says which models the base answers as; the decider loads the one a batch needs, on the model's compute thread: its
-LoRA into llama.cpp (applied unmerged by the context, llama/lora.py) and its head into libclef_head (the adapter's head
-tensors over the base's), both from one private copy of its file, read again and checked to be the version its prompts
-name (Catalog.reread): a file replaced since is refused, never loaded under the old identity. Loaded adapters are kept
-in an LRU bounded by a count and by bytes (AdapterSet.max_adapters, adapter_memory); the context applies one adapter
-at a time, a batch's, and only between batches is another loaded or one unloaded.
+A batch (prompts that are `batchable`: one model's) is decided here, and nowhere else: its model made the context's
+(the adapter loaded and applied: runtime/loaded.py), its backbone prefill (through the state cache, beside a long
+prompt decided in steps: runtime/prefill.py, steps.py), the head, the temperatures, and the answer: the response
+body with its cached tokens, and its unrounded scores (answers.Answer). The server, `decide_many`, the JSON Lines mode
+and Ray's replicas and actors all take their answers from `Decider.decide` (through ClefModel, which owns the compute
+thread and the model's lifecycle).
+
+The catalog (runtime/catalog.py) says which models the base answers as, and reads a version again when it is loaded;
+the loaded versions are the decider's, which tells its observer (loaded.AdapterObserver) when it loads, evicts or
+retires one.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
 
 from ..check.description import ValidatedFile
+from ..errors import ComputeError, ModelOutputError, RequestError
+from ..format.header import GGUFFile
+from ..format.temperatures import temperature_of
 from ..llama.backbone import Backbone
-from ..llama.lora import Handle, apply_lora, free_lora, load_lora
 from ..llama.mtmd import VisionEncoder
 from ..llama.native_head import NativeHead
 from ..settings import ModelSpec, default_ubatch
-from .adapter_files import AdapterCopy
+from .answers import Answer, Scores, question_probabilities, response
 from .catalog import Catalog, CatalogEntry
 from .images import ImageLimits
+from .loaded import AdapterObserver, LoadedAdapters, Unobserved
+from .prefill import Prefill
+from .prompt import EncodedPrompt
+from .state_cache import StateCache
+from .steps import PromptSteps
 
-
-@dataclass(eq=False)
-class LoadedAdapter:
-    """One version of an adapter, loaded: its private copy (kept while loaded), its LoRA in llama.cpp, its head."""
-
-    entry: CatalogEntry
-    copy: AdapterCopy
-    lora: Handle
-    head: NativeHead
-
-    def close(self) -> None:
-        self.head.close()
-        free_lora(self.lora)
-        self.copy.close()
+T = TypeVar("T")
+Hidden = tuple[np.ndarray, int]  # a prompt's final hidden states, and the tokens of them the state cache gave
 
 
 def load_backbone(spec: ModelSpec, validated: ValidatedFile) -> Backbone:
@@ -58,27 +59,40 @@ def load_backbone(spec: ModelSpec, validated: ValidatedFile) -> Backbone:
 
 
 class Decider:
-    """Over the backbone (load_backbone): the base's head, the vision tower (with an mmproj) and an LRU of loaded
-    adapters. Every method runs on the model's compute thread (ClefModel.compute)."""
+    """Over the backbone (load_backbone): the base's head, the vision tower (with an mmproj), the state cache, the
+    loaded adapters and the prompt decided in steps. What is marked (compute) runs on the model's compute thread."""
 
     def __init__(
-        self, spec: ModelSpec, validated: ValidatedFile, backbone: Backbone, catalog: Catalog, image_limits: ImageLimits | None
+        self,
+        spec: ModelSpec,
+        validated: ValidatedFile,
+        backbone: Backbone,
+        catalog: Catalog,
+        image_limits: ImageLimits | None,
+        state_cache: StateCache,
+        observer: AdapterObserver | None = None,
     ) -> None:
         o, d = spec.options, validated.description
-        self.backbone, self._file, self._description, self._catalog = backbone, validated.file, d, catalog
+        self.backbone, self.catalog = backbone, catalog
         self._gpu, self._threads = o.n_gpu_layers != 0, o.n_threads  # (the heads run where the backbone runs)
-        self.max_adapters, self.adapter_memory = spec.adapter_set.max_adapters, spec.adapter_set.adapter_memory
-        self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # by identity, least recently used first
-        self._applied: LoadedAdapter | None = None  # the adapter the context applies (None: the base alone)
+        self._file, self._head_tensors = validated.file, d.head
+        bounds = (spec.adapter_set.max_adapters, spec.adapter_set.adapter_memory)
+        self.adapters = LoadedAdapters(backbone, self._head_of, bounds, observer or Unobserved())
+        self.stepping: PromptSteps | None = None  # the prompt prefilled in steps now (begin), on the last sequence
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:
-            self.head = NativeHead(validated.file, d.head, gpu=self._gpu, n_threads=o.n_threads)
+            self.head = self._head_of(None)
             stack.callback(self.head.close)
             self.vision: VisionEncoder | None = None
             if o.mmproj is not None and image_limits is not None:
                 self.vision = self._load_vision(Path(o.mmproj), image_limits)
                 stack.callback(self.vision.close)
+            self.prefill = Prefill(backbone, state_cache, self.vision)
             self._resources = stack.pop_all()
+
+    def _head_of(self, adapter: GGUFFile | None) -> NativeHead:
+        """The base's head, or an adapter's (its head tensors over the base's)."""
+        return NativeHead(self._file, self._head_tensors, gpu=self._gpu, n_threads=self._threads, adapter=adapter)
 
     def _load_vision(self, mmproj: Path, limits: ImageLimits) -> VisionEncoder:
         """The vision tower (paired with this model by the encoder's check), in libmtmd over the lean backbone."""
@@ -89,62 +103,104 @@ class Decider:
             mmproj, self.backbone.model, n_threads=self._threads, use_gpu=self._gpu, min_tokens=tokens[0], max_tokens=tokens[1]
         )
 
-    def activate(self, entry: CatalogEntry) -> NativeHead:
-        """Make `entry` the context's model (loading it first if it is not), and return its head."""
-        if entry is self._catalog.base:
-            loaded = None
+    def check(self, prompt: object) -> EncodedPrompt:
+        """The prompt, its model this model's own (one encoded elsewhere, as by the Ray ingress, is looked up by its
+        identity: the catalog's, or a version loaded here); refused if another file's (its tokens would index other
+        rows) or forged."""
+        if not isinstance(prompt, EncodedPrompt):
+            raise RequestError(f"a prompt is what model.encode(request) returns, not a {type(prompt).__name__}")
+        ref = prompt.model
+        model = None if ref is None else self.catalog.adopt(ref, self.adapters.entry(ref.identity))
+        if model is None:
+            raise RequestError("this prompt was encoded by another model (another file): encode it with this model")
+        tokens, n_vocab = np.asarray(prompt.tokens), self.backbone.token_embd.n_rows
+        if tokens.ndim != 1 or (tokens.size and (tokens.dtype.kind != "i" or tokens.min() < 0 or tokens.max() >= n_vocab)):
+            raise RequestError(f"the prompt holds token ids outside this model's vocabulary (0..{n_vocab - 1})")
+        if prompt.images and self.vision is None:
+            raise RequestError("the prompt has images, and this model was loaded without a vision tower (mmproj)")
+        return prompt if model is prompt.model else replace(prompt, model=model)
+
+    def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool:
+        """Whether these prompts may be decided together: at most `parallel` of them, one model's, whose tokens fit one
+        ubatch (beside the prompt decided in steps: on the other sequences, in the cells it leaves).
+
+        Then each stage (state prefixes, the rest) is one ubatch, and no prompt's tokens are split at other
+        boundaries than alone: its answers differ from its answers alone by float noise only (llama.cpp sums in
+        another order over a ubatch of several sequences and a KV cache they share; tests/test_batching.py).
+        """
+        b, tokens, one_model = self.backbone, sum(len(p.tokens) for p in prompts), len({p.identity for p in prompts}) == 1
+        if self.stepping is not None:
+            room = min(b.ubatch, b.max_prompt_tokens - len(self.stepping.prompt.tokens))
+            return 0 < len(prompts) < b.parallel and tokens <= room and one_model
+        return len(prompts) == 1 or (len(prompts) <= b.parallel and tokens <= b.ubatch and one_model)
+
+    def stepped(self, prompt: EncodedPrompt) -> bool:
+        """Whether a server decides this prompt in steps (begin), the batches waiting decided between them: one
+        longer than a ubatch, when the context has a sequence for the others (parallel > 1)."""
+        return self.backbone.parallel > 1 and len(prompt.tokens) > self.backbone.ubatch
+
+    def decide(self, prompts: Sequence[EncodedPrompt]) -> list[Answer | Exception]:
+        """(compute) Each checked, batchable prompt's answer, or the exception that prompt raised, in order."""
+        head = self.activate(prompts[0])  # (batchable: one model's)
+        if self.stepping is None:
+            hidden = self.prefill.hidden_states(prompts)
+        elif self.batchable(prompts):
+            hidden = self.prefill.hidden_states(prompts, keep=self.stepping.seq)  # (sequences 0.. before its own)
         else:
-            loaded = self._loaded.get(entry.identity)
-            if loaded is None:
-                self._make_room(entry)
-                loaded = self._load(entry)
-            self._loaded.move_to_end(entry.identity)
-        if loaded is not self._applied:
-            apply_lora(self.backbone.ctx, loaded.lora if loaded is not None else None)
-            self._applied = loaded
-        return loaded.head if loaded is not None else self.head
+            raise ComputeError(f"{len(prompts)} prompts cannot be decided beside the prompt decided in steps; retry after it")
+        return self.answers(head, prompts, hidden)
 
-    def _make_room(self, entry: CatalogEntry) -> None:
-        """Unload the least recently used adapters until `entry` fits the count and the bytes (the one applied too:
-        the context is switched to the base first)."""
+    def activate(self, prompt: EncodedPrompt) -> NativeHead:
+        """(compute) The prompt's model made the context's (its adapter loaded and applied): its head."""
+        assert prompt.model is not None  # (check)
+        entry: CatalogEntry = prompt.model.entry
+        head = self.adapters.apply(None if entry is self.catalog.base else entry, self.catalog.reread)
+        return head if head is not None else self.head
 
-        def over() -> bool:
-            used = sum(a.entry.nbytes for a in self._loaded.values())
-            bytes_over = self.adapter_memory is not None and used + entry.nbytes > self.adapter_memory
-            return bool(self._loaded) and (len(self._loaded) >= self.max_adapters or bytes_over)
+    def answers(
+        self, head: NativeHead, prompts: Sequence[EncodedPrompt], hidden: Sequence[Hidden | Exception]
+    ) -> list[Answer | Exception]:
+        """(compute) Each prompt's answer from its hidden states (or its error) by its model's head and temperatures."""
+        answered: list[Answer | Exception] = []
+        for prompt, result in zip(prompts, hidden, strict=True):
+            if isinstance(result, Exception):
+                answered.append(result)
+                continue
+            assert prompt.model is not None  # (check)
+            entry = prompt.model.entry
+            try:  # views of llama.cpp's output buffer: the head reads them before the next decode
+                questions = tuple(q.question for q in prompt.questions)
+                tempered = [temperature_of(entry.temperatures, q.type, len(q.options)) for q in questions]
+                logits = [np.array(z, dtype=np.float32) for z in head(result[0], prompt)]
+                probabilities = question_probabilities(entry.name, logits, tempered)
+            except (ComputeError, ModelOutputError) as e:
+                answered.append(e)
+                continue
+            options = tuple(tuple(option for option, _ in q.options) for q in questions)
+            scores = Scores(probabilities, result[1], tuple(q.id for q in questions), options, logits)
+            answered.append(Answer(response(prompt, prompt.model_name, probabilities, result[1]), scores))
+        return answered
 
-        while over():
-            _, oldest = self._loaded.popitem(last=False)
-            self._unload(oldest)
+    def begin(self, prompt: EncodedPrompt, call: Callable[[Callable[[], T]], T]) -> PromptSteps:
+        """(compute) Start deciding a checked prompt a ubatch at a time: its steps run through `call` (fn() on the
+        compute thread, the model open); until its end it holds the context's last sequence."""
+        if self.stepping is not None:
+            raise ComputeError("another prompt is being decided in steps: one at a time")
+        self.stepping = PromptSteps(self, prompt, call)
+        return self.stepping
 
-    def _load(self, entry: CatalogEntry) -> LoadedAdapter:
-        """Its LoRA and its head, from one private copy of its version (kept until it is unloaded)."""
-        copy = self._catalog.reread(entry)  # AdapterUnavailableError: the file is no longer this version
-        with ExitStack() as stack:
-            stack.callback(copy.close)
-            lora = load_lora(self.backbone.model, copy.file, scratch=copy.file.path.parent)  # (the copy's own folder)
-            stack.callback(free_lora, lora)
-            head = NativeHead(self._file, self._description.head, gpu=self._gpu, n_threads=self._threads, adapter=copy.file)
-            stack.pop_all()
-        loaded = self._loaded[entry.identity] = LoadedAdapter(entry, copy, lora, head)
-        self._catalog.hold(entry)
-        return loaded
-
-    def _unload(self, loaded: LoadedAdapter) -> None:
-        """Free an adapter's LoRA and head; it is loaded again when a batch needs it."""
-        if loaded is self._applied:
-            apply_lora(self.backbone.ctx, None)
-            self._applied = None
-        loaded.close()
-        self._catalog.release(loaded.entry)
+    def end_steps(self, steps: PromptSteps) -> None:
+        """(PromptSteps.finish) Its sequence is free again."""
+        if self.stepping is steps:
+            self.stepping = None
 
     @property
     def loaded(self) -> list[str]:
         """The adapters loaded now, least recently used first."""
-        return [a.entry.name for a in self._loaded.values()]
+        return self.adapters.names
 
     def close(self) -> None:
         """Unload every adapter, then the vision tower and the head (the backbone is the model's to close)."""
-        while self._loaded:
-            self._unload(self._loaded.popitem()[1])
+        self.stepping = None  # (a prompt left in steps: its next step is refused)
+        self.adapters.close()
         self._resources.close()

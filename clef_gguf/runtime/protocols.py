@@ -2,10 +2,11 @@
 ClefModel is every one of them).
 
 - The server (server/worker.py, app.py, intake.py): `Prompt`, `Encoder` (runtime/encoder.py's PromptEncoder is one
-  too: the Ray ingress's), `Model`, and `SteppingModel` with its `Steps` (runtime/steps.py's PromptSteps).
+  too: the Ray ingress's), `Model`, with its `Steps` (runtime/steps.py's PromptSteps: a long prompt decided in steps).
 - The dataset mode: `DecidingModel` (runtime/dataset.py's decide_many) and `FileModel` (dataset_file.py's decide_file,
   which records and checks the model's identity).
-- A prompt decided in steps: `StepsModel` (what runtime/steps.py's PromptSteps uses of its model).
+
+Every one of them is answered by the one answer path, `answer_batch` (runtime/decider.py's Decider.decide).
 
 Only annotations name the concrete types, so importing this module loads neither llama.cpp nor the tokenizer.
 """
@@ -18,11 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from ..llama.native_head import NativeHead
-    from .answers import Scores
-    from .prefill import Prefill
+    from .answers import Answer
     from .prompt import EncodedPrompt
     from .state_cache import StateCache
 
@@ -70,28 +67,24 @@ class Encoder(Protocol):
     def close(self) -> None: ...
 
 
-@runtime_checkable
-class Model(Encoder, Protocol):
-    """What the server uses of a ClefModel that decides in this process."""
-
-    def batchable(self, prompts: Sequence[Prompt]) -> bool: ...  # whether decide_batch takes them together
-
-    def decide_batch(self, prompts: Sequence[Prompt]) -> list[dict[str, Any] | Exception]: ...  # one each, in order
-
-    def submit(self, fn: Callable[[], None]) -> Future[None]: ...  # fn on the model's compute thread, not waited for
-
-
 class Steps(Protocol):
     """A prompt decided in steps (runtime/steps.py's PromptSteps)."""
 
-    def step(self) -> dict[str, Any] | Exception | None: ...  # one ubatch; then its answer (or its error)
+    def step(self) -> Answer | Exception | None: ...  # one ubatch; then its answer (or its error)
 
     def finish(self) -> None: ...  # give its sequence back, answered or not
 
 
 @runtime_checkable
-class SteppingModel(Model, Protocol):
-    """A Model that decides a long prompt a ubatch at a time, the batches waiting decided between its steps (ClefModel)."""
+class Model(Encoder, Protocol):
+    """What the server uses of a ClefModel that decides in this process: batches, and a long prompt a ubatch at a
+    time with the batches waiting decided between its steps."""
+
+    def batchable(self, prompts: Sequence[Prompt]) -> bool: ...  # whether answer_batch takes them together
+
+    def answer_batch(self, prompts: Sequence[Prompt]) -> Sequence[Answer | Exception]: ...  # one each, in order
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]: ...  # fn on the model's compute thread, not waited for
 
     def stepped(self, prompt: Prompt) -> bool: ...  # whether this prompt is decided in steps
 
@@ -101,7 +94,6 @@ class SteppingModel(Model, Protocol):
 class DecidingModel(Protocol):
     """What deciding many requests (runtime/dataset.py) needs of a model."""
 
-    name: str
     state_cache: StateCache
 
     @property
@@ -114,7 +106,7 @@ class DecidingModel(Protocol):
 
     def batchable(self, prompts: Sequence[EncodedPrompt]) -> bool: ...
 
-    def score_batch(self, prompts: Sequence[EncodedPrompt]) -> list[Scores | Exception]: ...
+    def answer_batch(self, prompts: Sequence[EncodedPrompt]) -> Sequence[Answer | Exception]: ...
 
 
 class FileModel(DecidingModel, Protocol):
@@ -122,22 +114,3 @@ class FileModel(DecidingModel, Protocol):
 
     identity: str  # the model file's identity (GGUFFile.identity): what model_sha256 records
     header_digest: str  # its header's SHA-256 (GGUFFile.digest): the model_sha256 of an older clef-gguf's answers
-
-
-class StepsModel(Protocol):
-    """What a prompt decided in steps (runtime/steps.py's PromptSteps) uses of its model, on the compute thread."""
-
-    @property
-    def parallel(self) -> int: ...
-
-    def prefill(self) -> Prefill: ...
-
-    def activate(self, prompt: EncodedPrompt) -> NativeHead: ...  # its model made the context's (its adapter applied)
-
-    def score(
-        self, head: NativeHead, prompts: Sequence[EncodedPrompt], hidden: Sequence[tuple[np.ndarray, int] | Exception]
-    ) -> list[Scores | Exception]: ...  # each prompt's Scores from its hidden states, by its model's head
-
-    def answer(self, prompt: EncodedPrompt, scores: Scores) -> dict[str, Any]: ...
-
-    def end_steps(self, steps: Any) -> None: ...  # its sequence is free again

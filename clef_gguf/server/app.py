@@ -233,7 +233,7 @@ def create_app(
     max_queue bounds the requests being read and the requests admitted to decide, each; max_body_bytes
     (default: from the model's token limit and whether it takes images, settings.body_limit) bounds a body,
     raw and decoded; a body must arrive as fast as `limits` say (body_timeout, body_grace, min_body_rate).
-    Decisions are model.decide_batch's on the model's compute thread (ComputeScheduler) unless a scheduler is
+    Decisions are model.answer_batch's on the model's compute thread (ComputeScheduler) unless a scheduler is
     given: the Ray Serve ingress (ray_serve.py) passes one that forwards them to model replicas, with a
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which

@@ -1,6 +1,6 @@
 """Decide on the model's compute thread, in batches of the requests waiting, behind a bounded admission count.
 
-ClefModel.decide_batch is CPU-bound and runs on the model's compute thread (one llama.cpp context): handing it
+ClefModel.answer_batch is CPU-bound and runs on the model's compute thread (one llama.cpp context): handing it
 there keeps the event loop answering (health, errors, new connections). A request is queued, and a drain is
 submitted straight to the compute thread if none is running; the drain decides what waits, first come first
 served, in the batches runtime/batching.py takes (the oldest, and the next ones in order while the model can
@@ -24,8 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..runtime.answers import Answer
 from ..runtime.batching import each, take
-from ..runtime.protocols import Model, Prompt, SteppingModel, Steps
+from ..runtime.protocols import Model, Prompt, Steps
 from .problems import ApiError, overloaded
 
 
@@ -44,11 +45,11 @@ def render(response: dict[str, Any]) -> bytes:
     return json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
-def _rendered(answer: dict[str, Any] | Exception) -> bytes | Exception:
+def _rendered(answer: Answer | Exception) -> bytes | Exception:
     if isinstance(answer, Exception):
         return answer
     try:
-        return render(answer)
+        return render(answer.body)
     except (TypeError, ValueError) as e:
         return e
 
@@ -103,7 +104,6 @@ class ComputeScheduler:
         self._lock = threading.Lock()  # guards _queue, _drain and _closed
         self._drain: Future[None] | None = None  # the drain submitted to the compute thread, while there is one
         self._closed = False
-        self._steps = isinstance(model, SteppingModel)  # long prompts decided in steps (else each in one batch)
 
     def _fits(self, batch: list[_Job], job: _Job) -> bool:
         return self.model.batchable([*(j.prompt for j in batch), job.prompt])
@@ -114,7 +114,7 @@ class ComputeScheduler:
     def _drain_queue(self) -> None:
         """On the model's compute thread: decide what waits, batch by batch, until nothing does.
 
-        Fairness: a prompt longer than a ubatch (SteppingModel.stepped) is decided in steps of a ubatch, and
+        Fairness: a prompt longer than a ubatch (Model.stepped) is decided in steps of a ubatch, and
         between two of its steps the oldest batch waiting that fits beside it is decided; other long prompts wait
         for its end. A small request behind a long one waits about a ubatch of its prefill, not all of it."""
         stepping: tuple[_Job, Steps, float] | None = None  # the long prompt decided in steps now, and its start
@@ -126,7 +126,7 @@ class ComputeScheduler:
                         return
                     ready = None if stepping is None else self._ready
                     batch = [] if self._closed else take(self._queue, self._fits, lambda job: job.prompt.identity, ready)
-                if stepping is None and len(batch) == 1 and self._stepped(batch[0]):
+                if stepping is None and len(batch) == 1 and self.model.stepped(batch[0].prompt):
                     stepping = self._begin(batch[0])
                 elif batch:
                     self._run(batch)
@@ -136,11 +136,7 @@ class ComputeScheduler:
             if stepping is not None:  # (the drain failed: its sequence is given back all the same)
                 stepping[1].finish()
 
-    def _stepped(self, job: _Job) -> bool:
-        return self._steps and self.model.stepped(job.prompt)  # type: ignore[attr-defined]
-
     def _begin(self, job: _Job) -> tuple[_Job, Steps, float] | None:
-        assert isinstance(self.model, SteppingModel)
         started = time.perf_counter()
         try:
             return job, self.model.begin(job.prompt), started
@@ -159,7 +155,7 @@ class ComputeScheduler:
             self._run([job], [answer], started)
         return answer is not None
 
-    def _run(self, batch: list[_Job], answers: list[dict[str, Any] | Exception] | None = None, started: float = 0.0) -> None:
+    def _run(self, batch: list[_Job], answers: list[Answer | Exception] | None = None, started: float = 0.0) -> None:
         """Decide a batch (or hand back the answers given, of a batch begun at `started`); a failure is its batch's."""
         try:
             self._settle(batch, answers, started)
@@ -167,19 +163,18 @@ class ComputeScheduler:
             for job in batch:
                 job.settle(None, e)
 
-    def _settle(self, batch: list[_Job], answers: list[dict[str, Any] | Exception] | None, started: float) -> None:
+    def _settle(self, batch: list[_Job], answers: list[Answer | Exception] | None, started: float) -> None:
         if answers is None:
             started = time.perf_counter()
-            answers = each(self.model.decide_batch, [job.prompt for job in batch])
+            answers = each(self.model.answer_batch, [job.prompt for job in batch])
         bodies = [_rendered(a) for a in answers]  # (an error here is its request's alone)
         finished = time.perf_counter()
         for job, answer, body in zip(batch, answers, bodies, strict=True):
             if isinstance(body, Exception):
                 job.settle(None, body)
                 continue
-            assert isinstance(answer, dict)
-            cached = answer.get("usage", {}).get("input_tokens_details", {}).get("cached_tokens", 0)
-            job.settle(Decision(body, started - job.submitted, finished - started, finished, cached, len(batch)))
+            assert isinstance(answer, Answer)
+            job.settle(Decision(body, started - job.submitted, finished - started, finished, answer.cached_tokens, len(batch)))
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_queue:

@@ -1,0 +1,195 @@
+"""One answer path (runtime/decider.py's Decider.decide): `decide`, `decide_many`, the JSON Lines mode, the server and
+Ray's actors answer a request that names an adapter (Workers AI's `lora`, System One's `model`) with that adapter's
+name and its probabilities, those of its merged conversion; an adapter file is validated once per version and
+process (on Ray: once on the driver, once per actor); the decider tells its observer of each load and eviction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_helpers import run_cli  # the CLI in this process
+from peft_adapters import LORA
+
+import clef_gguf
+from clef_gguf.conversion.adapter import convert_adapter
+from clef_gguf.runtime import adapter_files
+from clef_gguf.runtime.dataset_file import decide_file
+from clef_gguf.testing import finetune
+from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
+
+pytestmark = pytest.mark.slow  # PEFT checkpoints and their merged conversions
+
+CONTEXT = 4096
+ROUNDED = 1e-4 + 1e-9  # answers are rounded to 4 decimals: float noise may move one by a unit
+NAMES = ("tuned", "other")
+
+
+class Tunes:
+    """The base's f32 file, two adapter files over it, and each one's merged f32 conversion."""
+
+    def __init__(self, ws, root: Path) -> None:
+        release = ws.release("untied_f32")
+        self.base = ws.gguf("untied_f32", "f32")
+        self.release, self.adapters, self.merged, self.checkpoints = release, {}, {}, {}
+        for seed, name in enumerate(NAMES):
+            checkpoint = finetune.peft_checkpoint(release, root / name, LORA, {"prior_logit_scale": 0.5 + seed}, seed=seed)
+            self.checkpoints[name] = checkpoint
+            self.adapters[name] = convert_adapter(checkpoint, release, root / f"{name}.adapter.gguf", "f32")
+            self.merged[name] = clef_gguf.convert(checkpoint, root / f"{name}-merged.gguf", "f32", base=release, mmproj=False)
+
+
+@pytest.fixture(scope="module")
+def tunes(ws, tmp_path_factory) -> Tunes:
+    return Tunes(ws, tmp_path_factory.mktemp("answer-path"))
+
+
+@pytest.fixture(scope="module")
+def expected(tunes) -> dict[str, list[list[float]]]:
+    """Each adapter's merged conversion's probabilities for the requests, and the base's."""
+    found = {}
+    for name, path in [*tunes.merged.items(), (None, tunes.base)]:
+        with clef_gguf.load(path, max_prompt_tokens=CONTEXT) as alone:
+            found[name] = [flat_probabilities(alone.decide(r)) for r in labelled_requests(3)]
+    return found
+
+
+def _named(how: str, name: str, request: dict) -> dict:
+    return {**request, how: name}
+
+
+def _check(answers: list[dict], names: list[str | None], expected: dict) -> None:
+    """Each answer is its adapter's: its name (the base's for None), and its merged conversion's probabilities."""
+    for i, (answer, name) in enumerate(zip(answers, names, strict=True)):
+        assert "error" not in answer, answer
+        if name is not None:
+            assert answer["model"] == name, (answer["model"], name)
+        got, want = flat_probabilities(answer), expected[name][i % 3]
+        assert np.abs(np.subtract(got, want)).max() <= ROUNDED, (name, i)
+
+
+@pytest.mark.parametrize("how", ["lora", "model"])
+def test_decide_many_answers_as_the_adapter_a_request_names(tunes, expected, how):
+    requests, names = [], []
+    for name in (*NAMES, None):
+        for request in labelled_requests(3):
+            requests.append(_named(how, name, request) if name is not None else request)
+            names.append(name)
+    with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapters=tunes.adapters) as model:
+        _check(list(model.decide_many(requests)), names, expected)
+        _check([model.decide(r) for r in requests], names, expected)  # the same as one at a time
+
+
+@pytest.mark.parametrize("how", ["lora", "model"])
+def test_the_json_lines_mode_answers_as_the_adapter_a_request_names(tunes, expected, tmp_path, how):
+    source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    requests = [_named(how, name, r) for name in NAMES for r in labelled_requests(3)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapters=tunes.adapters) as model:
+        decide_file(model, str(source), str(out))
+    _check([json.loads(line) for line in out.read_text().splitlines()], [n for n in NAMES for _ in range(3)], expected)
+
+
+def test_decide_jsonl_with_an_adapter_answers_as_it(tunes, expected, tmp_path):
+    """`decide BASE REQUESTS.jsonl --adapter FILE`: every request is the fine-tune's, named as its file."""
+    source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    requests = [_named(how, "tuned", r) for how in ("lora", "model") for r in labelled_requests(3)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    run = run_cli("decide", tunes.base, source, "-o", out, "--ctx", str(CONTEXT), "--adapter", tunes.adapters["tuned"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    _check([json.loads(line) for line in out.read_text().splitlines()], ["tuned"] * 6, expected)
+
+
+class Counted:
+    """adapter_files.open_adapter (the validation of an adapter file against its base), counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = adapter_files.open_adapter
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(adapter_files, "open_adapter", counted)
+
+
+def test_an_adapter_is_validated_once_per_version_and_process(tunes, monkeypatch):
+    """Read at load, loaded by the probe, evicted and loaded again: validated once (the later reads are checked to be
+    the version validated, by its signature and identity)."""
+    counted = Counted(monkeypatch)
+    adapters = {name: tunes.adapters[name] for name in NAMES}
+    with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapters=adapters, max_adapters=1) as model:
+        assert counted.calls == 2  # each named adapter, read at load
+        for _ in range(2):
+            for name in NAMES:
+                model.decide(_named("model", name, labelled_requests(1)[0]))
+        assert counted.calls == 2
+    with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapter=tunes.adapters["tuned"]) as model:
+        model.decide(labelled_requests(1)[0])
+        assert counted.calls == 3
+
+
+def test_decide_ray_validates_the_adapter_once_on_the_driver_and_once_per_actor(tunes, monkeypatch, tmp_path):
+    """`decide --ray --adapter`: the driver reads and validates it once before any Ray process (here: no cluster at
+    the address, so the run stops right after); each actor (the actor's own class, run in this process) once."""
+    from clef_gguf.runtime.dataset_ray import DecidePart, _PartActor, actors_for, parts
+    from clef_gguf.runtime.reader import read_records
+    from clef_gguf.settings import FileOptions, ModelSpec
+
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in labelled_requests(3)))
+    counted = Counted(monkeypatch)
+    nowhere = ("--ray", "--address", "127.0.0.1:9")
+    run = run_cli("decide", tunes.base, source, "-o", tmp_path / "out.jsonl", *nowhere, "--adapter", tunes.adapters["tuned"])
+    assert run.returncode != 0 and counted.calls == 1, (run.returncode, counted.calls, run.stderr[-500:])
+    spec = ModelSpec.of(tunes.base, max_prompt_tokens=CONTEXT, adapter=str(tunes.adapters["tuned"]), state_cache=0)
+    actors, _ = actors_for(spec, str(source))
+    assert counted.calls == 2  # the driver's
+    actor = _PartActor(actors=actors, job=DecidePart(FileOptions(), str(tmp_path)))
+    with open(source, "rb") as file:
+        [part] = parts(file, read_records(file, 1 << 20, 1), 1, 256)
+    actor({k: np.array([v]) for k, v in part.items()})
+    actor.model.close()
+    assert counted.calls == 3  # the actor's: one
+
+
+class Events:
+    """An AdapterObserver that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def loaded(self, name: str, seconds: float, nbytes: int) -> None:
+        assert seconds > 0 and nbytes > 0
+        self.seen.append(("loaded", name))
+
+    def evicted(self, name: str, nbytes: int) -> None:
+        self.seen.append(("evicted", name))
+
+    def retired(self, name: str, nbytes: int) -> None:
+        self.seen.append(("retired", name))
+
+
+def test_the_decider_tells_its_observer_of_loads_evictions_and_retirements(tunes, tmp_path):
+    from clef_gguf.runtime.model import ClefModel
+    from clef_gguf.settings import ModelSpec
+
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    for name in NAMES:
+        (folder / f"{name}.adapter.gguf").write_bytes(tunes.adapters[name].read_bytes())
+    events = Events()
+    spec = ModelSpec.of(tunes.base, max_prompt_tokens=CONTEXT, adapter_dir=folder, max_adapters=1, state_cache=0)
+    request = labelled_requests(1)[0]
+    with ClefModel(spec, events) as model:
+        model.decide(_named("model", "tuned", request))
+        model.decide(_named("model", "other", request))
+        assert events.seen == [("loaded", "tuned"), ("evicted", "tuned"), ("loaded", "other")]
+        # "other" replaced by another version (its f16 conversion): the loaded one is retired when it makes room
+        convert_adapter(tunes.checkpoints["other"], tunes.release, tmp_path / "other.adapter.gguf", "f16")
+        (tmp_path / "other.adapter.gguf").replace(folder / "other.adapter.gguf")
+        model.decide(_named("model", "other", request))
+        assert events.seen[3:] == [("retired", "other"), ("loaded", "other")]
