@@ -61,3 +61,29 @@ def test_help_texts_print_as_written(command: str) -> None:
     assert all(" ".join(b.split()) in shown for b in bracketed), sorted(b for b in bracketed if b not in shown)
     if command == "serve":
         assert "pip install 'clef-gguf[ray]'" in shown
+
+
+LOAD_FLAGS = ("--n-gpu-layers", "--max-prompt-tokens", "--ubatch", "--parallel", "--threads", "--state-cache", "--mmproj")
+
+
+def test_every_command_that_loads_a_model_has_the_same_model_flags() -> None:
+    """decide, serve, eval, compare and calibrate read their model's flags through one group (cli/options.LoadFlags):
+    the same flags, spellings, help and bounds in each (plan plans a load with its own defaults: -ngl -1)."""
+    loading = ("decide", "serve", "eval", "compare", "calibrate")
+    for flag in LOAD_FLAGS:
+        found = {name: p for name, p in _options(flag) if name in loading}
+        assert set(found) == set(loading), (flag, sorted(found))
+        shapes = {(tuple(p.opts), p.help, repr(getattr(p, "min", None)), repr(getattr(p, "max", None))) for p in found.values()}
+        assert len(shapes) == 1, (flag, shapes)
+
+
+def test_no_command_builds_load_options_by_position_or_hands_on_keyword_dicts() -> None:
+    """The flag groups make the ModelSpec (cli/options.py); the quality functions take it, never `**load`."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "clef_gguf"
+    for path in [*(root / "cli").glob("*.py"), *(root / "quality").glob("*.py")]:
+        text = path.read_text()
+        assert "**load" not in text, path
+        if path.name != "options.py":
+            assert not re.search(r"LoadOptions\((?!n_gpu_layers=)[a-z]", text), path  # (demo's keywords only)

@@ -27,7 +27,7 @@ from clef_gguf.quality.calibrate import calibrate
 from clef_gguf.quality.labelled import duplicates, normalize_label, read_labelled
 from clef_gguf.runtime.dataset_file import decide_file, read_records
 from clef_gguf.runtime.reader import read_request
-from clef_gguf.settings import FileOptions
+from clef_gguf.settings import FileOptions, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELLED = ROOT / "examples" / "labelled.jsonl"
@@ -197,7 +197,8 @@ def test_calibrate_refuses_a_holdout_that_is_no_share_in_one_line(value, tmp_pat
 
 def test_too_few_questions_after_the_holdout_names_the_holdout(tmp_path):
     with pytest.raises(RequestError) as raised:
-        calibrate(DEMO_MODEL, LABELLED, tmp_path / "out.gguf", holdout_fraction=0.5, max_prompt_tokens=DEMO_CONTEXT, n_threads=1)
+        spec = ModelSpec.of(DEMO_MODEL, max_prompt_tokens=DEMO_CONTEXT, n_threads=1)
+        calibrate(spec, LABELLED, tmp_path / "out.gguf", holdout_fraction=0.5)
     message = str(raised.value)
     assert "no question type has 20 labelled questions" in message
     assert "after --holdout 0.5 held out" in message and "of the 72): lower --holdout" in message

@@ -175,7 +175,7 @@ def _labelled(path: Path) -> Path:
 def test_eval_on_ray_gives_evals_result(ray_address, tmp_path):
     """`eval --ray` (quality/scoring_ray.py's scorer, over two actors) gives `eval`'s result and exit code."""
     data = _labelled(tmp_path / "labelled.jsonl")
-    local = json.loads(json.dumps(evaluating.evaluate(DEMO_MODEL, data, **LOAD)))
+    local = json.loads(json.dumps(evaluating.evaluate(ModelSpec.of(DEMO_MODEL, **LOAD), data)))
     command = [sys.executable, "-m", "clef_gguf.cli", "eval", str(DEMO_MODEL), str(data), "--ctx", str(DEMO_CONTEXT)]
     run = subprocess.run(
         [*command, "--ray", "--workers", "2", "--json"],

@@ -17,6 +17,7 @@ from pathlib import Path
 import clef_gguf
 from clef_gguf.conversion.adapter import convert_adapter
 from clef_gguf.quality.compare import compare
+from clef_gguf.settings import ModelSpec
 from clef_gguf.testing import finetune
 from clef_gguf.testing.release_builder import RELEASES, build_release
 
@@ -55,7 +56,9 @@ def main() -> None:
         ("base Q4_K_M", "adapter q8_0", "merged Q4_K_M"),
     ]
     for base, adapter, against in pairs:
-        result = compare(files[against], files[base], args.data, max_prompt_tokens=4096, adapter_b=files.get(adapter or ""))
+        a = ModelSpec.of(files[against], max_prompt_tokens=4096)
+        b = ModelSpec.of(files[base], max_prompt_tokens=4096, adapter=files.get(adapter or ""))
+        result = compare(a, b, args.data)
         c = result["changes"]["overall"]
         name = f"{base} + {adapter}" if adapter else base
         rows.append(

@@ -16,26 +16,10 @@ import typer
 
 from ..data import DEMO_CONTEXT, DEMO_MODEL, DEMO_REQUEST
 from ..errors import ExitCode
-from ..settings import AdapterSet, FileOptions, LoadOptions, ModelSpec
+from ..settings import FileOptions, LoadOptions, ModelSpec
 from .common import on_ray
 from .errors import err, fail, run, say, signals_clean_up
-from .options import (
-    AdapterFile,
-    AddressOption,
-    BaseHead,
-    GpuLayers,
-    MaxLineBytes,
-    MaxPrompt,
-    Mmproj,
-    OnRayOption,
-    Parallel,
-    Threads,
-    Ubatch,
-    WorkersOption,
-    check_ubatch,
-    line_limit,
-    state_cache_option,
-)
+from .options import AddressOption, GpuLayers, ModelFlags, OnRayOption, WorkersOption, flag_groups
 
 if TYPE_CHECKING:
     from ..runtime.dataset_file import Summary
@@ -168,13 +152,9 @@ ImagesAnywhereOption = Annotated[
 ]
 
 
+@flag_groups
 def decide(
     paths: PathsOption,
-    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
-    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
-    ubatch: Ubatch = None,
-    state_cache: Annotated[int | None, state_cache_option("0 for one request (nothing to reuse), 1GiB for JSON Lines")] = None,
-    mmproj: Mmproj = None,
     image: ImageOption = None,
     jsonl: JsonlOption = False,
     out: Annotated[str, typer.Option("--out", "-o", help="JSON Lines: the answers file (- : stdout).")] = "-",
@@ -183,14 +163,11 @@ def decide(
     sort_by_state: SortByStateOption = False,
     json_summary: JsonSummaryOption = False,
     images_anywhere: ImagesAnywhereOption = False,
-    parallel: Parallel = LoadOptions.parallel,
-    n_threads: Threads = LoadOptions.n_threads,
-    max_line_bytes: MaxLineBytes = None,
-    adapter: AdapterFile = None,
-    base_head: BaseHead = AdapterSet.base_head,
     ray: OnRayOption = False,
     workers: WorkersOption = None,
     address: AddressOption = None,
+    *,
+    load: ModelFlags,
 ) -> None:
     """Answer a SystemOne request; prints the response JSON on stdout. Images: the request's `images` (data URLs),
     and --image files, with --mmproj.
@@ -204,22 +181,19 @@ def decide(
     if not 1 <= len(paths) <= 2:
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
-    check_ubatch(ubatch, max_prompt_tokens)
     many = jsonl or request_path.lower().endswith(JSONL_SUFFIXES)  # (nothing to reuse in one request: no state cache)
-    cache = state_cache if state_cache is not None else LoadOptions.state_cache if many else 0
-    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, cache, mmproj)
-    spec = ModelSpec(model_path, options, AdapterSet(adapter=adapter, base_head=base_head))
+    spec = load.spec(model_path, LoadOptions.state_cache if many else 0)
     if many:
         if image:
             fail("--image is for one request; in JSON Lines, give image paths in each request's images")
-        file = FileOptions(resume, force, sort_by_state, images_anywhere, line_limit(max_line_bytes, max_prompt_tokens, mmproj))
+        file = FileOptions(resume, force, sort_by_state, images_anywhere, load.line_limit())
         if workers is not None and not ray:
             fail("--workers is for --ray")
         on = (address, workers) if ray else None
         _decide_jsonl(spec, request_path, out, file, json_summary=json_summary, ray=on)  # exits
     jsonl_only = {"-o": out != "-", "--resume": resume, "--force": force, "--sort-by-state": sort_by_state, "--ray": ray}
     jsonl_only |= {"--json": json_summary, "--allow-image-paths-anywhere": images_anywhere}
-    jsonl_only |= {"--max-line-bytes": max_line_bytes}
+    jsonl_only |= {"--max-line-bytes": load.max_line_bytes}
     given = [name for name, on in jsonl_only.items() if on]
     if given:
         fail(f"{given[0]} is for JSON Lines requests (a *.jsonl file, or --jsonl)")

@@ -17,6 +17,7 @@ from ..settings import (
     DataFiles,
     LoadOptions,
     LogFormat,
+    ModelSpec,
     ServeSettings,
     body_limit,
     bounds_of,
@@ -215,28 +216,73 @@ def flag_groups(command: Callable[..., None]) -> Callable[..., None]:
     return with_groups
 
 
+StateCache = Annotated[int | None, state_cache_option("1GiB; decide with one request: 0 (nothing to reuse)")]
+
+
 @dataclass(frozen=True)
 class LoadFlags:
-    """How eval, compare and calibrate load a model and read DATA (a flag group: flag_groups)."""
+    """How a command loads the model: LoadOptions' flags, each declared once (a flag group: flag_groups). The groups
+    below add the fine-tunes' flags; each makes the command's ModelSpec, as load() and a Ray config make theirs."""
 
     n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers
     max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens
-    mmproj: Mmproj = None
+    ubatch: Ubatch = LoadOptions.ubatch
+    parallel: Parallel = LoadOptions.parallel
     n_threads: Threads = LoadOptions.n_threads
-    max_line_bytes: MaxLineBytes = None
+    state_cache: StateCache = None  # (the command's default: options())
+    mmproj: Mmproj = None
 
-    def kwargs(self) -> dict[str, Any]:
-        """The quality functions' keyword arguments: load()'s, and the line limit (line_limit)."""
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        given["max_line_bytes"] = line_limit(self.max_line_bytes, self.max_prompt_tokens, self.mmproj)
-        return given
+    def options(self, state_cache: int = LoadOptions.state_cache) -> LoadOptions:
+        """The LoadOptions the flags give (`state_cache`: the command's default for --state-cache); an --ubatch over
+        --ctx refused first."""
+        check_ubatch(self.ubatch, self.max_prompt_tokens)
+        given = {f.name: getattr(self, f.name) for f in fields(LoadOptions)}
+        return LoadOptions(**given | {"state_cache": state_cache if self.state_cache is None else self.state_cache})
 
 
 @dataclass(frozen=True)
-class ModelFlags(LoadFlags):
-    """LoadFlags and --adapter, a fine-tune over the model (eval, calibrate; compare takes one for each side)."""
+class DataFlags(LoadFlags):
+    """LoadFlags, and the longest line of a JSON Lines input (decide's, eval's, compare's, calibrate's)."""
+
+    max_line_bytes: MaxLineBytes = None
+
+    def line_limit(self) -> int:
+        """--max-line-bytes, or the server's body limit for these settings (settings.body_limit)."""
+        return line_limit(self.max_line_bytes, self.max_prompt_tokens, self.mmproj)
+
+    def pinned(
+        self, model: Path, adapter: Path | None = None, base_head: bool = False, state_cache: int | None = None
+    ) -> ModelSpec:
+        """The ModelSpec of `model` loaded with these flags, `adapter` (a fine-tune over it) answering every request
+        (compare's two sides: --adapter-a, --adapter-b)."""
+        options = self.options() if state_cache is None else self.options(state_cache)
+        return ModelSpec(model, options, AdapterSet(adapter=adapter, base_head=base_head))
+
+
+@dataclass(frozen=True)
+class ModelFlags(DataFlags):
+    """DataFlags and --adapter, one fine-tune over the model that answers every request (decide, eval, calibrate)."""
 
     adapter: AdapterFile = None
+    base_head: BaseHead = AdapterSet.base_head
+
+    def spec(self, model: Path, state_cache: int = LoadOptions.state_cache) -> ModelSpec:
+        return self.pinned(model, self.adapter, self.base_head, state_cache)
+
+
+@dataclass(frozen=True)
+class ServedFlags(LoadFlags):
+    """LoadFlags and the fine-tunes a request may name (serve: settings.AdapterSet)."""
+
+    adapters: AdapterPairs = None
+    adapter_dir: AdapterDir = None
+    max_adapters: MaxAdapters = AdapterSet.max_adapters
+    adapter_memory: AdapterMemory = AdapterSet.adapter_memory
+    base_head: BaseHead = AdapterSet.base_head
+
+    def spec(self, model: Path) -> ModelSpec:
+        tuned = AdapterSet(adapter_pairs(self.adapters), self.adapter_dir, self.max_adapters, self.adapter_memory, self.base_head)
+        return ModelSpec(model, self.options(), tuned)
 
 
 # The dataset mode on a Ray cluster (decide's JSON Lines, eval): cli/common.on_ray.

@@ -17,7 +17,7 @@ from ..errors import ExitCode
 from ..settings import DEFAULT_TARGET_PRECISIONS
 from .common import ray_scorer, run_with_progress
 from .errors import err, fail, say
-from .options import AddressOption, LoadFlags, ModelFlags, OnRayOption, WorkersOption, flag_groups
+from .options import AddressOption, DataFlags, ModelFlags, OnRayOption, WorkersOption, flag_groups
 
 Data = Annotated[
     Path,
@@ -95,11 +95,11 @@ def _finish(errors: list[str]) -> None:
 
 
 def _work(
-    action: Callable[..., dict[str, Any]], args: tuple[Any, ...], target_precision: str, load: LoadFlags, **kwargs: Any
+    action: Callable[..., dict[str, Any]], args: tuple[Any, ...], target_precision: str, load: DataFlags, **kwargs: Any
 ) -> dict[str, Any]:
-    """action(*args, **kwargs) with the options the three commands share (the precisions, the model's flags), and a
-    progress bar per stage on a terminal; its errors and signals as the CLI's."""
-    kwargs |= {"target_precisions": _precisions(target_precision), **load.kwargs()}
+    """action(*args, **kwargs) (args: the models' specs first) with the options the three commands share (the
+    precisions, the line limit), and a progress bar per stage on a terminal; its errors and signals as the CLI's."""
+    kwargs |= {"target_precisions": _precisions(target_precision), "max_line_bytes": load.line_limit()}
     result = run_with_progress(action, *args, bars=err.is_terminal, **kwargs)
     for path in result.pop("written", []):
         say(f"wrote {path}")
@@ -126,7 +126,7 @@ def eval_(
 
     on = {"score": ray_scorer(cluster.address, cluster.workers)} if cluster.ray else {}
     chosen = {"out_dir": reports.out, "force": reports.force, **on}
-    result = _work(evaluating.evaluate, (model_path, data), reports.target_precision, load, **chosen)
+    result = _work(evaluating.evaluate, (load.spec(model_path), data), reports.target_precision, load, **chosen)
     if reports.json_output:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -146,7 +146,7 @@ def compare(
     ],
     *,
     reports: Reports,
-    load: LoadFlags,
+    load: DataFlags,
     adapter_a: AdapterA = None,
     adapter_b: AdapterB = None,
 ) -> None:
@@ -157,8 +157,9 @@ def compare(
         fail("compare reads DATA once per model: give a file, not - (stdin)")
     from ..quality import compare as comparing
 
-    chosen = {"out_dir": reports.out, "force": reports.force, "adapter_a": adapter_a, "adapter_b": adapter_b}
-    result = _work(comparing.compare, (model_a, model_b, data), reports.target_precision, load, **chosen)
+    a, b = load.pinned(model_a, adapter_a), load.pinned(model_b, adapter_b)
+    chosen = {"out_dir": reports.out, "force": reports.force}
+    result = _work(comparing.compare, (a, b, data), reports.target_precision, load, **chosen)
     typer.echo(json.dumps(result, indent=2) if reports.json_output else comparing.report_markdown(result))
     _finish(sorted(set(result["errors"]["a"]) | set(result["errors"]["b"])))
 
@@ -187,7 +188,7 @@ def calibrate(
     from ..quality import calibrate as calibrating
 
     fit = {"holdout_fraction": _holdout(holdout), "force": force}
-    result = _work(calibrating.calibrate, (model_path, data, out), target_precision, load, **fit)
+    result = _work(calibrating.calibrate, (load.spec(model_path), data, out), target_precision, load, **fit)
     typer.echo(json.dumps(result, indent=2) if json_output else calibrating.report_markdown(result))
     say(f"wrote {out}")
     _warn_duplicates(result)

@@ -8,36 +8,9 @@ from typing import Annotated
 
 import typer
 
-from ..settings import (
-    API_KEY_ENV,
-    AdapterSet,
-    HttpLimits,
-    LoadOptions,
-    ModelSpec,
-    RayScale,
-    ServeSettings,
-    body_limit,
-    bounds_of,
-    help_of,
-)
+from ..settings import API_KEY_ENV, HttpLimits, RayScale, ServeSettings, body_limit, bounds_of, help_of
 from .errors import fail, run, serve_until_stopped
-from .options import (
-    AdapterDir,
-    AdapterMemory,
-    AdapterPairs,
-    BaseHead,
-    GpuLayers,
-    LogFormatOption,
-    MaxAdapters,
-    MaxPrompt,
-    Mmproj,
-    Parallel,
-    Ubatch,
-    adapter_pairs,
-    check_ubatch,
-    size_flag,
-    state_cache_option,
-)
+from .options import LogFormatOption, ServedFlags, flag_groups, size_flag
 
 
 def _api_key(value: str | None) -> str | None:
@@ -76,7 +49,6 @@ MaxBodyBuffer = Annotated[
     ),
 ]
 ApiKeyOption = Annotated[str | None, _serve("api_key", envvar=API_KEY_ENV, callback=_api_key)]
-NThreadsOption = Annotated[int | None, typer.Option("--threads", help=help_of(LoadOptions, "n_threads"), show_default=False)]
 ServeOnRayOption = Annotated[
     bool, typer.Option("--ray", help="Serve on Ray Serve: model replicas behind one endpoint (pip install 'clef-gguf[ray]').")
 ]
@@ -99,18 +71,14 @@ def _http_limits(max_prompt_tokens: int, images: bool, limits: HttpLimits) -> Ht
     return limits
 
 
+@flag_groups
 def serve(
     model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False)],
     host: Annotated[str, _serve("host")] = D.host,
     port: Annotated[int, _serve("port")] = D.port,
-    n_gpu_layers: GpuLayers = LoadOptions.n_gpu_layers,
-    max_prompt_tokens: MaxPrompt = LoadOptions.max_prompt_tokens,
-    ubatch: Ubatch = LoadOptions.ubatch,
-    parallel: Parallel = LoadOptions.parallel,
     api_key: ApiKeyOption = D.api_key,
     max_queue: Annotated[int, _serve("max_queue")] = D.max_queue,
     drain_timeout: Annotated[float, _serve("drain_timeout")] = D.drain_timeout,
-    n_threads: NThreadsOption = LoadOptions.n_threads,
     header_timeout: Annotated[float, _http("header_timeout")] = H.header_timeout,
     body_timeout: Annotated[float, _http("body_timeout")] = H.body_timeout,
     min_body_rate: Annotated[float, _http("min_body_rate")] = H.min_body_rate,
@@ -122,33 +90,26 @@ def serve(
     ui: Annotated[bool, _serve("ui")] = D.ui,
     allowed_host: AllowedHosts = None,
     allowed_origin: AllowedOrigins = None,
-    state_cache: Annotated[int, state_cache_option()] = LoadOptions.state_cache,
-    mmproj: Mmproj = LoadOptions.mmproj,  # type: ignore[assignment]
-    adapter: AdapterPairs = None,
-    adapter_dir: AdapterDir = None,
-    max_adapters: MaxAdapters = AdapterSet.max_adapters,
-    adapter_memory: AdapterMemory = AdapterSet.adapter_memory,
-    base_head: BaseHead = AdapterSet.base_head,
     on_ray: ServeOnRayOption = False,
     replicas: Annotated[int | None, _ray("replicas")] = RayScale.replicas,
     autoscale: Annotated[str | None, _ray("autoscale", metavar="MIN:MAX")] = RayScale.autoscale,
     gpus_per_replica: Annotated[float, _ray("gpus")] = RayScale.gpus,
     ray_address: Annotated[str | None, _ray("address", envvar="RAY_ADDRESS")] = RayScale.address,
+    *,
+    load: ServedFlags,
 ) -> None:
     """Serve TypeSafe's System One API (POST /v1/systemone, GET /v1/models, GET /health) and Workers AI's
     (POST /accounts/ID/ai/run/@cf/cloudflare/clef[-flash], also under /client/v4) with this model."""
     from ..server.launch import serve_file, serve_on_ray
 
-    check_ubatch(ubatch, max_prompt_tokens)
+    spec = load.spec(model)  # (an --ubatch over --ctx refused first)
     http = {"header_timeout": header_timeout, "body_timeout": body_timeout, "min_body_rate": min_body_rate}
     http |= {"body_grace": body_grace, "keep_alive": keep_alive, "max_body_buffer": max_body_buffer}
-    limits = _http_limits(max_prompt_tokens, mmproj is not None, HttpLimits(**http, max_body_readers=max_body_readers))
+    images = load.mmproj is not None
+    limits = _http_limits(load.max_prompt_tokens, images, HttpLimits(**http, max_body_readers=max_body_readers))
     served = (host, port, api_key, max_queue, drain_timeout, limits, log_format, ui)
     names = (tuple(allowed_host or ()), tuple(allowed_origin or ()))
     settings = run(lambda: ServeSettings(*served, *names), signals=False)  # (a name refused: one line, exit 2)
-    options = LoadOptions(n_gpu_layers, max_prompt_tokens, ubatch, parallel, n_threads, state_cache, mmproj)
-    adapter_set = AdapterSet(adapter_pairs(adapter), adapter_dir, max_adapters, adapter_memory, base_head)
-    spec = ModelSpec(model, options, adapter_set)
     if on_ray:
         if replicas is not None and autoscale is not None:
             fail("--replicas and --autoscale exclude each other")

@@ -29,6 +29,7 @@ from ..errors import RequestError, SettingsError
 from ..format import contract as C
 from ..format import temperatures as T
 from ..runtime.catalog import adapter_temperatures
+from ..settings import MAX_LINE_BYTES, ModelSpec
 from .labelled import duplicates
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, block
 from .scoring import Progress, score_path
@@ -140,7 +141,7 @@ def calibrate_rows(
 
 
 def calibrate(
-    model: str | Path,
+    spec: ModelSpec,
     data: str | Path,
     out: str | Path,
     *,
@@ -148,18 +149,18 @@ def calibrate(
     force: bool = False,
     target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
     progress: Progress | None = None,
-    **load: Any,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> dict[str, Any]:
-    """Fit the temperatures of the model at `model` on the labelled file `data` and write the model with them to
+    """Fit the temperatures of the model `spec` declares on the labelled file `data` and write the model with them to
     `out` (rekey: its tensor data byte for byte). Raises RequestError when no type has enough labelled questions.
-    With load's `adapter` (an adapter file over `model`), the fine-tune's temperatures are fitted and `out` is a copy
-    of the adapter file with them (the base is left as it is)."""
+    With the spec's pinned `adapter` (an adapter file over the model), the fine-tune's temperatures are fitted and
+    `out` is a copy of the adapter file with them (the base is left as it is)."""
     if not (math.isfinite(holdout_fraction) and 0.0 <= holdout_fraction < 1.0):  # (nan passes no comparison)
         raise SettingsError(f"the held-out share must be a number in [0, 1), not {holdout_fraction}")
     # Before the data is decided (minutes, on a real model): OUT is none of the inputs, DATA included.
-    adapter = load.get("adapter")
-    check_output(Path(out), force, inputs=[model, data, load.get("mmproj"), adapter])
-    run = score_path(model, data, stage="calibrate", progress=progress, **load)
+    model, adapter = spec.path, spec.adapter_set.adapter
+    check_output(Path(out), force, inputs=[model, data, spec.options.mmproj, adapter])
+    run = score_path(spec, data, stage="calibrate", progress=progress, max_line_bytes=max_line_bytes)
     # (the load refused a file whose keys are invalid); an adapter without keys of its own answers with its base's
     current = (adapter_temperatures(adapter) if adapter is not None else {}) or dict(validate(model).temperatures)
     fit = calibrate_rows(run.rows(), current, holdout_fraction, target_precisions)

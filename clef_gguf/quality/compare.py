@@ -21,6 +21,7 @@ from ..check.validate import open_validated
 from ..errors import RequestError
 from ..inputs import open_regular
 from ..outputs import check_folder
+from ..settings import MAX_LINE_BYTES, ModelSpec
 from .metrics import DEFAULT_TARGET_PRECISIONS, summarize
 from .report import errors_section, metrics_table, output_dir, write_bytes, write_json
 from .scoring import Progress, Run, score_path
@@ -98,30 +99,28 @@ def _readable_twice(data: str | Path) -> None:
 
 
 def compare(
-    model_a: str | Path,
-    model_b: str | Path,
+    a: ModelSpec,
+    b: ModelSpec,
     data: str | Path,
     *,
     target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
     out_dir: Path | None = None,
     force: bool = False,
     progress: Progress | None = None,
-    adapter_a: str | Path | None = None,
-    adapter_b: str | Path | None = None,
-    **load: Any,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> dict[str, Any]:
-    """compare_runs of the two models on `data`, loaded one after the other (never together: each may be large).
-    adapter_a / adapter_b: an adapter file over that side's base (a fine-tune against its merged conversion, say).
+    """compare_runs of the two models the specs declare (each with its adapter, if any: a fine-tune against its merged
+    conversion, say) on `data`, loaded one after the other (never together: each may be large).
 
     Before any decision: B is validated (header only) as A is by its load, and -o DIR checked (outputs.check_folder),
     so that neither fails once A has decided the whole file."""
     if out_dir is not None:
-        check_folder(Path(out_dir), REPORTS, force=force, inputs=[model_a, model_b, data, load.get("mmproj")])
-    open_validated(model_b).close()
+        check_folder(Path(out_dir), REPORTS, force=force, inputs=[a.path, b.path, data, a.options.mmproj, b.options.mmproj])
+    open_validated(b.path).close()
     _readable_twice(data)
-    a = score_path(model_a, data, stage="A", require_labels=False, progress=progress, adapter=adapter_a, **load)
-    b = score_path(model_b, data, stage="B", require_labels=False, progress=progress, adapter=adapter_b, **load)
-    result = compare_runs(a, b, target_precisions)
+    how = {"require_labels": False, "progress": progress, "max_line_bytes": max_line_bytes}
+    runs = [score_path(spec, data, stage=stage, **how) for spec, stage in ((a, "A"), (b, "B"))]  # type: ignore[arg-type]
+    result = compare_runs(*runs, target_precisions)
     if out_dir is not None:
         result["written"] = [str(p) for p in write_reports(Path(out_dir), result, force)]
     return result

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import RequestError
 from ..outputs import check_folder
+from ..settings import MAX_LINE_BYTES, ModelSpec
 from .labelled import duplicates
 from .metrics import DEFAULT_TARGET_PRECISIONS, Row, reliability, summarize
 from .report import errors_section, metrics_table, output_dir, reliability_png, write_bytes, write_json, write_jsonl
@@ -37,7 +38,7 @@ def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) ->
 
 
 def evaluate(
-    model: str | Path,
+    spec: ModelSpec,
     data: str | Path,
     *,
     target_precisions: Sequence[float] = DEFAULT_TARGET_PRECISIONS,
@@ -45,13 +46,14 @@ def evaluate(
     force: bool = False,
     progress: Progress | None = None,
     score: Callable[..., Run] = score_path,
-    **load: Any,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> dict[str, Any]:
-    """The metrics of the model at `model` (loaded with load's keyword arguments) on the labelled file `data`; with
-    out_dir, the reports there too (result["written"] lists them; outputs.check_folder's rule, checked first)."""
+    """The metrics of the model `spec` declares on the labelled file `data`; with out_dir, the reports there too
+    (result["written"] lists them; outputs.check_folder's rule, checked first)."""
     if out_dir is not None:
-        check_folder(Path(out_dir), REPORTS, force=force, inputs=[model, data, load.get("mmproj")])
-    run = score(model, data, stage="eval", progress=progress, **load)  # (score_path; on Ray: scoring_ray.py's)
+        check_folder(Path(out_dir), REPORTS, force=force, inputs=[spec.path, data, spec.options.mmproj])
+    # (score_path; on Ray: scoring_ray.py's)
+    run = score(spec, data, stage="eval", progress=progress, max_line_bytes=max_line_bytes)
     rows = run.rows()
     if not rows:
         shown = "; ".join(run.errors[:3])

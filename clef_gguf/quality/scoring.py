@@ -82,17 +82,16 @@ class Run:
 
 
 def score_path(
-    model: str | Path,
+    spec: ModelSpec,
     data: str | Path,
     *,
     stage: str,
     require_labels: bool = True,
     progress: Progress | None = None,
     max_line_bytes: int = MAX_LINE_BYTES,
-    **load: Any,
 ) -> Run:
-    """score_file with the model at `model` loaded (load()'s keyword arguments) for the run, then closed."""
-    with ClefModel(ModelSpec.of(model, **load)) as loaded:
+    """score_file with the model `spec` declares loaded for the run, then closed."""
+    with ClefModel(spec) as loaded:
         return score_file(
             loaded, data, require_labels=require_labels, progress=progress, stage=stage, max_line_bytes=max_line_bytes
         )

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..errors import RequestError
 from ..runtime.dataset_ray import RayData, actor_pool, actors_for, mapped, parts
@@ -39,15 +38,8 @@ def score_on_ray(address: str | None, workers: int | None) -> Callable[..., Run]
     """scoring.score_path on a Ray cluster (evaluate's `score`): the same Run, its records decided by actors."""
 
     def score(
-        model: str | Path,
-        data: str | Path,
-        *,
-        stage: str,
-        progress: Progress | None = None,
-        max_line_bytes: int = MAX_LINE_BYTES,
-        **load: Any,
+        spec: ModelSpec, data: str | Path, *, stage: str, progress: Progress | None = None, max_line_bytes: int = MAX_LINE_BYTES
     ) -> Run:
-        spec = ModelSpec.of(model, **load)  # (score_path's arguments: load()'s keywords, --adapter's pinned one included)
         return _score(spec, str(data), RayData(address, workers), stage, progress, max_line_bytes)
 
     return score
