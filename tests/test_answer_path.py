@@ -133,8 +133,9 @@ def test_an_adapter_is_validated_once_per_version_and_process(tunes, monkeypatch
 
 
 def test_decide_ray_validates_the_adapter_once_on_the_driver_and_once_per_actor(tunes, monkeypatch, tmp_path):
-    """`decide --ray --adapter`: the driver reads and validates it once before any Ray process (here: no cluster at
-    the address, so the run stops right after); each actor (the actor's own class, run in this process) once."""
+    """`decide --ray --adapter`: the driver reads and validates it once before any Ray process (here no cluster answers
+    at the address and the run stops right after, unless this process joined one before: then it runs there, the
+    actors' validations in their own processes); each actor (the actor's own class, run in this process) once."""
     from clef_gguf.runtime.dataset_ray import DecidePart, _PartActor, actors_for, parts
     from clef_gguf.runtime.reader import read_records
     from clef_gguf.settings import FileOptions, ModelSpec
@@ -144,7 +145,7 @@ def test_decide_ray_validates_the_adapter_once_on_the_driver_and_once_per_actor(
     counted = Counted(monkeypatch)
     nowhere = ("--ray", "--address", "127.0.0.1:9")
     run = run_cli("decide", tunes.base, source, "-o", tmp_path / "out.jsonl", *nowhere, "--adapter", tunes.adapters["tuned"])
-    assert run.returncode != 0 and counted.calls == 1, (run.returncode, counted.calls, run.stderr[-500:])
+    assert counted.calls == 1, (run.returncode, counted.calls, run.stderr[-500:])
     spec = ModelSpec.of(tunes.base, max_prompt_tokens=CONTEXT, adapter=str(tunes.adapters["tuned"]), state_cache=0)
     actors, _ = actors_for(spec, str(source))
     assert counted.calls == 2  # the driver's

@@ -183,3 +183,22 @@ def test_offload_has_one_default_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(N_GPU_LAYERS_ENV, "all")
     with pytest.raises(SettingsError, match=N_GPU_LAYERS_ENV):
         LoadOptions()
+
+
+def test_serves_adapters_means_what_the_adapter_set_says(ws, tmp_path):
+    """A catalog serves adapters (a request may name a fine-tune) exactly when its AdapterSet says so: a pinned
+    adapter answers every request, and serves none by name."""
+    from clef_gguf.check.validate import open_validated
+
+    adapter = peft_adapter(ws.release("untied_f32"), tmp_path, "a")
+    validated = open_validated(ws.gguf("untied_f32", "f32"))
+    try:
+        sets = (AdapterSet(), AdapterSet(adapter=str(adapter)), AdapterSet({"a": adapter}), AdapterSet(adapter_dir=tmp_path))
+        for adapter_set in sets:
+            catalog = Catalog(validated.file, validated.description, validated.file.identity(), adapter_set)
+            try:
+                assert catalog.serves_adapters == adapter_set.serves_adapters, adapter_set
+            finally:
+                catalog.close()
+    finally:
+        validated.close()

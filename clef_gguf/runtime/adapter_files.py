@@ -8,9 +8,10 @@ than its header says is refused before a byte is copied. The copy is what is val
 hashes, and what llama.cpp's LoRA loader and the native head read by path. Another process may then replace, truncate
 or delete the adapter file: nothing here maps or reopens it, so no answer mixes two versions and no truncation raises
 SIGBUS. A copy lives only while its version is validated or loaded (a version loaded again is read again,
-reopen_version, and refused if the file is no longer that version; it is validated once per process: the same
-signature and the same identity of the bytes say it is the version validated). A copy that cannot be written (the temporary disk
-full) is this machine's state, not the file's: TemporarilyUnavailableError, and nothing of it is left.
+reopen_version, and refused if the file is no longer that version: runtime/catalog_versions.py's Versions.reread; it
+is validated once per process: the same signature and the same identity of the bytes say it is the version
+validated). A copy that cannot be written (the temporary disk full) is this machine's state, not the file's:
+TemporarilyUnavailableError, and nothing of it is left.
 
 A folder's names are listed again only when the folder changes (its mtime), never per request: a request for a name
 needs no listing (its file is stat'ed), and the listing serves /v1/models and the near matches of an unknown name.

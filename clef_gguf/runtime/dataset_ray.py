@@ -122,7 +122,7 @@ def _model_identity(spec: ModelSpec) -> _Model:
         if adapter is not None:  # read once and checked against its base as a load checks it, before any Ray process
             try:
                 identity = adapter_file_identity(validated.file, identity, Path(adapter), base_head=base_head)
-            except OSError as e:  # (the message and exit code of the load's own: runtime/catalog.py)
+            except OSError as e:  # (the message and exit code of the load's own: catalog_versions.Versions.first)
                 raise CorruptModelError(f"{adapter}: cannot read ({e.strerror or e})") from None
     finally:
         validated.close()

@@ -2,7 +2,7 @@
 
 A batch (prompts that are `batchable`: one model's) is decided here, and nowhere else: its model made the context's
 (the adapter loaded and applied: runtime/loaded.py), its backbone prefill (through the state cache, beside a long
-prompt decided in steps: runtime/prefill.py, steps.py), the head, the temperatures, and the answer: the response
+prompt decided in steps: runtime/prefill.py, PromptSteps below), the head, the temperatures, and the answer: the response
 body with its cached tokens, and its unrounded scores (answers.Answer). The server, `decide_many`, the JSON Lines mode
 and Ray's replicas and actors all take their answers from `Decider.decide` (through ClefModel, which owns the compute
 thread and the model's lifecycle).
@@ -10,6 +10,15 @@ thread and the model's lifecycle).
 The catalog (runtime/catalog.py) says which models the base answers as, and reads a version again when it is loaded;
 the loaded versions are the decider's, which tells its observer (loaded.AdapterObserver) when it loads, evicts or
 retires one.
+
+A long prompt is prefilled a ubatch at a time (PromptSteps), so that small requests are decided between its steps: the
+server's compute thread is one (ClefModel.compute), and a prompt of thousands of tokens would hold it for its whole
+prefill. Decider.begin reserves the context's last sequence for it; each step decodes one ubatch of it there
+(runtime/prefill.py's Run: the same ubatches, cuts and saved states as deciding it alone), and between two steps the
+server decides the batches waiting on the other sequences (server/worker.py), never clearing the reserved one. The
+last step runs its model's head and gives the answer (Decider.answers, as a batch's). Each step applies its own
+prompt's adapter (Decider.activate): a batch of another model between two steps switches the context's LoRA twice,
+which makes llama.cpp reserve its graphs again on the next decode.
 """
 
 from __future__ import annotations
@@ -34,10 +43,9 @@ from .answers import Answer, Scores, question_probabilities, response
 from .catalog import Catalog, CatalogEntry
 from .images import ImageLimits
 from .loaded import AdapterObserver, LoadedAdapters, Unobserved
-from .prefill import Prefill
+from .prefill import Prefill, Run
 from .prompt import EncodedPrompt
 from .state_cache import StateCache
-from .steps import PromptSteps
 
 T = TypeVar("T")
 Hidden = tuple[np.ndarray, int]  # a prompt's final hidden states, and the tokens of them the state cache gave
@@ -204,3 +212,50 @@ class Decider:
         self.stepping = None  # (a prompt left in steps: its next step is refused)
         self.adapters.close()
         self._resources.close()
+
+
+# A decode that writes a non-finite value makes the next clear wipe the whole memory (Backbone.clear), the
+# reserved sequence with it: the prompt is prefilled again from its start (or its cached cut), once.
+RESTARTS = 1
+
+
+class PromptSteps:
+    """One prompt's decision in steps (ClefModel.begin): step() until it returns the answer (or the prompt's error)."""
+
+    def __init__(self, decider: Decider, prompt: EncodedPrompt, call: Callable[[Callable[[], T]], T]) -> None:
+        self.decider, self.prompt, self._call = decider, prompt, call  # call: fn() on the compute thread, the model open
+        self.seq = decider.backbone.parallel - 1  # the batches between its steps take the sequences before it
+        self.run: Run | None = None
+        self.restarts = 0
+        self.done = False
+
+    def step(self) -> Answer | Exception | None:
+        """Decode the next ubatch: None while some are left, then the answer (or the prompt's exception)."""
+        if self.done:
+            raise ComputeError("this prompt's steps are over: its answer was given")
+        try:
+            answer = self._call(self._step)
+        except Exception as e:  # a llama.cpp failure in a step (or the model closed): this prompt's alone
+            answer = e
+        if answer is not None:
+            self.finish()
+        return answer
+
+    def _step(self) -> Answer | Exception | None:
+        head = self.decider.activate(self.prompt)  # its LoRA applied again after a batch of another model
+        if self.run is not None and self.run.cleared:
+            if self.restarts >= RESTARTS:
+                raise ComputeError("the context's memory was reset during this prompt's prefill, twice (non-finite values)")
+            self.restarts, self.run = self.restarts + 1, None
+        if self.run is None:  # nothing else is decoding when it starts: every sequence is cleared
+            self.run = self.decider.prefill.start([self.prompt], [self.seq])
+        if not self.run.step():
+            return None
+        [answer] = self.decider.answers(head, [self.prompt], self.run.out)
+        return answer
+
+    def finish(self) -> None:
+        """Give the reserved sequence back; the answer is not computed if it was not."""
+        if not self.done:
+            self.done = True
+            self.decider.end_steps(self)

@@ -20,12 +20,11 @@ from ..settings import AdapterSet, LoadOptions, ModelSpec
 from .answers import Answer, Scores
 from .base_file import open_pinned
 from .dataset import decide_many
-from .decider import Decider, load_backbone
+from .decider import Decider, PromptSteps, load_backbone
 from .encoder import PromptEncoder
 from .loaded import AdapterObserver
 from .prompt import EncodedPrompt
 from .state_cache import StateCache
-from .steps import PromptSteps
 
 T = TypeVar("T")
 
@@ -179,7 +178,7 @@ class ClefModel:
         return self.decider.stepped(prompt)
 
     def begin(self, prompt: EncodedPrompt) -> PromptSteps:
-        """Start deciding a prompt a ubatch at a time (runtime/steps.py): step() the result until it answers.
+        """Start deciding a prompt a ubatch at a time (runtime/decider.py): step() the result until it answers.
 
         Until then it holds the context's last sequence, and `batchable` admits only batches that fit beside it.
         One prompt at a time is decided in steps; each step is an API call (refused once the model is closed)."""

@@ -2,7 +2,7 @@
 ClefModel is every one of them).
 
 - The server (server/worker.py, app.py, intake.py): `Prompt`, `Encoder` (runtime/encoder.py's PromptEncoder is one
-  too: the Ray ingress's), `Model`, with its `Steps` (runtime/steps.py's PromptSteps: a long prompt decided in steps).
+  too: the Ray ingress's), `Model`, with its `Steps` (runtime/decider.py's PromptSteps: a long prompt decided in steps).
 - The dataset mode: `DecidingModel` (runtime/dataset.py's decide_many) and `FileModel` (dataset_file.py's decide_file,
   which records and checks the model's identity).
 
@@ -68,7 +68,7 @@ class Encoder(Protocol):
 
 
 class Steps(Protocol):
-    """A prompt decided in steps (runtime/steps.py's PromptSteps)."""
+    """A prompt decided in steps (runtime/decider.py's PromptSteps)."""
 
     def step(self) -> Answer | Exception | None: ...  # one ubatch; then its answer (or its error)
 
