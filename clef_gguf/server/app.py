@@ -34,13 +34,14 @@ from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
 from ..settings import HttpLimits, LogFormat, ServeSettings, body_limit
 from . import workers_ai
+from .decision import Scheduler
 from .guard import Names, OwnOrigin, send_problem
 from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import Observed, note_decision, response_headers
 from .problems import ApiError, overloaded, render_problem, starlette_problem
 from .ui import mount_ui
-from .worker import ComputeScheduler, Scheduler
+from .worker import ComputeScheduler
 
 MODEL_SHA256_HEADER = "Clef-Model-Sha256"
 _ROUTES = "this server answers POST /v1/systemone and POST [/client/v4]/accounts/ACCOUNT_ID/ai/run/@cf/cloudflare/clef"

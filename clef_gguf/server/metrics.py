@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..errors import OVERLOADED
 from ..runtime.protocols import Encoder, Prompt
 from ..runtime.state_cache import StateCache, split_at_prefix
-from .worker import Decision, Scheduler
+from .decision import Decision, Scheduler
 
 # From a cached short prompt on the demo model (milliseconds) to a long prompt on a CPU (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

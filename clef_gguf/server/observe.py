@@ -30,8 +30,8 @@ from ..settings import LogFormat
 
 if TYPE_CHECKING:  # (problems.py renders every error with response_headers: this module imports none of the server's)
     from ..runtime.protocols import Prompt
+    from .decision import Decision
     from .metrics import Metrics
-    from .worker import Decision
 
 ACCESS_LOGGER = "clef_gguf.access"
 UNMATCHED = "unmatched"  # the route label of a path no route has: one label, whatever paths clients try

@@ -47,10 +47,11 @@ from ..runtime.model import PROBE, ClefModel, open_encoder
 from ..runtime.prompt import EncodedPrompt
 from ..settings import API_KEY_ENV, AdapterSet, HttpLimits, LoadOptions, ModelSpec, RayScale, ServeSettings
 from .app import check_api_key, send_shutting_down
+from .decision import Decision
 from .observe import configure_access_log
 from .problems import overloaded
 from .run import settings_app
-from .worker import ComputeScheduler, Decision, Prompt, queue_full, render
+from .worker import ComputeScheduler, Prompt, queue_full, render
 
 APP_NAME = "clef-gguf"
 # Autoscaling aims at one decision running and one waiting per replica (Ray counts both): more requests in
@@ -143,7 +144,7 @@ def validated(args: dict[str, Any]) -> RaySettings:
 
 
 class ReplicaScheduler:
-    """The ingress's scheduler (worker.Scheduler): each prompt to a model replica, as many at once as admitted.
+    """The ingress's scheduler (decision.Scheduler): each prompt to a model replica, as many at once as admitted.
 
     The plain server's ComputeScheduler decides on the model's compute thread; here a decision is a remote call, and with
     max_queue of them in flight every replica has work, the rest waiting in the replicas' own queues."""

@@ -22,22 +22,13 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..runtime.answers import Answer
 from ..runtime.batching import each, take
 from ..runtime.protocols import Model, Prompt, Steps
+from .decision import Decision
 from .problems import ApiError, overloaded
-
-
-@dataclass(frozen=True)
-class Decision:
-    body: bytes  # the response JSON, UTF-8
-    queued_s: float
-    decide_s: float
-    finished: float  # perf_counter() when decide returned, to time the hand-back to the event loop
-    cached_tokens: int = 0  # prompt tokens whose backbone state the state cache gave
-    batch: int = 1  # requests decided together with this one, itself included
 
 
 def render(response: dict[str, Any]) -> bytes:
@@ -56,17 +47,6 @@ def _rendered(answer: Answer | Exception) -> bytes | Exception:
 
 def queue_full(pending: int) -> ApiError:
     return overloaded(f"{pending} requests are already waiting; retry shortly")
-
-
-class Scheduler(Protocol):
-    """How the app has prompts decided: ComputeScheduler here, or server/ray_serve.py's ReplicaScheduler."""
-
-    @property
-    def pending(self) -> int: ...  # admitted and not yet answered
-
-    async def decide(self, request: Prompt) -> Decision: ...  # raises ApiError 503 when max_queue are admitted
-
-    async def close(self) -> None: ...
 
 
 @dataclass(eq=False)
