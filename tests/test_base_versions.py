@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -116,30 +119,32 @@ def test_serve_answers_as_the_version_it_loaded_whatever_happens_to_the_file(ver
                 shutil.copyfile(base, target)
 
 
-def test_a_file_changed_after_its_validation_is_not_pinned(pair, tmp_path):
-    base, other = pair
+@contextmanager
+def _validated_copy(base: Path, tmp_path: Path) -> Iterator[tuple[Path, Any]]:
+    """A copy of `base` and its validation, open for the test's body."""
     target = tmp_path / "base.gguf"
     shutil.copyfile(base, target)
     validated = open_validated(target)
     try:
+        yield target, validated
+    finally:
+        validated.close()
+
+
+def test_a_file_changed_after_its_validation_is_not_pinned(pair, tmp_path):
+    base, other = pair
+    with _validated_copy(base, tmp_path) as (target, validated):
         shutil.copyfile(other, target)  # between the header's check and the copy of what the runtime reads
         with pytest.raises(ModelFileError, match="changed while it was loaded"):
             PinnedFile.pin(validated.file, ["token_embd.weight"])
-    finally:
-        validated.close()
 
 
 def test_a_pinned_file_reads_only_its_own_version(pair, tmp_path):
     """Resident tensors from its own memory whatever the file becomes; any other only while the file is that version."""
-    base, other = pair
-    target = tmp_path / "base.gguf"
-    shutil.copyfile(base, target)
-    validated = open_validated(target)
-    try:
+    base, _ = pair
+    with _validated_copy(base, tmp_path) as (target, validated):
         original = {n: validated.file.tensor_bytes(n).copy() for n in ("token_embd.weight", "output.weight")}
         pinned = PinnedFile.pin(validated.file, ["token_embd.weight"])
-    finally:
-        validated.close()
     try:
         assert (pinned.tensor_bytes("output.weight") == original["output.weight"]).all()  # (read from the file)
         os.truncate(target, 0)

@@ -19,11 +19,9 @@ import json
 import os
 import pickle
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +42,7 @@ from clef_gguf.quality import evaluate as evaluating  # noqa: E402
 from clef_gguf.runtime.dataset_file import decide_file  # noqa: E402
 from clef_gguf.runtime.dataset_ray import DecidePart, RayData, actors_for, decide_file_on_ray  # noqa: E402
 from clef_gguf.settings import FileOptions, ModelSpec  # noqa: E402
+from clef_gguf.testing.ray_cluster import end_own_cluster, own_cluster_env  # noqa: E402
 from clef_gguf.testing.request_suite import mixed_request  # noqa: E402
 
 DEMO = json.loads(DEMO_REQUEST.read_text())
@@ -198,8 +197,7 @@ def test_the_command_on_its_own_cluster_stops_at_once_at_sigterm_to_its_process_
     waited for the watchdog's 3 s, and left the folder)."""
     source = _write(tmp_path / "requests.jsonl", _lines(2000))
     out = tmp_path / "answers.jsonl"
-    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # (short: Ray's socket paths fit AF_UNIX's 107 bytes)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+    env, ray_tmp = own_cluster_env()
     args = [str(source), "-o", str(out), "--max-line-bytes", "4096", "--ray", "--workers", "1"]
     process = subprocess.Popen([*CLI, *args], env=env, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -212,11 +210,7 @@ def test_the_command_on_its_own_cluster_stops_at_once_at_sigterm_to_its_process_
         _, stderr = process.communicate(timeout=300)
         took = time.monotonic() - started
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        sessions = list((ray_tmp / "ray").glob("session_2*"))
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        sessions = end_own_cluster(process, ray_tmp)
     text = stderr.decode()
     assert process.returncode == 128 + signal.SIGTERM and took < STOP_S, (process.returncode, took, text[-3000:])
     assert "stopped by SIGTERM; the answers written are kept" in text and not sessions, (sessions, text[-3000:])

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -342,8 +340,7 @@ def test_an_idle_serve_ray_stops_at_sigterm_within_seconds_exit_128_plus_15(tmp_
     nothing to drain, the proxy and the cluster stopped (the monitor's own stop took a second of them). SIGTERM to its
     process group (`timeout`'s, a service manager's stop), which holds the cluster's processes: they stop with it, and
     the command no longer waits a minute for the stopped GCS to end with exit 1."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # (short: Ray's socket paths fit AF_UNIX's 107 bytes)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+    env, ray_tmp = ray_cluster.own_cluster_env()
     port = free_port()
     command = [sys.executable, "-m", "clef_gguf.cli", "serve", str(DEMO_MODEL), "--ray", "--replicas", "1", "--port", str(port)]
     log = tmp_path / "serve.log"
@@ -359,11 +356,7 @@ def test_an_idle_serve_ray_stops_at_sigterm_within_seconds_exit_128_plus_15(tmp_
         server.wait(timeout=TIMEOUT)
         took = time.monotonic() - started
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        sessions = list((ray_tmp / "ray").glob("session_2*"))
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        sessions = ray_cluster.end_own_cluster(server, ray_tmp)
     text = log.read_text()
     assert server.returncode == 128 + signal.SIGTERM and took < STOPPED_WITHIN, (server.returncode, took, text[-3000:])
     [line] = [line for line in text.splitlines() if line.startswith("stopped by")]

@@ -8,8 +8,11 @@ before it knows whether ray is installed."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -133,3 +136,20 @@ def _replicas(app: str | None) -> Iterator[tuple[str, int, Any]]:
             except (ValueError, ray.exceptions.RayError):  # gone between the listing and the call
                 continue
             yield name.split("#")[1], pid, handle
+
+
+def own_cluster_env() -> tuple[dict[str, str], Path]:
+    """The environment of a command that starts a local Ray cluster of its own (no RAY_ADDRESS), and that cluster's
+    folder (RAY_TMPDIR, short: Ray's socket paths must fit AF_UNIX's 107 bytes)."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}, ray_tmp
+
+
+def end_own_cluster(process: subprocess.Popen[Any], ray_tmp: Path) -> list[Path]:
+    """The session folders such a command left; its process group killed if it still runs, its folder removed."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    sessions = list((ray_tmp / "ray").glob("session_2*"))
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    return sessions
