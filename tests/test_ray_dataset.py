@@ -253,7 +253,7 @@ def test_the_command_on_ray_stops_at_ctrl_c_with_out_whole_and_resume_finishes_i
     assert counts == {"records": 103, "skipped": written.count(b"\n"), "answered": 100, "errors": 3, "exit_code": 8}
     assert b"decided 103 records: 100 answered, 3 errors" in run.stderr
     again = run_cli("decide", "--ctx", str(DEMO_CONTEXT), *args, env={"RAY_ADDRESS": ray_address})  # (in this process)
-    assert again.returncode == 2 and "--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
+    assert again.returncode == 9 and "--resume" in again.stderr  # OUT is never overwritten unasked, on Ray neither
     assert out.read_bytes() == answers
 
 
