@@ -339,6 +339,10 @@ class ServeSettings:
         (),
         "A site whose pages may call this server, besides its own page (https://app.example.com; *: any). Repeatable.",
     )
+    # A label value per adapter name in /metrics, up to the cap: a folder of many files cannot grow the series unbounded.
+    metrics_adapter_cap: int = _setting(
+        64, "Adapters with series of their own in /metrics; the adapters named after them share the label _other.", ge=1
+    )
 
     def __post_init__(self) -> None:
         # (here, where the CLI and a Ray config's `args` build the same table: refused alike)

@@ -71,6 +71,9 @@ class BlockingModel:
     def adapter_names(self) -> list[str]:
         return self.model.adapter_names()
 
+    def adapter_listing(self) -> list[Any]:
+        return self.model.adapter_listing()
+
     def batchable(self, prompts: list[Any]) -> bool:
         return self.model.batchable(prompts)
 
@@ -86,6 +89,9 @@ class BlockingModel:
 
     def begin(self, prompt: Any) -> Any:
         return self.model.begin(prompt)
+
+    def resident_adapters(self) -> frozenset[str]:
+        return self.model.resident_adapters()
 
     def close(self) -> None:
         pass

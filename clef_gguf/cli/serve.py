@@ -90,6 +90,7 @@ def serve(
     ui: Annotated[bool, _serve("ui")] = D.ui,
     allowed_host: AllowedHosts = None,
     allowed_origin: AllowedOrigins = None,
+    metrics_adapter_cap: Annotated[int, _serve("metrics_adapter_cap")] = D.metrics_adapter_cap,
     on_ray: ServeOnRayOption = False,
     replicas: Annotated[int | None, _ray("replicas")] = RayScale.replicas,
     autoscale: Annotated[str | None, _ray("autoscale", metavar="MIN:MAX")] = RayScale.autoscale,
@@ -109,7 +110,7 @@ def serve(
     limits = _http_limits(load.max_prompt_tokens, images, HttpLimits(**http, max_body_readers=max_body_readers))
     served = (host, port, api_key, max_queue, drain_timeout, limits, log_format, ui)
     names = (tuple(allowed_host or ()), tuple(allowed_origin or ()))
-    settings = run(lambda: ServeSettings(*served, *names), signals=False)  # (a name refused: one line, exit 2)
+    settings = run(lambda: ServeSettings(*served, *names, metrics_adapter_cap), signals=False)  # (a name refused: exit 2)
     if on_ray:
         if replicas is not None and autoscale is not None:
             fail("--replicas and --autoscale exclude each other")

@@ -27,7 +27,7 @@ from .adapter_files import AdapterCopy, PrivateFolder, read_version
 from .catalog_names import JEV_ALIAS, Names, name_of_file
 from .catalog_versions import CatalogEntry, Versions
 
-__all__ = ["JEV_ALIAS", "Catalog", "CatalogEntry", "ModelRef", "adapter_file_identity", "adapter_temperatures"]
+__all__ = ["JEV_ALIAS", "Catalog", "CatalogEntry", "Listed", "ModelRef", "adapter_file_identity", "adapter_temperatures"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,15 @@ class ModelRef:
     name: str
     entry: CatalogEntry = field(compare=False, repr=False)
     catalog: str = field(default="", compare=False, repr=False)  # the key of the Catalog that resolved it
+
+
+@dataclass(frozen=True)
+class Listed:
+    """An adapter name a request may try, as the catalog knows it now."""
+
+    name: str
+    identity: str | None  # its file's current version's; None when it is refused
+    refused: str | None = None  # why a request naming it is refused now (the message the request would get)
 
 
 def adapter_temperatures(path: str | Path) -> dict[str, float]:
@@ -90,17 +99,21 @@ class Catalog:
             raise
 
     def names(self) -> list[str]:
-        """The adapters' names that load (what /v1/models lists): the named ones, and the adapter folder's files that
-        validate against the base (each read once per version of its file: cached by its signature)."""
+        """The adapters' names that load: the named ones, and the adapter folder's files that validate against the
+        base (each read once per version of its file: cached by its signature)."""
+        return [listed.name for listed in self.listing() if listed.identity is not None]
+
+    def listing(self) -> list[Listed]:
+        """Every adapter name a request may try (what /v1/models lists), with its current version's identity, or why
+        a request naming it is refused now (a file that does not load, or is gone)."""
         if self.pinned is not None:
-            return [self.pinned.name]
+            return [Listed(self.pinned.name, self.pinned.identity)]
         found = []
         for name in self._names.candidates():
             try:
-                self.entry(name)
-            except ClefError:
-                continue
-            found.append(name)
+                found.append(Listed(name, self.entry(name).identity))
+            except ClefError as e:
+                found.append(Listed(name, None, str(e)))
         return found
 
     def resolve(self, asked: str | None) -> ModelRef:

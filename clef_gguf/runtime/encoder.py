@@ -18,7 +18,7 @@ from ..check.description import ValidatedFile
 from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..settings import ModelSpec, default_ubatch
-from .catalog import Catalog
+from .catalog import Catalog, Listed
 from .images import image_limits
 from .prompt import EncodedPrompt, Tokenize, encode, parse_request
 
@@ -48,6 +48,10 @@ class PromptEncoder:
     def adapter_names(self) -> list[str]:
         """The fine-tunes a request may name besides the base (its `model`, Workers AI's `lora`)."""
         return self.catalog.names()
+
+    def adapter_listing(self) -> list[Listed]:
+        """Every adapter name a request may try, with its identity or why it is refused (catalog.Catalog.listing)."""
+        return self.catalog.listing()
 
     def close(self) -> None:
         """Drop the catalog's private copies; close what it was opened with alone. A second close does nothing."""

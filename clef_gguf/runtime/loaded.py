@@ -1,5 +1,5 @@
 """The adapters a decider has loaded: an LRU bounded by a count and by bytes (AdapterSet.max_adapters, adapter_memory),
-by identity, and the observer told of each load, eviction and retirement.
+by identity, and the observer told of each use, load, eviction and retirement.
 
 Clef is a frozen base plus a LoRA and a head, and so is every clef-finetune fine-tune. A version is loaded from one
 private copy of its file, read again and checked to be the version its prompts name (Catalog.reread): a file replaced
@@ -26,7 +26,10 @@ from .catalog import CatalogEntry
 
 
 class AdapterObserver(Protocol):
-    """What a decider tells of its adapters (per-adapter metrics hang here): each event names the adapter."""
+    """What a decider tells of its adapters (per-adapter metrics hang here): each event names the adapter, by the name
+    of the request whose batch caused it (one file under two names is loaded once, under the first name asked)."""
+
+    def used(self, name: str, resident: bool) -> None: ...  # a batch needed it: loaded already (a hit), or not
 
     def loaded(self, name: str, seconds: float, nbytes: int) -> None: ...  # read, checked and loaded in `seconds`
 
@@ -37,6 +40,9 @@ class AdapterObserver(Protocol):
 
 class Unobserved:
     """The observer of a model nobody watches."""
+
+    def used(self, name: str, resident: bool) -> None:
+        pass
 
     def loaded(self, name: str, seconds: float, nbytes: int) -> None:
         pass
@@ -77,6 +83,8 @@ class LoadedAdapters:
         self.max_adapters, self.adapter_memory = bounds
         self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # by identity
         self._applied: LoadedAdapter | None = None  # the adapter the context applies (None: the base alone)
+        # The identities loaded, replaced whole on each change: read from other threads (/v1/models) without a lock.
+        self.identities: frozenset[str] = frozenset()
 
     def entry(self, identity: str) -> CatalogEntry | None:
         """The loaded version of this identity (a prompt another catalog resolved is decided by it), else None."""
@@ -89,6 +97,7 @@ class LoadedAdapters:
         loaded = None
         if entry is not None:
             loaded = self._loaded.get(entry.identity)
+            self.observer.used(entry.name, loaded is not None)
             if loaded is None:
                 self._make_room(entry)
                 loaded = self._load(entry, reread)
@@ -109,6 +118,7 @@ class LoadedAdapters:
 
         while over():
             _, oldest = self._loaded.popitem(last=False)
+            self.identities = frozenset(self._loaded)
             self._unload(oldest)
 
     def _load(self, entry: CatalogEntry, reread: Callable[[CatalogEntry], AdapterCopy]) -> LoadedAdapter:
@@ -122,6 +132,7 @@ class LoadedAdapters:
             head = self._head_of(copy.file)
             stack.pop_all()
         loaded = self._loaded[entry.identity] = LoadedAdapter(entry, copy, lora, head)
+        self.identities = frozenset(self._loaded)
         self.observer.loaded(entry.name, time.perf_counter() - started, entry.nbytes)
         return loaded
 
@@ -144,5 +155,6 @@ class LoadedAdapters:
         if self._applied is not None:
             apply_lora(self.backbone.ctx, None)
             self._applied = None
+        self.identities = frozenset()
         while self._loaded:
             self._loaded.popitem()[1].close()

@@ -19,6 +19,7 @@ from ..llama.backbone import Vocabulary
 from ..settings import AdapterSet, LoadOptions, ModelSpec
 from .answers import Answer, Scores
 from .base_file import open_pinned
+from .catalog import Listed
 from .dataset import decide_many
 from .decider import Decider, PromptSteps, load_backbone
 from .encoder import PromptEncoder
@@ -128,6 +129,14 @@ class ClefModel:
     def adapter_names(self) -> list[str]:
         """The fine-tunes a request may name (its `model`, Workers AI's `lora`) besides the base."""
         return self.encoder.adapter_names()
+
+    def adapter_listing(self) -> list[Listed]:
+        """Every adapter name a request may try, with its identity or why it is refused (catalog.Catalog.listing)."""
+        return self.encoder.adapter_listing()
+
+    def resident_adapters(self) -> frozenset[str]:
+        """The identities of the adapter versions loaded now (any thread)."""
+        return self.decider.adapters.identities
 
     def _refuse_if_closed(self) -> None:
         if self._closed:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from .answers import Answer
+    from .catalog import Listed
     from .prompt import EncodedPrompt
     from .state_cache import StateCache
 
@@ -64,6 +65,8 @@ class Encoder(Protocol):
 
     def adapter_names(self) -> list[str]: ...  # the fine-tunes a request may name besides the base
 
+    def adapter_listing(self) -> list[Listed]: ...  # every name a request may try: its identity, or why it is refused
+
     def close(self) -> None: ...
 
 
@@ -89,6 +92,8 @@ class Model(Encoder, Protocol):
     def stepped(self, prompt: Prompt) -> bool: ...  # whether this prompt is decided in steps
 
     def begin(self, prompt: Prompt) -> Steps: ...  # on the compute thread; batchable then admits what fits beside it
+
+    def resident_adapters(self) -> frozenset[str]: ...  # the adapter versions loaded now, by identity; any thread
 
 
 class DecidingModel(Protocol):

@@ -34,6 +34,7 @@ from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
 from ..settings import HttpLimits, LogFormat, ServeSettings, body_limit
 from . import workers_ai
+from .adapter_metrics import AdapterCollector, AdapterView, local_view
 from .decision import Scheduler
 from .guard import Names, OwnOrigin, send_problem
 from .intake import Intake
@@ -71,17 +72,27 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def _models_listing(model: Encoder) -> dict[str, Any]:
+def _models_listing(model: Encoder, resident: frozenset[str]) -> dict[str, Any]:
+    """The base, its alias and every adapter name a request may try, each with its state: `resident` (loaded: here, or
+    on a Ray replica), `on_disk` (its file validated, loaded when a request names it) or `refused` (with the reason a
+    request naming it would be refused with)."""
     # A local file has no release date: the date its GGUF was written is the honest stand-in.
     written = dt.datetime.fromtimestamp(model.path.stat().st_mtime, dt.timezone.utc).date().isoformat()
     limit = model.max_prompt_tokens
     described = f"Clef decision model {model.name} ({model.path.name}) on llama.cpp; prompts up to {limit} tokens"
     about = f"a fine-tune over {model.name} (an adapter file): name it in `model`"
-    tunes = [{"name": name, "description": about, "release_date": written} for name in model.adapter_names()]
+    tunes = []
+    for listed in model.adapter_listing():
+        tune = {"name": listed.name, "description": about, "release_date": written, "state": "on_disk"}
+        if listed.identity is None:
+            tune |= {"state": "refused", "reason": listed.refused}
+        elif listed.identity in resident:
+            tune["state"] = "resident"
+        tunes.append(tune)
     return {
         "models": [
-            {"name": model.name, "description": described, "release_date": written},
-            {"name": JEV_ALIAS, "description": f"alias of {model.name}", "release_date": written},
+            {"name": model.name, "description": described, "release_date": written, "state": "resident"},
+            {"name": JEV_ALIAS, "description": f"alias of {model.name}", "release_date": written, "state": "resident"},
             *tunes,
         ]
     }
@@ -154,6 +165,7 @@ class Service:
     worker: Scheduler
     intake: Intake
     metrics: Metrics
+    adapters: AdapterView  # what /v1/models says is loaded, and /metrics' per-adapter series
 
     async def answer(self, request: Request) -> tuple[bytes, dict[str, str]]:
         """Read, validate and decide one System One request: its response JSON and timing header."""
@@ -194,7 +206,7 @@ class Service:
 
     async def models(self) -> JSONResponse:
         # Off the event loop: listing a folder validates the adapter files it has not seen (cached by signature).
-        listing = await asyncio.to_thread(_models_listing, self.model)
+        listing = await asyncio.to_thread(_models_listing, self.model, self.adapters.resident())
         return JSONResponse(listing, headers=response_headers())
 
     async def health(self) -> JSONResponse:
@@ -228,6 +240,7 @@ def create_app(
     ui: bool = True,
     names: Names | None = None,
     allowed_origins: tuple[str, ...] = (),
+    adapters: AdapterView | None = None,
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -239,7 +252,9 @@ def create_app(
     model that only encodes. Each request gets an id and an access log line in log_format (observe.py), and is
     counted in the app's metrics (metrics.py, GET /metrics); behind_ray leaves X-Request-Id to Ray's proxy, which
         adds its own (the id it hands the app). With ui, GET / is the page that asks it (ui.py). Only requests to its
-    `names` (default: loopback's, IP addresses) from no web page or its own (or `allowed_origins`') are answered (guard.py)."""
+    `names` (default: loopback's, IP addresses) from no web page or its own (or `allowed_origins`') are answered (guard.py).
+    `adapters`: the per-adapter counts and what is loaded (adapter_metrics.py: the model's observer's, or the Ray
+    replicas'); by default only what the model says is loaded, and no per-adapter series."""
     if scheduler is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a scheduler")
@@ -250,7 +265,10 @@ def create_app(
     intake = Intake(model, max_queue, limit, limits or HttpLimits(), text_limit)
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
     metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None)
-    service = Service(model, scheduler, intake, metrics)
+    if adapters is None:
+        adapters = local_view(None, model.resident_adapters if isinstance(model, Model) else frozenset)
+    metrics.registry.register(AdapterCollector(adapters.labelled))
+    service = Service(model, scheduler, intake, metrics, adapters)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

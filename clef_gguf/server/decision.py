@@ -6,9 +6,12 @@ the error table's renderings (problems.py) that the worker answers a full queue 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..runtime.protocols import Prompt
+
+if TYPE_CHECKING:  # (adapter_metrics imports none of the server's modules; the annotation alone names it)
+    from .adapter_metrics import Snapshot
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class Decision:
     finished: float  # perf_counter() when decide returned, to time the hand-back to the event loop
     cached_tokens: int = 0  # prompt tokens whose backbone state the state cache gave
     batch: int = 1  # requests decided together with this one, itself included
+    # On Ray: the replica that decided it and its per-adapter counts, when they changed since it last sent them.
+    adapters: tuple[str, Snapshot] | None = None
 
 
 class Scheduler(Protocol):

@@ -16,18 +16,20 @@ from ..runtime.encoder import check_spec
 from ..runtime.images import MAX_IMAGES
 from ..runtime.model import ClefModel
 from ..settings import ModelSpec, RayScale, ServeSettings
+from .adapter_metrics import AdapterCounts, local_view
 from .run import serve
 
 
 def serve_file(spec: ModelSpec, settings: ServeSettings) -> int | None:
     """Load the model `spec` declares, say where it is served on stderr, and serve it until SIGTERM, SIGINT or SIGHUP;
     the signal that stopped it, once drained."""
-    loaded = ClefModel(spec)
+    counts = AdapterCounts(settings.metrics_adapter_cap)  # (the per-adapter series: the decider tells it its events)
+    loaded = ClefModel(spec, counts)
     url = f"http://{settings.host}:{settings.port}/v1/systemone"
     name = printable(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     images = f", up to {MAX_IMAGES} images" if loaded.vision is not None else ""
     print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens{images})", file=sys.stderr, flush=True)
-    return serve(loaded, settings)
+    return serve(loaded, settings, local_view(counts, loaded.resident_adapters))
 
 
 def serve_on_ray(spec: ModelSpec, settings: ServeSettings, scale: RayScale) -> int | None:

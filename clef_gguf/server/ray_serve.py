@@ -46,6 +46,7 @@ from ..errors import AdapterUnavailableError, SettingsError
 from ..runtime.model import PROBE, ClefModel, open_encoder
 from ..runtime.prompt import EncodedPrompt
 from ..settings import API_KEY_ENV, AdapterSet, HttpLimits, LoadOptions, ModelSpec, RayScale, ServeSettings
+from .adapter_metrics import AdapterCounts, AdapterView, ReplicaFigures
 from .app import check_api_key, send_shutting_down
 from .decision import Decision
 from .observe import configure_access_log
@@ -153,6 +154,7 @@ class ReplicaScheduler:
         self._replicas = replicas
         self.max_queue = max_queue
         self.pending = 0  # admitted and not yet answered; touched on the event loop only
+        self.figures = ReplicaFigures()  # each replica's per-adapter counts, as its decisions bring them
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_queue:
@@ -172,6 +174,8 @@ class ReplicaScheduler:
             raise e.cause from None
         finally:
             self.pending -= 1
+        if decision.adapters is not None:
+            self.figures.take(*decision.adapters)
         finished = time.perf_counter()
         # Queued: in the replica's ComputeScheduler, in Ray's router and on the way there and back.
         queued = max(decision.queued_s, finished - submitted - decision.decide_s)
@@ -185,8 +189,11 @@ class ReplicaScheduler:
 class ClefReplica:
     """One loaded model, deciding on the plain server's ComputeScheduler; healthy once it has answered a decision."""
 
-    def __init__(self, spec: ModelSpec, *, queue: int) -> None:
-        self.model = ClefModel(spec)
+    def __init__(self, spec: ModelSpec, *, queue: int, adapter_cap: int = ServeSettings.metrics_adapter_cap) -> None:
+        self.counts = AdapterCounts(adapter_cap)  # sent to the ingress with the decisions (adapter_metrics.py)
+        self.replica = serve.get_replica_context().replica_tag
+        self._sent = self.counts.generation
+        self.model = ClefModel(spec, self.counts)
         self.worker = ComputeScheduler(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
@@ -205,7 +212,12 @@ class ClefReplica:
                 raise AdapterUnavailableError(
                     f"the adapter file of {found.entry.name!r} changed while the request waited: send the request again"
                 )
-        return await self.worker.decide(prompt)
+        decision = await self.worker.decide(prompt)
+        if self.counts.generation == self._sent:
+            return decision
+        snapshot = self.counts.snapshot(self.model.resident_adapters())
+        self._sent = snapshot.generation
+        return replace(decision, adapters=(self.replica, snapshot))
 
     def check_health(self) -> None:
         # No decision here: one would wait for the model's compute thread behind a long prompt, and a check that times out
@@ -259,7 +271,9 @@ class ClefIngress:
         self.doors = Doors()
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
-        app = settings_app(self.encoder, self.settings, scheduler=self.scheduler, behind_ray=True)  # as run.serve builds it
+        figures = self.scheduler.figures  # the replicas': /metrics' per-adapter series, /v1/models' resident ones
+        adapters = AdapterView(figures.labelled, figures.resident)
+        app = settings_app(self.encoder, self.settings, scheduler=self.scheduler, behind_ray=True, adapters=adapters)
         app.user_middleware.append(Middleware(ShutdownGate, doors=self.doors))  # appended: innermost (add_middleware: outermost)
         return app
 
@@ -303,7 +317,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
         **_scaling(settings.scale),
-    ).bind(spec, queue=s.max_queue)
+    ).bind(spec, queue=s.max_queue, adapter_cap=s.metrics_adapter_cap)
     ingress = ClefIngress.options(
         max_ongoing_requests=2 * s.max_queue + INGRESS_HEADROOM,
         graceful_shutdown_timeout_s=s.drain_timeout,

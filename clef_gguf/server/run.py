@@ -15,6 +15,7 @@ from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at (SIG
 
 from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
+from .adapter_metrics import AdapterView
 from .app import create_app
 from .guard import Names
 from .observe import configure_access_log
@@ -63,13 +64,14 @@ def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
     return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **names, **options)
 
 
-def serve(model: Model, settings: ServeSettings | None = None) -> int | None:
+def serve(model: Model, settings: ServeSettings | None = None, adapters: AdapterView | None = None) -> int | None:
     """Serve until SIGTERM, SIGINT or SIGHUP. uvicorn then stops accepting connections, lets in-flight and
     queued requests finish (up to settings.drain_timeout), and the app closes the model; then this returns the signal
-    (None: stopped otherwise). One access log line per request on stderr, in settings.log_format (observe.py)."""
+    (None: stopped otherwise). One access log line per request on stderr, in settings.log_format (observe.py);
+    `adapters`: the model's per-adapter counts (adapter_metrics.py)."""
     access_lines = configure_access_log()
     s = settings or ServeSettings()
-    app = settings_app(model, s)
+    app = settings_app(model, s, adapters=adapters)
     config = uvicorn_config(
         app,
         s.limits,

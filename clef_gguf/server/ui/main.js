@@ -43,18 +43,32 @@ async function loadHealth() {
   $("drop-text").textContent = `Drop up to ${page.limits.images} images (PNG, JPEG, WebP) here, or`;
 }
 
-// The second model of a comparison is never preselected as the first: the first other name.
+// The second model of a comparison is never preselected as the first: the first other name it may ask.
 function otherModel() {
-  const other = page.names.find((n) => n !== $("model").value);
+  const other = page.names.find((n) => n !== $("model").value && askable(n));
   if ($("model-b").value === $("model").value && other !== undefined) $("model-b").value = other;
+}
+
+// Each model's state, as /v1/models says it: an adapter loaded, on disk (loaded when asked), or refused (and why).
+const STATES = { resident: "resident", on_disk: "on disk", refused: "refused" };
+const askable = (n) => (page.listed[n] || {}).state !== "refused";
+
+function modelOption(n) {
+  const listed = page.listed[n] || {};
+  const state = STATES[listed.state] ? listed.state : "";
+  const text = n === page.base ? `${n} (base)` : state ? `${n} · ${STATES[state]}` : n;
+  const option = el("option", { value: n, text, disabled: state === "refused" });
+  if (listed.reason) option.title = String(listed.reason);
+  option.dataset.state = state;
+  return option;
 }
 
 function fillModels(names) {
   page.names = names;
   for (const select of [$("model"), $("model-b")]) {
     const before = select.value;
-    select.replaceChildren(...names.map((n) => el("option", { value: n, text: n === page.base ? `${n} (base)` : n })));
-    select.value = names.includes(before) ? before : names[0] || "";
+    select.replaceChildren(...names.map(modelOption));
+    select.value = names.includes(before) && askable(before) ? before : names.find(askable) || "";
   }
   otherModel();
 }
@@ -62,6 +76,7 @@ function fillModels(names) {
 async function loadModels() {
   const listing = await call("/v1/models");
   if (!listing.ok) {
+    page.listed = {};
     fillModels(page.base ? [page.base] : []);
     const message = refusals(listing)[0].message;
     if (listing.status === 401) askForKey(message);
@@ -70,7 +85,9 @@ async function loadModels() {
   }
   $("key-section").hidden = true;
   $("key-error").textContent = "";
-  const listed = (listing.body.models || []).map((m) => String(m.name)).filter((n) => n !== page.limits.alias);
+  const models = (listing.body.models || []).filter((m) => String(m.name) !== page.limits.alias);
+  page.listed = Object.fromEntries(models.map((m) => [String(m.name), m]));
+  const listed = models.map((m) => String(m.name));
   fillModels([page.base, ...listed.filter((n) => n !== page.base)].filter(Boolean));
 }
 
@@ -122,6 +139,7 @@ $("ask").addEventListener("submit", async (event) => {
     $("decide").disabled = false;
     $("busy").textContent = "";
   }
+  await loadModels(); // the states again: the adapter asked is resident now, another may have been unloaded
 });
 
 // Ctrl+Enter (Cmd+Enter) decides from anywhere in the form, however long it is; the Decide bar also stays in view.

@@ -1,0 +1,199 @@
+"""Per-adapter metrics: what a decider's observer (runtime/loaded.AdapterObserver) is told, counted by adapter, and
+the series /metrics shows of them; on Ray, each replica's counts reach the ingress's /metrics with its decisions.
+
+An adapter's label is the name requests use (the name of the request whose batch caused the event: one file under two
+names is loaded once, under the first name asked). The first ServeSettings.metrics_adapter_cap names a process sees
+get a label of their own; those after share OTHER, so that a folder of many files, or a busy one, cannot grow the
+series without bound.
+
+A lookup is a batch (or a step of a prompt decided in steps: each applies its adapter again) that needed the adapter
+in memory; a hit, one that found it loaded. A lookup that missed is a load, unless the load failed: so loads equal
+lookups less hits, and resident versions equal loads less evictions and retirements.
+
+On Ray (ray_serve.py) a replica's counts travel with its decisions: each Decision carries the replica's Snapshot when
+its counts changed since the last it sent (every event happens inside a decision, so the newest snapshot has them
+all), and the ingress keeps each replica's newest (ReplicaFigures), labelled `replica`. A replica that stopped keeps
+its last figures there, as counters of a series that ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+OTHER = "_other"  # (no adapter's name: names begin with a letter or a digit, catalog_names.py)
+# From a small adapter's load off a warm page cache (milliseconds) to a large one's from a slow disk.
+LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Figures:
+    """One label's counts."""
+
+    lookups: int = 0
+    hits: int = 0
+    loads: int = 0
+    evictions: int = 0
+    retirements: int = 0
+    resident: int = 0  # versions loaded now
+    resident_bytes: int = 0
+    load_seconds: float = 0.0  # the sum of the loads' seconds
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))  # per bucket, +Inf last
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A process's counts at one moment (what a replica sends the ingress): by label, and the versions loaded."""
+
+    generation: int  # grows with every event: the newest of two snapshots of one process has the larger
+    figures: dict[str, Figures]
+    resident: frozenset[str] = frozenset()  # identities loaded now (/v1/models' state)
+
+
+class AdapterCounts:
+    """The observer a server hands its model (ClefModel(spec, observer)): the counts, by label; thread-safe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._labels: dict[str, str] = {}  # name -> its label, for the first `cap` names (later ones: OTHER)
+        self._figures: dict[str, Figures] = {}
+        self.generation = 0
+
+    def _of(self, name: str) -> Figures:
+        """(Under the lock) The figures `name` counts under; the generation moved on (an event is being counted)."""
+        self.generation += 1
+        label = self._labels.get(name)
+        if label is None:
+            label = name if len(self._labels) < self.cap else OTHER
+            if label != OTHER:
+                self._labels[name] = label
+        return self._figures.setdefault(label, Figures())
+
+    def used(self, name: str, resident: bool) -> None:
+        with self._lock:
+            figures = self._of(name)
+            figures.lookups += 1
+            figures.hits += resident
+
+    def loaded(self, name: str, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            figures = self._of(name)
+            figures.loads += 1
+            figures.resident += 1
+            figures.resident_bytes += nbytes
+            figures.load_seconds += seconds
+            figures.load_buckets[bisect_left(LOAD_BUCKETS, seconds)] += 1
+
+    def evicted(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            figures = self._unloaded(name, nbytes)
+            figures.evictions += 1
+
+    def retired(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            figures = self._unloaded(name, nbytes)
+            figures.retirements += 1
+
+    def _unloaded(self, name: str, nbytes: int) -> Figures:
+        figures = self._of(name)
+        figures.resident -= 1
+        figures.resident_bytes -= nbytes
+        return figures
+
+    def snapshot(self, resident: frozenset[str] = frozenset()) -> Snapshot:
+        """The counts now (copies), with the identities loaded now."""
+        with self._lock:
+            figures = {label: replace(f, load_buckets=list(f.load_buckets)) for label, f in self._figures.items()}
+            return Snapshot(self.generation, figures, resident)
+
+
+class ReplicaFigures:
+    """The ingress's view of the replicas' counts: each replica's newest snapshot (Decision.adapters)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, Snapshot] = {}
+
+    def take(self, replica: str, snapshot: Snapshot) -> None:
+        """A replica's snapshot, kept unless one it sent later arrived first."""
+        with self._lock:
+            kept = self._replicas.get(replica)
+            if kept is None or kept.generation < snapshot.generation:
+                self._replicas[replica] = snapshot
+
+    def labelled(self) -> list[tuple[dict[str, str], Snapshot]]:
+        with self._lock:
+            return [({"replica": replica}, snapshot) for replica, snapshot in sorted(self._replicas.items())]
+
+    def resident(self) -> frozenset[str]:
+        """The identities loaded on any replica."""
+        with self._lock:
+            return frozenset().union(*(s.resident for s in self._replicas.values()))
+
+
+Labelled = Callable[[], Iterable[tuple[dict[str, str], Snapshot]]]  # each process's snapshot, with its own labels
+
+
+@dataclass(frozen=True)
+class _Series:
+    name: str
+    help: str
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily]
+    read: Callable[[Figures], float]
+
+
+_COUNTER, _GAUGE = CounterMetricFamily, GaugeMetricFamily
+SERIES = (
+    _Series("clef_adapter_lookups", "Batches that needed the adapter in memory.", _COUNTER, lambda f: f.lookups),
+    _Series("clef_adapter_memory_hits", "Of those, the batches that found it loaded.", _COUNTER, lambda f: f.hits),
+    _Series("clef_adapter_loads", "Loads of the adapter (its LoRA and head) into the model.", _COUNTER, lambda f: f.loads),
+    _Series("clef_adapter_evictions", "Unloads to make room (--max-adapters, --adapter-memory)", _COUNTER, lambda f: f.evictions),
+    _Series("clef_adapter_retirements", "Unloads of a version whose file was replaced.", _COUNTER, lambda f: f.retirements),
+    _Series("clef_adapter_resident", "Versions of the adapter loaded now.", _GAUGE, lambda f: f.resident),
+    _Series("clef_adapter_resident_bytes", "Bytes of its loaded versions (LoRA and head).", _GAUGE, lambda f: f.resident_bytes),
+)
+
+
+@dataclass(frozen=True)
+class AdapterView:
+    """What the app shows of the adapters: the snapshots /metrics shows (each with its own labels: a replica's), and
+    the identities loaded now (/v1/models' states)."""
+
+    labelled: Labelled
+    resident: Callable[[], frozenset[str]]
+
+
+def local_view(counts: AdapterCounts | None, resident: Callable[[], frozenset[str]]) -> AdapterView:
+    """The view of one process's model: its counts (None: not counted) and its loaded versions."""
+    return AdapterView((lambda: [({}, counts.snapshot())]) if counts is not None else (lambda: []), resident)
+
+
+class AdapterCollector:
+    """The per-adapter series of every snapshot `read` gives, for a registry (prometheus_client's custom collector)."""
+
+    def __init__(self, read: Labelled) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        labelled = [(labels, label, f) for labels, snapshot in self._read() for label, f in sorted(snapshot.figures.items())]
+        if not labelled:
+            return  # (no adapter used yet, or none served: no empty families)
+        names = ["adapter", *sorted({key for labels, _, _ in labelled for key in labels})]
+        for series in SERIES:
+            family = series.kind(series.name, series.help, labels=names)
+            for labels, label, f in labelled:
+                family.add_metric([label, *(labels[key] for key in names[1:])], series.read(f))
+            yield family
+        seconds = HistogramMetricFamily("clef_adapter_load_seconds", "Seconds an adapter's load took.", labels=names)
+        for labels, label, f in labelled:
+            cumulative, buckets = 0, []
+            for bound, count in zip((*map(str, LOAD_BUCKETS), "+Inf"), f.load_buckets, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            seconds.add_metric([label, *(labels[key] for key in names[1:])], buckets, f.load_seconds)
+        yield seconds

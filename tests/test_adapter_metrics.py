@@ -1,0 +1,106 @@
+"""Seen per adapter (server/adapter_metrics.py): a scrape after a scripted workload shows each adapter's exact lookups,
+in-memory hits, loads, evictions and resident versions; names past --metrics-adapter-cap share `_other`; /v1/models
+says of each model whether it is resident, on disk or refused (and why). The same on `serve --ray`, every replica's
+counts on the ingress's scrape, is tests/test_adapter_refusals.py's (on the session's Ray cluster).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import served
+from peft_adapters import peft_adapter
+from prometheus_client.parser import text_string_to_metric_families
+
+from clef_gguf.server.adapter_metrics import LOAD_BUCKETS, OTHER, AdapterCounts
+
+TIMEOUT = httpx.Timeout(300.0)
+SHORT = {"state": "s", "questions": {"q": {"type": "noul"}}}
+COUNTED = ("lookups", "memory_hits", "loads", "evictions", "retirements")
+
+
+def adapter_figures(scraped: str) -> dict[str, dict[str, float]]:
+    """Each adapter label's figures in a scrape: its counters (lookups, ...), resident, resident_bytes, load_count."""
+    figures: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(scraped):
+        for s in family.samples:
+            if not s.name.startswith("clef_adapter_") or "le" in s.labels:
+                continue
+            what = s.name.removeprefix("clef_adapter_").removesuffix("_total").replace("load_seconds_count", "load_count")
+            figures.setdefault(s.labels["adapter"], {})[what] = s.value
+    return figures
+
+
+def states(client: httpx.Client) -> dict[str, dict]:
+    response = client.get("/v1/models")
+    assert response.status_code == 200, response.text
+    return {m["name"]: m for m in response.json()["models"]}
+
+
+@pytest.fixture(scope="module")
+def folder(ws, tmp_path_factory) -> Path:
+    """Three fine-tunes of the fixture release (NAME.adapter.gguf) and a file that is no GGUF."""
+    root = tmp_path_factory.mktemp("tunes")
+    for seed, name in enumerate(("one", "two", "three")):
+        peft_adapter(ws.release("untied_f32"), root, name, seed=seed)
+    (root / "broken.adapter.gguf").write_text("this is no GGUF file\n" * 20)
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(ws, folder) -> Iterator[httpx.Client]:
+    """`clef-gguf serve` over the folder: one adapter loaded at a time, labels of their own for the first two names."""
+    args = ("--ctx", "4096", "--max-adapters", "1", "--metrics-adapter-cap", "2", "--adapter-dir", str(folder))
+    with served(ws.gguf("untied_f32", "f32"), *args) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_a_scrape_after_a_scripted_workload_shows_each_adapters_exact_counts(client, folder):
+    assert "clef_adapter_" not in client.get("/metrics").text  # no series before an adapter is used
+    listed = states(client)
+    assert {n: listed[n]["state"] for n in ("one", "two", "three", "broken")} == {
+        "one": "on_disk",
+        "two": "on_disk",
+        "three": "on_disk",
+        "broken": "refused",
+    }
+    assert "broken.adapter.gguf" in listed["broken"]["reason"] and str(folder) not in listed["broken"]["reason"]
+    assert listed["jev-latest"]["state"] == "resident"
+    # --max-adapters 1: each switch evicts the one loaded. "three" comes third: past the cap of 2, it counts as _other.
+    for name in ("one", "one", "two", "one", None, "two", "three"):
+        response = client.post("/v1/systemone", json={**SHORT, "model": name} if name else SHORT)
+        assert response.status_code == 200, (name, response.text)
+    figures = adapter_figures(client.get("/metrics").text)
+    want = {
+        "one": dict(lookups=3, memory_hits=1, loads=2, evictions=2, retirements=0, resident=0, load_count=2),
+        "two": dict(lookups=2, memory_hits=0, loads=2, evictions=2, retirements=0, resident=0, load_count=2),
+        OTHER: dict(lookups=1, memory_hits=0, loads=1, evictions=0, retirements=0, resident=1, load_count=1),
+    }
+    assert {label: {k: f[k] for k in want[OTHER]} for label, f in figures.items()} == want
+    assert figures["one"]["resident_bytes"] == figures["two"]["resident_bytes"] == 0
+    assert figures[OTHER]["resident_bytes"] > 0 and figures[OTHER]["load_seconds_sum"] > 0
+    listed = states(client)
+    assert {n: listed[n]["state"] for n in ("one", "two", "three")} == {"one": "on_disk", "two": "on_disk", "three": "resident"}
+
+
+def test_names_past_the_cap_share_one_label_and_loads_fall_in_their_buckets():
+    """The observer alone (what the decider tells it): the first `cap` names keep their labels; an unload is counted
+    under the label its name has; a load's seconds go to the first bucket at or above them."""
+    counts = AdapterCounts(cap=1)
+    counts.used("a", False)
+    counts.loaded("a", LOAD_BUCKETS[0], 10)
+    for name in ("b", "c"):
+        counts.used(name, False)
+        counts.loaded(name, LOAD_BUCKETS[2] + 1e-6, 5)
+    counts.evicted("c", 5)
+    counts.used("a", True)
+    snapshot = counts.snapshot(frozenset({"id"}))
+    a, other = snapshot.figures["a"], snapshot.figures[OTHER]
+    assert set(snapshot.figures) == {"a", OTHER} and snapshot.resident == {"id"} and snapshot.generation == 8
+    assert (a.lookups, a.hits, a.loads, a.resident, a.resident_bytes) == (2, 1, 1, 1, 10)
+    assert (other.lookups, other.loads, other.evictions, other.resident, other.resident_bytes) == (2, 2, 1, 1, 5)
+    assert a.load_buckets[0] == 1 and other.load_buckets[3] == 2 and sum(other.load_buckets) == 2
