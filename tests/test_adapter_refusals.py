@@ -226,13 +226,17 @@ def test_typesafe_sdk_at_its_defaults_is_answered_by_a_server_with_adapters(serv
         assert "jev-latest" in [m.name for m in sdk.models.list().models]
 
 
-def test_every_name_v1_models_lists_is_servable(server):
-    listed = [m["name"] for m in server.get("/v1/models").json()["models"]]
+def test_every_name_v1_models_lists_is_servable_or_refused_with_its_reason(server, files):
+    listed = {m["name"]: m for m in server.get("/v1/models").json()["models"]}
     assert {"a", "b", "good", "jev-latest"} <= set(listed)
-    for name in listed:
+    for name, model in listed.items():
         response = server.post("/v1/systemone", json=_request(name))
-        assert response.status_code == 200, (name, response.text)
-    assert not set(BAD) & set(listed)
+        if model["state"] == "refused":  # the reason the request gets, naming the file and never its folder
+            _refused(response, files, model["reason"])
+        else:
+            assert response.status_code == 200, (name, response.text)
+    assert {name: listed[name]["state"] for name in BAD} == dict.fromkeys(BAD, "refused")
+    assert all(says in listed[name]["reason"] for name, says in BAD.items()), listed
 
 
 def _decided(scraped: str) -> dict[str, float]:
@@ -256,7 +260,7 @@ def test_one_file_under_two_names_answers_and_counts_by_the_name_asked(server):
 @dataclass(frozen=True)
 class OnRay:
     url: str
-    folder: Path  # good, nan, other, notgguf (files.folder's) and urgency: a fine-tune of its own
+    folder: Path  # good, nan, other, notgguf (files.folder's); urgency and counted: fine-tunes of their own
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +273,7 @@ def on_ray(ws, files, tmp_path_factory, ray_address, ray_serve_port) -> Iterator
     for name in ("good", "nan", "other", "notgguf"):
         shutil.copyfile(files.folder / f"{name}.adapter.gguf", folder / f"{name}.adapter.gguf")
     peft_adapter(ws.release("untied_f32"), folder, "urgency", seed=1)
+    peft_adapter(ws.release("untied_f32"), folder, "counted", seed=2)  # (asked only by the test of the adapter metrics)
     args = ("--ray", "--replicas", "2", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
     args += ("--adapter-dir", str(folder), "--adapter", f"a={files.good}", "--adapter", f"b={files.good}")
     on_ray = {"env": {"RAY_ADDRESS": ray_address}, "port": ray_serve_port, "log": root / "serve.log"}
@@ -309,8 +314,8 @@ def test_serve_on_ray_answers_each_model_by_its_name(files, on_ray):
         assert run["success"] and np.abs(np.subtract(flat_probabilities(run["result"]), want["urgency", 0])).max() <= ROUNDED
         unknown = client.post("/v1/systemone", json={**requests[0], "model": "nope"})
         assert unknown.status_code == 422, unknown.text
-        # The names it could have meant: the two named and the folder's five files (more than the message lists).
-        assert "'nope'" in unknown.text and "and 7 adapters" in unknown.text, unknown.text
+        # The names it could have meant: the two named and the folder's six files (more than the message lists).
+        assert "'nope'" in unknown.text and "and 8 adapters" in unknown.text, unknown.text
         listed = [m["name"] for m in client.get("/v1/models").json()["models"]]
         assert {"a", "b", "urgency"} <= set(listed)
         decided = _decided_since(client, before)  # the ingress's, each decided request under its model's name
@@ -331,6 +336,38 @@ def test_serve_on_ray_refuses_alike_and_answers_typesafe_sdk_defaults(files, on_
             _refused(client.post("/v1/systemone", json=_request(name)), files, BAD[name])
         assert [client.post("/v1/systemone", json=_request(n)).json()["model"] for n in ("a", "a", "b")] == ["a", "a", "b"]
         decided = _decided_since(client, before)
-        listed = [m["name"] for m in client.get("/v1/models").json()["models"]]
+        listed = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
     assert decided.get("a") == 2 and decided.get("b") == 1
-    assert "jev-latest" in listed and not {"nan", "other", "notgguf"} & set(listed)
+    assert "jev-latest" in listed and all(BAD[n] in listed[n]["reason"] for n in ("nan", "other", "notgguf")), listed
+
+
+def _per_replica(scraped: str, adapter: str) -> dict[str, dict[str, float]]:
+    """One adapter's figures on the ingress's scrape, by replica: its counters, resident versions and bytes."""
+    figures: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(scraped):
+        for s in family.samples:
+            if s.name.startswith("clef_adapter_") and s.labels.get("adapter") == adapter and "le" not in s.labels:
+                what = s.name.removeprefix("clef_adapter_").removesuffix("_total")
+                figures.setdefault(s.labels["replica"], {})[what] = s.value
+    return figures
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_on_ray_brings_every_replicas_adapter_counts_to_the_ingress_scrape(on_ray):
+    """Each replica's per-adapter counts reach the ingress's /metrics with its decisions, labelled by replica: after
+    a scripted workload, exactly one lookup per request, one load on each replica that decided one (the rest hits),
+    no eviction; /v1/models says the adapter is resident."""
+    sent = 5
+    with httpx.Client(base_url=on_ray.url, timeout=TIMEOUT) as client:
+        assert {m["name"]: m["state"] for m in client.get("/v1/models").json()["models"]}["counted"] == "on_disk"
+        for _ in range(sent):
+            response = client.post("/v1/systemone", json=_request("counted"))
+            assert response.status_code == 200, response.text
+        replicas = _per_replica(client.get("/metrics").text, "counted")
+        listed = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+    assert 1 <= len(replicas) <= 2 and sum(r["lookups"] for r in replicas.values()) == sent, replicas
+    for figures in replicas.values():
+        assert figures["loads"] == figures["load_seconds_count"] == 1 and figures["memory_hits"] == figures["lookups"] - 1
+        assert figures["evictions"] == figures["retirements"] == 0 and figures["resident"] == 1 and figures["resident_bytes"] > 0
+    assert listed["counted"]["state"] == "resident"

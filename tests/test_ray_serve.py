@@ -427,7 +427,7 @@ def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they
     """Every HTTP limit reaches the ingress (its app is create_app's with them), the model's spec (its load options)
     each replica and the ingress's encoder."""
     limits = HttpLimits(body_timeout=7, min_body_rate=1000, body_grace=1, max_body_buffer=1 << 21, max_body_readers=3)
-    served_with = ServeSettings(api_key="k", max_queue=5, limits=limits, log_format="json")
+    served_with = ServeSettings(api_key="k", max_queue=5, limits=limits, log_format="json", metrics_adapter_cap=3)
     options = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0)
     settings = RaySettings(str(DEMO_MODEL), served_with, options, scale=RayScale(replicas=3))
     ingress = build_app(settings)._bound_deployment
@@ -435,7 +435,7 @@ def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they
     threaded = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0, n_threads=1)  # 1 thread a replica by default
     spec = ModelSpec(str(DEMO_MODEL), threaded)
     assert ingress.init_args[1:] == (spec, served_with)
-    assert (replicas.init_args, replicas.init_kwargs, replicas.num_replicas) == ((spec,), {"queue": 5}, 3)
+    assert (replicas.init_args, replicas.init_kwargs, replicas.num_replicas) == ((spec,), {"queue": 5, "adapter_cap": 3}, 3)
 
 
 # --- Readiness (last: its failed deployment deletes the application) -----------------------------------------------

@@ -285,6 +285,24 @@ def test_compare_shows_each_models_own_answers_at_both_widths(tab):
         assert tab.page.evaluate("document.documentElement.scrollWidth") <= width  # readable: no sideways scrolling
 
 
+def test_each_model_shows_its_state_and_an_adapter_asked_is_resident_after(tab):
+    """Next to each model, its state as /v1/models says it (the base's name says base); after a decision with an
+    adapter, that adapter is resident (the page reads the states again after each decision)."""
+    tab.open()
+    models = httpx.get(tab.url + "/v1/models", headers=AUTH, timeout=TIMEOUT).json()["models"]
+    listed = {m["name"]: m["state"] for m in models}
+    words = {"resident": "resident", "on_disk": "on disk"}
+    shown = tab.page.locator("#model option").evaluate_all("(os) => os.map((o) => [o.value, o.dataset.state, o.text])")
+    assert len(shown) == 3 and all(state == listed[name] for name, state, _ in shown), (shown, listed)
+    assert all(text == f"{name} (base)" or text == f"{name} · {words[state]}" for name, state, text in shown), shown
+    tab.page.select_option("#model", "urgency")
+    tab.decide()
+    urgency = "document.querySelector('#model option[value=urgency]')"
+    tab.page.wait_for_function(f"() => {urgency}.dataset.state === 'resident'", timeout=WAIT_MS)
+    assert tab.page.evaluate(f"{urgency}.text") == "urgency · resident"
+    assert tab.page.input_value("#model") == "urgency"  # the choice kept when the list is read again
+
+
 def test_refusals_show_the_servers_message_next_to_the_field(tab):
     tab.open()
     intent = tab.question("intent")

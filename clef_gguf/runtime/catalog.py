@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..check.description import ClefDescription
 from ..check.metadata import check_temperatures
-from ..errors import ClefError, IncompleteModelError
+from ..errors import ClefError, IncompleteModelError, RequestError
 from ..format.header import GGUFFile
 from ..settings import AdapterSet
 from .adapter_files import AdapterCopy, PrivateFolder, read_version
@@ -112,8 +112,8 @@ class Catalog:
         for name in self._names.candidates():
             try:
                 found.append(Listed(name, self.entry(name).identity))
-            except ClefError as e:
-                found.append(Listed(name, None, str(e)))
+            except ClefError as e:  # (a RequestError's reason: what its 422 says, without the field it points to)
+                found.append(Listed(name, None, e.reason if isinstance(e, RequestError) else str(e)))
         return found
 
     def resolve(self, asked: str | None) -> ModelRef:

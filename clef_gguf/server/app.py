@@ -263,12 +263,7 @@ def create_app(
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
     intake = Intake(model, max_queue, limit, limits or HttpLimits(), text_limit)
-    cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
-    metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None)
-    if adapters is None:
-        adapters = local_view(None, model.resident_adapters if isinstance(model, Model) else frozenset)
-    metrics.registry.register(AdapterCollector(adapters.labelled))
-    service = Service(model, scheduler, intake, metrics, adapters)
+    service = Service(model, scheduler, intake, *_counted(model, scheduler, intake, adapters))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -291,6 +286,16 @@ def create_app(
     if ui:
         mount_ui(app)
     return app
+
+
+def _counted(model: Encoder, scheduler: Scheduler, intake: Intake, adapters: AdapterView | None) -> tuple[Metrics, AdapterView]:
+    """The app's metrics, the per-adapter series of `adapters` among them (by default: no counts, the model's loaded)."""
+    cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
+    metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None)
+    if adapters is None:
+        adapters = local_view(None, model.resident_adapters if isinstance(model, Model) else frozenset)
+    metrics.registry.register(AdapterCollector(adapters.labelled))
+    return metrics, adapters
 
 
 def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
