@@ -145,9 +145,10 @@ def test_the_base_answers_to_its_names_and_no_adapter_takes_one(files, alone, tm
         clef_gguf.load(files.base, max_prompt_tokens=CONTEXT, adapter_dir=files.one)
 
 
-def test_listing_shows_only_files_that_load_and_bad_ones_are_422s_naming_the_file(files, tmp_path):
+def test_listing_says_why_bad_files_are_refused_and_they_are_422s_naming_the_file(files, tmp_path):
     """Not GGUF, empty, truncated, a model, a FIFO: each a RequestError on field `model` naming the file name, never
-    the server's folder; /v1/models' names are the files that load."""
+    the server's folder; the names that load are the files that load, and /v1/models' listing gives each bad file's
+    reason, the 422's own."""
     folder = _folder(tmp_path, files)
     (folder / "text.adapter.gguf").write_text("not a model")
     (folder / "empty.adapter.gguf").touch()
@@ -163,6 +164,12 @@ def test_listing_shows_only_files_that_load_and_bad_ones_are_422s_naming_the_fil
             assert str(folder) not in str(refused.value) and "clef-adapters-" not in str(refused.value)
         with pytest.raises(RequestError, match="pipe.adapter.gguf is a FIFO"):
             model.encode(_as("pipe", REQUEST))
+        refused = {listed.name: listed.refused for listed in model.adapter_listing() if listed.identity is None}
+        assert set(refused) == {"text", "empty", "half", "model", "pipe"}, refused
+        for name, why in refused.items():
+            with pytest.raises(RequestError) as again:
+                model.encode(_as(name, REQUEST))
+            assert why == again.value.reason and f"{name}.adapter.gguf" in why and str(folder) not in why
 
 
 def test_a_folder_of_20000_files_is_listed_once_per_change(files, tmp_path):
@@ -229,5 +236,6 @@ def test_serve_outlives_a_truncated_adapter_and_a_fifo(files, alone, tmp_path):
         back = client.post("/v1/systemone", json=_as("a", REQUEST))
         assert back.status_code == 200 and _far(flat_probabilities(back.json()), alone["two"][0]) <= CLOSE
         assert back.headers.get("clef-model-sha256") == alone["two"][1]
-        listed = {m["name"] for m in client.get("/v1/models").json()["models"]}
-        assert {"a", "b"} <= listed and "pipe" not in listed
+        listed = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+        assert (listed["a"]["state"], listed["b"]["state"]) == ("resident", "on_disk")  # (--max-adapters 1: a last)
+        assert listed["pipe"]["state"] == "refused" and "pipe.adapter.gguf is a FIFO" in listed["pipe"]["reason"]
