@@ -162,6 +162,10 @@ class Events:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
+        self.uses: list[tuple[str, bool]] = []  # each batch's adapter, and whether it was loaded already
+
+    def used(self, name: str, resident: bool) -> None:
+        self.uses.append((name, resident))
 
     def loaded(self, name: str, seconds: float, nbytes: int) -> None:
         assert seconds > 0 and nbytes > 0
@@ -194,3 +198,6 @@ def test_the_decider_tells_its_observer_of_loads_evictions_and_retirements(tunes
         (tmp_path / "other.adapter.gguf").replace(folder / "other.adapter.gguf")
         model.decide(_named("model", "other", request))
         assert events.seen[3:] == [("retired", "other"), ("loaded", "other")]
+        model.decide(_named("model", "other", request))
+        model.decide(request)  # (the base: no adapter used)
+    assert events.uses == [("tuned", False), ("other", False), ("other", False), ("other", True)]
