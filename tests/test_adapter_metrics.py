@@ -104,3 +104,30 @@ def test_names_past_the_cap_share_one_label_and_loads_fall_in_their_buckets():
     assert (a.lookups, a.hits, a.loads, a.resident, a.resident_bytes) == (2, 1, 1, 1, 10)
     assert (other.lookups, other.loads, other.evictions, other.resident, other.resident_bytes) == (2, 2, 1, 1, 5)
     assert a.load_buckets[0] == 1 and other.load_buckets[3] == 2 and sum(other.load_buckets) == 2
+
+
+def test_the_ingress_keeps_each_replicas_newest_counts_whatever_order_they_arrive_in(monkeypatch):
+    """A replica's decisions may come back out of order: its snapshot with the larger generation is the one kept; the
+    resident versions are those of any replica; past REPLICAS_KEPT replicas, the one heard from least recently goes."""
+    from clef_gguf.server import adapter_metrics
+    from clef_gguf.server.adapter_metrics import ReplicaFigures
+
+    counts = AdapterCounts(cap=4)
+    counts.used("a", False)
+    counts.loaded("a", 0.1, 7)
+    older = counts.snapshot(frozenset({"x"}))
+    counts.used("a", True)
+    newer = counts.snapshot(frozenset({"x"}))
+    figures = ReplicaFigures()
+    figures.take("r1", newer)
+    figures.take("r1", older)  # (arrived late)
+    figures.take("r2", AdapterCounts(cap=4).snapshot(frozenset({"y"})))
+    assert [(labels, s.figures["a"].lookups if "a" in s.figures else 0) for labels, s in figures.labelled()] == [
+        ({"replica": "r1"}, 2),
+        ({"replica": "r2"}, 0),
+    ]
+    assert figures.resident() == {"x", "y"}
+    monkeypatch.setattr(adapter_metrics, "REPLICAS_KEPT", 2)
+    figures.take("r1", newer)
+    figures.take("r3", older)
+    assert [labels["replica"] for labels, _ in figures.labelled()] == ["r1", "r3"]

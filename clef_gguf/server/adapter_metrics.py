@@ -13,13 +13,14 @@ lookups less hits, and resident versions equal loads less evictions and retireme
 On Ray (ray_serve.py) a replica's counts travel with its decisions: each Decision carries the replica's Snapshot when
 its counts changed since the last it sent (every event happens inside a decision, so the newest snapshot has them
 all), and the ingress keeps each replica's newest (ReplicaFigures), labelled `replica`. A replica that stopped keeps
-its last figures there, as counters of a series that ended.
+its last figures there, as counters of a series that ended, until REPLICAS_KEPT replicas were heard from since.
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +28,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 OTHER = "_other"  # (no adapter's name: names begin with a letter or a digit, catalog_names.py)
 # From a small adapter's load off a warm page cache (milliseconds) to a large one's from a slow disk.
+REPLICAS_KEPT = 256  # replicas whose counts the Ray ingress shows
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -113,11 +115,12 @@ class AdapterCounts:
 
 
 class ReplicaFigures:
-    """The ingress's view of the replicas' counts: each replica's newest snapshot (Decision.adapters)."""
+    """The ingress's view of the replicas' counts: each replica's newest snapshot (Decision.adapters), for the
+    REPLICAS_KEPT replicas heard from last (autoscaling's churn cannot grow the series without bound)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._replicas: dict[str, Snapshot] = {}
+        self._replicas: OrderedDict[str, Snapshot] = OrderedDict()  # the replica heard from last, last
 
     def take(self, replica: str, snapshot: Snapshot) -> None:
         """A replica's snapshot, kept unless one it sent later arrived first."""
@@ -125,6 +128,9 @@ class ReplicaFigures:
             kept = self._replicas.get(replica)
             if kept is None or kept.generation < snapshot.generation:
                 self._replicas[replica] = snapshot
+            self._replicas.move_to_end(replica)
+            while len(self._replicas) > REPLICAS_KEPT:
+                self._replicas.popitem(last=False)
 
     def labelled(self) -> list[tuple[dict[str, str], Snapshot]]:
         with self._lock:
