@@ -123,8 +123,7 @@ class LoadOptions:
         None,
         "Prefill in ubatches of this many tokens (state carried over): device memory bounded by the ubatch, "
         f"not the prompt. Default: {DEFAULT_UBATCH} (or the context if smaller); --ubatch = --ctx is one batch.",
-        ge=1,
-        le=MAX_UBATCH,
+        ge=1, le=MAX_UBATCH,
     )
     parallel: int = _setting(
         4,
@@ -339,10 +338,7 @@ class ServeSettings:
         (),
         "A site whose pages may call this server, besides its own page (https://app.example.com; *: any). Repeatable.",
     )
-    # A label value per adapter name in /metrics, up to the cap: a folder of many files cannot grow the series unbounded.
-    metrics_adapter_cap: int = _setting(
-        64, "Adapters with series of their own in /metrics; the adapters named after them share the label _other.", ge=1
-    )
+    metrics_adapter_cap: int = _setting(64, "Adapters labelled by name in /metrics; later ones share adapter=_other.", ge=1)
 
     def __post_init__(self) -> None:
         # (here, where the CLI and a Ray config's `args` build the same table: refused alike)
