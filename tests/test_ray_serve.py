@@ -329,7 +329,9 @@ def test_the_config_file_deploys_with_serve_run_key_and_autoscaling_included(ray
 
 
 # --- An idle `serve --ray` on a cluster of its own stops at once ------------------------------------------------------
-STOPPED_WITHIN = STOP_S + 1.0  # s from the signal to the exit, as tests/test_inputs_and_signals.py allows every command
+# s from the signal to the exit. About 2 s on a quiet 2-core machine; 5.9 s was seen with the suite's other worker and
+# four more processes on its two cores, so the bound tells a stop (seconds) from a wait on the dead cluster (60 s).
+STOPPED_WITHIN = 3 * STOP_S
 
 
 @pytest.mark.ray
