@@ -56,9 +56,9 @@ def built(monkeypatch):
     specs: list[ModelSpec] = []
     real = ClefModel.__init__
 
-    def recording(self, spec):
+    def recording(self, spec, observer=None):
         specs.append(spec)
-        real(self, spec)
+        real(self, spec, observer)
 
     monkeypatch.setattr(ClefModel, "__init__", recording)
     return specs
