@@ -86,6 +86,10 @@ FOREIGN_ORIGIN = Problem("FOREIGN_ORIGIN", 403, "permission_error")
 # its own type, so this type is never in a body.
 INVALID = Problem("INVALID", 422, "validation_error")
 PROMPT_TOO_LONG = Problem("PROMPT_TOO_LONG", 413, "prompt_too_long", _TOO_LARGE)  # over the model's tokens
+# An adapter name of a source the operator did not name (--adapter-source: the allow list): never fetched.
+ADAPTER_NOT_ALLOWED = Problem("ADAPTER_NOT_ALLOWED", 403, "permission_error")
+# An adapter a source would deliver that is over --adapter-max-size: refused before a byte of it is downloaded.
+ADAPTER_TOO_LARGE = Problem("ADAPTER_TOO_LARGE", 422, "adapter_too_large")
 
 # --- the server's side ------------------------------------------------------------------------------------------
 # The server is full (intake, queue, bodies, replicas) or stopping: a client may retry in a second.
@@ -95,6 +99,9 @@ ADAPTER_UNAVAILABLE = Problem("ADAPTER_UNAVAILABLE", 503, "model_unavailable_err
 # The server cannot do now what a request needs of its machine (its temporary disk full for an adapter's private
 # copy, TemporarilyUnavailableError): nothing is wrong with the request, nor with the file it names.
 UNAVAILABLE = Problem("UNAVAILABLE", 503, "unavailable_error")
+# The source an adapter comes from (the Hugging Face Hub) cannot be reached, answers too slowly for a first use, or
+# failed a moment ago (retried after a back-off): SourceUnavailableError.
+SOURCE_UNAVAILABLE = Problem("SOURCE_UNAVAILABLE", 503, "source_unavailable_error")
 INTERNAL = Problem("INTERNAL", 500, "api_error")  # an error the server did not expect
 
 ROWS: tuple[Problem, ...] = (
@@ -114,9 +121,12 @@ ROWS: tuple[Problem, ...] = (
     FOREIGN_ORIGIN,
     INVALID,
     PROMPT_TOO_LONG,
+    ADAPTER_NOT_ALLOWED,
+    ADAPTER_TOO_LARGE,
     OVERLOADED,
     ADAPTER_UNAVAILABLE,
     UNAVAILABLE,
+    SOURCE_UNAVAILABLE,
     INTERNAL,
 )
 
@@ -199,6 +209,15 @@ class TemporarilyUnavailableError(ClefError):
     problem = UNAVAILABLE
 
 
+class SourceUnavailableError(ClefError):
+    """The source an adapter name comes from cannot deliver it now: the Hub unreachable, too slow for a first use
+    (--adapter-fetch-timeout), or failed a moment ago and not asked again before its back-off ends. The server
+    answers 503 with Retry-After; nothing is wrong with the request."""
+
+    exit_code = ExitCode.RELEASE
+    problem = SOURCE_UNAVAILABLE
+
+
 class NonFiniteWeightsError(CorruptModelError):
     """A tensor about to be written, or a head read, holds NaN or Inf values (a diverged fine-tune, a bad
     lora_alpha, or a value beyond the range of the type it is stored in): no such file is written."""
@@ -274,6 +293,18 @@ class PromptTooLongError(RequestError):
 
     def __reduce__(self) -> tuple[type, tuple[int, int]]:  # type: ignore[override]
         return type(self), (self.n_tokens, self.limit)
+
+
+class AdapterNotAllowedError(RequestError):
+    """A request names an adapter of a source the operator did not name (--adapter-source): nothing is fetched."""
+
+    problem = ADAPTER_NOT_ALLOWED
+
+
+class AdapterTooLargeError(RequestError):
+    """The adapter a source would deliver is over --adapter-max-size: refused before it is downloaded."""
+
+    problem = ADAPTER_TOO_LARGE
 
 
 class RequestTooLargeError(RequestError):

@@ -24,6 +24,7 @@ from ..errors import (
     NOT_FOUND,
     OVERLOADED,
     REQUEST_TOO_LARGE,
+    SOURCE_UNAVAILABLE,
     UNAUTHORIZED,
     UNAVAILABLE,
     Problem,
@@ -43,6 +44,8 @@ ROW_HEADERS: dict[Problem, tuple[tuple[str, str], ...]] = {
     # A full temporary disk is freed by an operator or another process's cleanup, not within a second: a client that
     # retried every second would only have the server copy the adapter again and again.
     UNAVAILABLE: (("Retry-After", "10"),),
+    # A source that failed is asked again only after its back-off (the first is SOURCE_BACKOFF_S, 10 s).
+    SOURCE_UNAVAILABLE: (("Retry-After", "10"),),
 }
 # The rows of the statuses Starlette raises itself (HTTPException): routing's 404 and 405, and, should a status of
 # these rows ever come from it, their types.

@@ -1,0 +1,185 @@
+"""The disk cache of the adapters sources delivered (runtime/sources.py): --adapter-cache DIR, --adapter-cache-size.
+
+One folder per entry (entries/<sha256 of its key>/), holding its adapter file (adapter.gguf: a GGUF as delivered, or
+a checkpoint's conversion) and its record (entry.json: the key, the revision delivered, its size and its verdict: a
+refusal keeps its error's class and message and no file). An entry is written whole in a staging folder and renamed
+into place, so that a crash leaves either the old entry or the new one, never half of one; staging folders left by a
+crash are removed at the next start. Entries are kept across restarts, verdicts included. Past the size bound the
+least recently used (its record's mtime, touched on each use) are removed first; the pinned ones (--pin) never.
+Without DIR the cache is a private folder of this process, removed at close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import (
+    AdapterBaseError,
+    AdapterTooLargeError,
+    ClefError,
+    CorruptModelError,
+    IncompleteModelError,
+    NotADecisionModelError,
+    RequestError,
+)
+
+RECORD = "entry.json"
+ADAPTER = "adapter.gguf"
+# The errors a verdict may hold: rebuilt from their class's name (a record is data, never code to run).
+VERDICTS: dict[str, type[ClefError]] = {
+    cls.__name__: cls
+    for cls in (
+        RequestError,
+        AdapterTooLargeError,
+        CorruptModelError,
+        NotADecisionModelError,
+        IncompleteModelError,
+        AdapterBaseError,
+    )
+}
+
+
+@dataclass
+class Cached:
+    """One entry: an adapter file delivered (path), or a refusal (verdict) with no file."""
+
+    key: str
+    revision: str
+    nbytes: int
+    path: Path | None  # the adapter file; None for a refusal
+    verdict: tuple[str, str] | None  # (error class, message) of a refusal
+    used: float  # when last used (the record's mtime)
+
+    def error(self) -> ClefError:
+        """The refusal as its typed error, raised anew."""
+        assert self.verdict is not None
+        kind, message = VERDICTS.get(self.verdict[0], RequestError), self.verdict[1]
+        return kind(message, "model") if issubclass(kind, RequestError) else kind(message)  # type: ignore[call-arg]
+
+
+def verdict_of(error: ClefError) -> tuple[str, str] | None:
+    """A refusal as a record keeps it, or None for an error that is not one to keep (not a verdict on the bytes)."""
+    name = type(error).__name__
+    if name not in VERDICTS:
+        return None
+    return name, error.reason if isinstance(error, RequestError) else str(error)
+
+
+class AdapterCache:
+    """The entries, by key; thread-safe (one lock over the index; files are written outside it)."""
+
+    def __init__(self, root: str | Path | None, limit: int, pinned: Callable[[str], bool] = lambda key: False) -> None:
+        self._own = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="clef-adapter-cache-")) if root is None else Path(root)
+        self.limit, self._pinned = limit, pinned
+        self._entries, self._staging = self.root / "entries", self.root / "staging"
+        self._entries.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self._staging, ignore_errors=True)  # (a crash's half-written entries)
+        self._staging.mkdir(exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: dict[str, Cached] = {}
+        for folder in self._entries.iterdir():
+            found = _read_record(folder)
+            if found is None:
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                self._index[found.key] = found
+
+    def get(self, key: str) -> Cached | None:
+        """The entry of `key`, marked used; None when there is none (or its file is gone)."""
+        with self._lock:
+            found = self._index.get(key)
+        if found is None:
+            return None
+        folder = self._folder(key)
+        try:
+            os.utime(folder / RECORD)
+            if found.path is not None:
+                os.stat(found.path)
+        except OSError:  # (removed by hand, or evicted by another process sharing the folder)
+            with self._lock:
+                self._index.pop(key, None)
+            return None
+        found.used = time.time()
+        return found
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A folder to deliver into, on the cache's own disk (put renames out of it), removed afterwards."""
+        folder = Path(tempfile.mkdtemp(dir=self._staging))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def put(self, key: str, revision: str, file: Path | None = None, verdict: tuple[str, str] | None = None) -> Cached:
+        """A new entry (replacing any of `key`), written atomically: the file moved in (from staging), or a verdict;
+        then the least recently used entries past the bound removed."""
+        folder = self._folder(key)
+        temporary = Path(tempfile.mkdtemp(dir=self._staging))
+        nbytes = 0
+        if file is not None:
+            os.replace(file, temporary / ADAPTER)
+            nbytes = os.stat(temporary / ADAPTER).st_size
+        record = {"key": key, "revision": revision, "bytes": nbytes, "verdict": list(verdict) if verdict else None}
+        with open(temporary / RECORD, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        with self._lock:
+            if folder.exists():  # (replaced: the old one aside first, so that the rename below cannot fail on it)
+                os.replace(folder, Path(tempfile.mkdtemp(dir=self._staging)) / "old")
+            os.replace(temporary, folder)
+            entry = Cached(key, revision, nbytes, folder / ADAPTER if file is not None else None, verdict, time.time())
+            self._index[key] = entry
+        self._evict(keep=key)
+        return entry
+
+    def _evict(self, keep: str) -> None:
+        """Remove the least recently used entries (not pinned, not `keep`) until the files fit the bound."""
+        with self._lock:
+            total = sum(e.nbytes for e in self._index.values())
+            for entry in sorted(self._index.values(), key=lambda e: e.used):
+                if total <= self.limit:
+                    break
+                if entry.key == keep or entry.nbytes == 0 or self._pinned(entry.key):
+                    continue
+                shutil.rmtree(self._folder(entry.key), ignore_errors=True)
+                del self._index[entry.key]
+                total -= entry.nbytes
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._index)
+
+    def _folder(self, key: str) -> Path:
+        return self._entries / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def close(self) -> None:
+        if self._own:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _read_record(folder: Path) -> Cached | None:
+    """An entry from its folder, or None for one that is not whole (its file missing, its record unreadable)."""
+    try:
+        record_path = folder / RECORD
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        verdict = tuple(record["verdict"]) if record["verdict"] else None
+        path = None if verdict else folder / ADAPTER
+        if path is not None and os.stat(path).st_size != int(record["bytes"]):
+            return None
+        used = os.stat(record_path).st_mtime
+        return Cached(str(record["key"]), str(record["revision"]), int(record["bytes"]), path, verdict, used)  # type: ignore[arg-type]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

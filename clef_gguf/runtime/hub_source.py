@@ -1,0 +1,174 @@
+"""A Hugging Face Hub source (--adapter-source hf://ORG or hf://ORG/REPO): names ORG/REPO[@REVISION][/SUBFOLDER].
+
+Through huggingface-hub's own client (imported here only, when a Hub source is served): HF_ENDPOINT, HF_TOKEN and
+its cache are honoured; the token is sent as the client sends it and never appears in a message. What a repository
+(or its subfolder) may deliver: one GGUF file (an adapter file, checked against the base by the caller) or a
+clef-finetune checkpoint (adapter/adapter_config.json, adapter/adapter_model.safetensors, joint_head.safetensors,
+converted by the caller); a release (a merged fine-tune, a full model) is refused as a model file is. Sizes are
+read from the repository's listing and refused over the bound before a byte is downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import AdapterTooLargeError, ClefError, NotADecisionModelError, RequestError, SettingsError, SourceUnavailableError
+from .adapter_files import ADAPTER_SUFFIX
+from .sources import HF_SCHEME, Bounds, Delivered, Wanted
+
+_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+NAME = re.compile(rf"(?P<org>{_PART})/(?P<repo>{_PART})(?:@(?P<rev>[A-Za-z0-9._-]{{1,64}}))?(?:/(?P<sub>{_PART}(?:/{_PART})*))?")
+COMMIT = re.compile(r"[0-9a-f]{40}")
+CHECKPOINT = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "joint_head.safetensors")
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    # Read at call time, not import time: HF_ENDPOINT may be set after huggingface_hub was imported.
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def cache_dir() -> str | None:
+    """huggingface-hub's cache as its environment names it now (HF_HUB_CACHE, HF_HOME), else its default."""
+    if "HF_HUB_CACHE" in os.environ:
+        return os.environ["HF_HUB_CACHE"]
+    return os.path.join(os.environ["HF_HOME"], "hub") if "HF_HOME" in os.environ else None
+
+
+class HubSource:
+    """Every repository of ORG, or one repository ORG/REPO."""
+
+    def __init__(self, org: str, repo: str | None) -> None:
+        self.org, self.repo = org, repo
+        self.label = f"{HF_SCHEME}{org}" + (f"/{repo}" if repo else "")
+
+    @classmethod
+    def parse(cls, text: str) -> HubSource:
+        parts = text.removeprefix(HF_SCHEME).split("/")
+        if not 1 <= len(parts) <= 2 or not all(re.fullmatch(_PART, p) for p in parts):
+            raise SettingsError(f"the adapter source {text!r} is not one: {HF_SCHEME}ORG or {HF_SCHEME}ORG/REPO")
+        return cls(parts[0], parts[1] if len(parts) == 2 else None)
+
+    def claims(self, name: str) -> Wanted | None:
+        m = NAME.fullmatch(name)
+        if m is None or ".." in name or m["org"] != self.org or (self.repo is not None and m["repo"] != self.repo):
+            return None
+        rev = m["rev"]
+        key = f"{HF_SCHEME}{m['org']}/{m['repo']}@{rev or 'main'}/{m['sub'] or ''}"
+        return Wanted(name, key, pinned=rev is not None and COMMIT.fullmatch(rev) is not None)
+
+    def local(self, wanted: Wanted) -> Path | None:
+        return None
+
+    def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:
+        from huggingface_hub import HfApi, hf_hub_download
+
+        m = NAME.fullmatch(wanted.name)
+        assert m is not None  # (claims)
+        repo_id, prefix = f"{m['org']}/{m['repo']}", f"{m['sub']}/" if m["sub"] else ""
+        with _hub_errors(wanted.name, m["rev"]):
+            info = HfApi(endpoint=endpoint()).model_info(
+                repo_id, revision=m["rev"], files_metadata=True, timeout=bounds.timeout_s
+            )
+            listed = {s.rfilename.removeprefix(prefix): s.size for s in info.siblings or [] if s.rfilename.startswith(prefix)}
+            chosen = choose(wanted.name, listed)
+            total = sum(listed[f] or 0 for f in chosen)
+            if total > bounds.max_bytes:
+                raise too_large(wanted.name, total, bounds.max_bytes)
+            folder = into / m["repo"]  # (a checkpoint's folder name is what its conversion names the adapter)
+            for file in chosen:
+                got = hf_hub_download(
+                    repo_id,
+                    prefix + file,
+                    revision=info.sha,
+                    endpoint=endpoint(),
+                    etag_timeout=bounds.timeout_s,
+                    cache_dir=cache_dir(),
+                )
+                (folder / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(got, folder / file)
+        nbytes = sum(os.stat(folder / f).st_size for f in chosen)
+        if nbytes > bounds.max_bytes:  # (a listing without sizes, or one that lied)
+            raise too_large(wanted.name, nbytes, bounds.max_bytes)
+        path = folder if len(chosen) > 1 else folder / chosen[0]
+        return Delivered(path, str(info.sha), nbytes)
+
+
+def choose(name: str, listed: dict[str, int | None]) -> list[str]:
+    """The files of a repository (its subfolder's, relative) that make its adapter: a checkpoint's three, or its one
+    GGUF file (the one .adapter.gguf among several); a release or anything else refused."""
+    if all(f in listed for f in CHECKPOINT):
+        return list(CHECKPOINT)
+    ggufs = sorted(f for f in listed if "/" not in f and f.endswith(".gguf"))
+    adapters = [f for f in ggufs if f.endswith(ADAPTER_SUFFIX)]
+    if len(ggufs) == 1 or len(adapters) == 1:
+        return adapters or ggufs
+    if ggufs:
+        raise RequestError(f"{name} holds {len(ggufs)} GGUF files and no one adapter file: name its subfolder", "model")
+    if "config.json" in listed or any(f.endswith(".safetensors") for f in listed):
+        raise NotADecisionModelError(
+            f"{name} is a release (a merged fine-tune or a full model), not an adapter: serve its clef-finetune "
+            "checkpoint, or its adapter file (clef-gguf convert CHECKPOINT --base RELEASE --to-adapter makes one)"
+        )
+    raise RequestError(
+        f"{name} holds no adapter: an .adapter.gguf file, or a clef-finetune checkpoint ({', '.join(CHECKPOINT)})", "model"
+    )
+
+
+def too_large(name: str, nbytes: int, limit: int) -> AdapterTooLargeError:
+    return AdapterTooLargeError(f"{name} is {nbytes} bytes, over this server's --adapter-max-size of {limit} bytes", "model")
+
+
+@contextlib.contextmanager
+def _hub_errors(name: str, revision: str | None) -> Iterator[None]:
+    """huggingface-hub's errors as ours: what the Hub says of the name a 422, a Hub that cannot answer a 503."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except ClefError:
+        raise
+    except RepositoryNotFoundError:
+        raise RequestError(f"{name}: no such repository on the Hugging Face Hub (or not open to this server)", "model") from None
+    except RevisionNotFoundError:
+        raise RequestError(f"{name}: the repository has no revision {revision}", "model") from None
+    except EntryNotFoundError:
+        raise RequestError(f"{name}: a file of the repository is missing", "model") from None
+    except HfHubHTTPError as e:  # (any other answer of the Hub's: a server error, a rate limit, an outage page)
+        status = getattr(e.response, "status_code", None)
+        raise unreachable(name, f"HTTP {status}" if status else _first_line(e)) from None
+    except (LocalEntryNotFoundError, OSError, *_transport_errors()) as e:
+        raise unreachable(name, _first_line(e)) from None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP library's own errors (a refused connection, a timeout): httpx2, httpx or requests, whichever the
+    installed huggingface-hub loaded."""
+    found: list[type[BaseException]] = []
+    for module, error in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(getattr(loaded, error, None), type):
+            found.append(getattr(loaded, error))
+    return tuple(found)
+
+
+def unreachable(name: str, why: str) -> SourceUnavailableError:
+    return SourceUnavailableError(f"the Hugging Face Hub cannot deliver {name} now ({why})")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

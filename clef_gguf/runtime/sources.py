@@ -1,0 +1,311 @@
+"""Where an adapter name not otherwise served may come from (--adapter-source): the seam, and the fetching behind it.
+
+A Source reads a requested name (`claims`: None when the name is not its own) and either names a file to read in
+place (`local`: a folder's NAME.adapter.gguf) or delivers the adapter into a staging folder (`fetch`: a GGUF file,
+or a clef-finetune checkpoint folder). The list of sources is the allow list: a name no source claims is never
+fetched from anywhere. A new kind of source (S3, http) is a class with those three methods and a scheme in
+`parse_source`; nothing else changes.
+
+AdapterSources turns a name into an adapter file the catalog reads: the disk cache first (runtime/adapter_cache.py);
+else one fetch per key at a time however many ask (single flight), on a thread of its own, never the compute thread;
+a checkpoint converted (conversion/adapter.py, as `convert --to-adapter`) and every file checked against the base
+before it is kept. A fetch that failed is not tried again before its back-off ends (the same error meanwhile); a
+refusal of a pinned revision is kept in the cache, as the verdict on those bytes. A caller waits at most the
+first-use bound (`fetch_timeout_s`), then gets SourceUnavailableError while the fetch goes on; a caller that must not
+block (the server's intake, inside `not_waiting()`) gets FetchPending with the fetch's future to await instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import (
+    AdapterBaseError,
+    AdapterNotAllowedError,
+    ClefError,
+    ConversionError,
+    ReleaseError,
+    SettingsError,
+    SourceUnavailableError,
+)
+from .adapter_cache import AdapterCache, verdict_of
+from .adapter_files import ADAPTER_SUFFIX, servable
+
+HF_SCHEME = "hf://"
+BACKOFF_S = 10.0  # a failed fetch's first back-off (server/problems.py's Retry-After says it); doubled per failure
+BACKOFF_MAX_S = 300.0
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A requested name as the source that claims it reads it."""
+
+    name: str  # as the request named it
+    key: str  # what the disk cache keeps it under: the source and exactly what it names
+    pinned: bool = False  # it names an exact revision (a commit): a verdict on it is final
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """What a source delivered into a staging folder: an adapter file, or a clef-finetune checkpoint folder."""
+
+    path: Path
+    revision: str  # what was delivered (a commit)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_bytes: int  # the largest adapter a source may deliver
+    timeout_s: float  # how long a first use may take (and each request to a source)
+
+
+class Source(Protocol):
+    label: str  # as the operator named it (hf://ORG, a folder)
+
+    def claims(self, name: str) -> Wanted | None: ...
+
+    def local(self, wanted: Wanted) -> Path | None: ...
+
+    def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered: ...
+
+
+class SourceObserver(Protocol):
+    """What the fetching tells (the server's metrics hang on it); each call is cheap and never raises."""
+
+    def looked_up(self, name: str, hit: bool) -> None: ...  # the disk cache asked for a name's key
+
+    def fetched(self, name: str, seconds: float, nbytes: int) -> None: ...  # a delivery done
+
+    def converted(self, name: str, seconds: float) -> None: ...  # a checkpoint converted
+
+    def failed(self, name: str, error: ClefError) -> None: ...  # a fetch or conversion refused or failed
+
+
+class _Quiet:
+    def looked_up(self, name: str, hit: bool) -> None:
+        pass
+
+    def fetched(self, name: str, seconds: float, nbytes: int) -> None:
+        pass
+
+    def converted(self, name: str, seconds: float) -> None:
+        pass
+
+    def failed(self, name: str, error: ClefError) -> None:
+        pass
+
+
+class FolderSource:
+    """A folder of NAME.adapter.gguf files (what --adapter-dir serves), read in place."""
+
+    def __init__(self, folder: Path) -> None:
+        if not folder.is_dir():
+            raise SettingsError(f"the adapter source {folder} is not a folder (a folder, hf://ORG or hf://ORG/REPO)")
+        self.folder, self.label = folder, str(folder)
+
+    def claims(self, name: str) -> Wanted | None:
+        return Wanted(name, f"{self.folder}/{name}") if servable(name) and "/" not in name else None
+
+    def local(self, wanted: Wanted) -> Path | None:
+        return self.folder / f"{wanted.name}{ADAPTER_SUFFIX}"
+
+    def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:  # pragma: no cover - local() answers
+        raise AssertionError("a folder's files are read in place")
+
+
+def parse_source(text: str) -> Source:
+    """One --adapter-source: hf://ORG, hf://ORG/REPO, or a folder."""
+    if text.startswith(HF_SCHEME):
+        from .hub_source import HubSource  # (huggingface-hub loaded only where a Hub source is served)
+
+        return HubSource.parse(text)
+    if "://" in text:
+        raise SettingsError(f"the adapter source {text!r} is not one: a folder, {HF_SCHEME}ORG or {HF_SCHEME}ORG/REPO")
+    return FolderSource(Path(text).expanduser())
+
+
+class FetchPending(Exception):  # noqa: N818 (not an error: a caller that must not block awaits `future`)
+    """The adapter a name stands for is being fetched: `future` settles with its file (or the error) when done."""
+
+    def __init__(self, name: str, future: Future[Path], timeout_s: float) -> None:
+        super().__init__(f"the adapter {name!r} is being fetched")
+        self.name, self.future, self.timeout_s = name, future, timeout_s
+
+
+_NOT_WAITING: contextvars.ContextVar[bool] = contextvars.ContextVar("clef_sources_not_waiting", default=False)
+
+
+@contextlib.contextmanager
+def not_waiting() -> Iterator[None]:
+    """Within it, a name being fetched raises FetchPending instead of blocking the calling thread."""
+    token = _NOT_WAITING.set(True)
+    try:
+        yield
+    finally:
+        _NOT_WAITING.reset(token)
+
+
+Convert = Callable[[Path, Path], None]  # (a checkpoint folder, the adapter file to write)
+Check = Callable[[Path, str], None]  # (an adapter file, its name): raises a ClefError unless it fits the base
+
+
+class AdapterSources:
+    """The sources in order, the disk cache, the fetches in flight and the back-offs; thread-safe."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        cache: AdapterCache,
+        bounds: Bounds,
+        check: Check,
+        convert: Convert | None = None,
+        observer: SourceObserver | None = None,
+    ) -> None:
+        self.sources, self.cache, self.bounds = sources, cache, bounds
+        self._check, self._convert = check, convert
+        self.observer: SourceObserver = observer or _Quiet()
+        self._lock = threading.Lock()
+        self._flights: dict[str, Future[Path]] = {}
+        self._failed: dict[str, tuple[float, int, ClefError]] = {}  # key -> (retry at, failures, error)
+
+    @property
+    def remote(self) -> bool:
+        return any(s.local(Wanted("x", "x")) is None for s in self.sources)
+
+    def claimed(self, name: str) -> tuple[Source, Wanted] | None:
+        """The first source claiming `name` (a folder's only when its file is there)."""
+        for source in self.sources:
+            wanted = source.claims(name)
+            if wanted is None:
+                continue
+            path = source.local(wanted)
+            if path is None or path.exists():
+                return source, wanted
+        return None
+
+    def locate(self, name: str) -> Path | None:
+        """The adapter file `name` stands for: read in place, cached, or fetched now (waiting at most the first-use
+        bound, or raising FetchPending inside not_waiting()). None when no source claims the name; the refusal of a
+        name no source may fetch (ADAPTER_NOT_ALLOWED) when it looks like a Hub name and Hub sources are served."""
+        found = self.claimed(name)
+        if found is None:
+            if self.remote and "/" in name:
+                allowed = ", ".join(s.label for s in self.sources if s.local(Wanted("x", "x")) is None)
+                raise AdapterNotAllowedError(
+                    f"{name} is not from a source this server fetches adapters from ({allowed})", "model"
+                )
+            return None
+        source, wanted = found
+        local = source.local(wanted)
+        if local is not None:
+            return local
+        cached = self.cache.get(wanted.key)
+        self.observer.looked_up(name, cached is not None)
+        if cached is not None:
+            if cached.verdict is not None:
+                raise cached.error()
+            assert cached.path is not None
+            return cached.path
+        future = self._flight(source, wanted)
+        if _NOT_WAITING.get() and not future.done():
+            raise FetchPending(name, future, self.bounds.timeout_s)
+        return wait_for(name, future, self.bounds.timeout_s)
+
+    def _flight(self, source: Source, wanted: Wanted) -> Future[Path]:
+        """The fetch of `wanted` in flight, started if none is (one per key); its last failure during its back-off."""
+        with self._lock:
+            flight = self._flights.get(wanted.key)
+            if flight is not None:
+                return flight
+            failed = self._failed.get(wanted.key)
+            if failed is not None and time.monotonic() < failed[0]:
+                raise _again(failed[2])
+            flight = self._flights[wanted.key] = Future()
+        threading.Thread(target=self._run, args=(source, wanted, flight), name="clef-adapter-fetch", daemon=True).start()
+        return flight
+
+    def _run(self, source: Source, wanted: Wanted, flight: Future[Path]) -> None:
+        try:
+            path = self._deliver(source, wanted)
+        except ClefError as e:
+            self.observer.failed(wanted.name, e)
+            with self._lock:
+                failures = self._failed.get(wanted.key, (0.0, 0, e))[1] + 1
+                backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
+                self._failed[wanted.key] = (time.monotonic() + backoff, failures, e)
+                del self._flights[wanted.key]
+            flight.set_exception(e)
+            return
+        except BaseException as e:  # (a bug: its waiters get it, and nothing is remembered)
+            with self._lock:
+                del self._flights[wanted.key]
+            flight.set_exception(e)
+            return
+        with self._lock:
+            self._failed.pop(wanted.key, None)
+            del self._flights[wanted.key]
+        flight.set_result(path)
+
+    def _deliver(self, source: Source, wanted: Wanted) -> Path:
+        """Fetch, convert a checkpoint, check against the base, keep: the cached file. A refusal of a pinned revision
+        is kept as its verdict."""
+        with self.cache.staging() as stage:
+            started = time.monotonic()
+            delivered = source.fetch(wanted, stage, self.bounds)
+            self.observer.fetched(wanted.name, time.monotonic() - started, delivered.nbytes)
+            try:
+                file = self._adapter_file(wanted, delivered, stage)
+                self._check(file, wanted.name)
+            except ClefError as e:
+                verdict = verdict_of(e)
+                if verdict is not None and wanted.pinned:
+                    self.cache.put(wanted.key, delivered.revision, verdict=verdict)
+                raise
+            cached = self.cache.put(wanted.key, delivered.revision, file=file)
+        assert cached.path is not None
+        return cached.path
+
+    def _adapter_file(self, wanted: Wanted, delivered: Delivered, stage: Path) -> Path:
+        if not delivered.path.is_dir():
+            return delivered.path
+        if self._convert is None:
+            raise AdapterBaseError(
+                f"{wanted.name} is a clef-finetune checkpoint: this server converts one only over the release its base "
+                "was converted from (--adapter-base-release)"
+            )
+        started, out = time.monotonic(), stage / f"converted{ADAPTER_SUFFIX}"
+        try:
+            self._convert(delivered.path, out)
+        except (ReleaseError, ConversionError) as e:  # (the checkpoint's fault: another base's, or shapes that differ)
+            message = str(e).replace(str(delivered.path), wanted.name)
+            raise AdapterBaseError(f"{wanted.name} does not convert over this server's base: {message}") from None
+        self.observer.converted(wanted.name, time.monotonic() - started)
+        return out
+
+
+def _again(error: ClefError) -> ClefError:
+    """A remembered failure raised anew (a copy: one exception object is never raised on two threads)."""
+    copy = error.__reduce__()
+    return copy[0](*copy[1])  # type: ignore[no-any-return]
+
+
+def wait_for(name: str, future: Future[Path], timeout_s: float) -> Path:
+    """A fetch's file, waited for at most `timeout_s` (the first-use bound): SourceUnavailableError past it."""
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise late(name, timeout_s) from None
+
+
+def late(name: str, timeout_s: float) -> SourceUnavailableError:
+    return SourceUnavailableError(f"the adapter {name!r} is still being fetched after {timeout_s:g} s: ask again later")

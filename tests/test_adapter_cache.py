@@ -1,0 +1,68 @@
+"""The disk cache of fetched adapters (runtime/adapter_cache.py): least recently used removed past its bound, pinned
+entries kept, verdicts kept across a restart, and a half-written entry (a crash) never taken for a whole one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clef_gguf.errors import AdapterBaseError, AdapterTooLargeError
+from clef_gguf.runtime.adapter_cache import ADAPTER, RECORD, AdapterCache, verdict_of
+
+
+def _put(cache: AdapterCache, key: str, size: int) -> Path:
+    with cache.staging() as stage:
+        (stage / "f").write_bytes(b"x" * size)
+        cached = cache.put(key, "rev-" + key, file=stage / "f")
+    assert cached.path is not None
+    return cached.path
+
+
+def test_least_recently_used_goes_first_and_pinned_never(tmp_path):
+    cache = AdapterCache(tmp_path, limit=300, pinned=lambda key: key == "pinned")
+    _put(cache, "pinned", 100)
+    _put(cache, "old", 100)
+    _put(cache, "used", 100)
+    assert cache.get("old") is not None and cache.get("used") is not None  # "used" is now the most recently used
+    assert cache.get("pinned") is not None
+    cache.get("used")
+    _put(cache, "new", 100)  # 400 > 300: the least recently used unpinned one goes
+    assert cache.keys() == ["new", "pinned", "used"]
+    _put(cache, "newer", 250)  # 550: "used" then "new" go, "pinned" stays though it was used before them
+    assert cache.keys() == ["newer", "pinned"]
+    restarted = AdapterCache(tmp_path, limit=300)
+    assert restarted.keys() == ["newer", "pinned"]
+    found = restarted.get("newer")
+    assert found is not None and found.path is not None and found.path.read_bytes() == b"x" * 250
+
+
+def test_verdicts_are_kept_and_half_written_entries_are_not(tmp_path):
+    cache = AdapterCache(tmp_path, limit=1000)
+    error = AdapterBaseError("acme/tune@abc: trained over another base")
+    cache.put("refused", "abc", verdict=verdict_of(error))
+    cache.put("large", "abc", verdict=verdict_of(AdapterTooLargeError("acme/big is 9 bytes", "model")))
+    path = _put(cache, "whole", 10)
+    (path.parent / ADAPTER).write_bytes(b"x" * 3)  # a file cut short behind the record's back
+    (tmp_path / "staging" / "crashed").mkdir()  # a crash's leftover
+    restarted = AdapterCache(tmp_path, limit=1000)
+    assert restarted.keys() == ["large", "refused"] and not (tmp_path / "staging" / "crashed").exists()
+    refused = restarted.get("refused")
+    assert refused is not None and refused.path is None
+    with pytest.raises(AdapterBaseError, match="another base"):
+        raise refused.error()
+    large = restarted.get("large")
+    assert large is not None
+    with pytest.raises(AdapterTooLargeError) as caught:
+        raise large.error()
+    assert caught.value.field == "model" and str(caught.value) == "model: acme/big is 9 bytes"
+    (next((tmp_path / "entries").iterdir()) / RECORD).write_text("{")  # a record that does not parse: dropped
+    assert len(AdapterCache(tmp_path, limit=1000).keys()) == 1
+
+
+def test_without_a_folder_the_cache_is_private_and_removed_at_close():
+    cache = AdapterCache(None, limit=1000)
+    root = cache.root
+    _put(cache, "k", 5)
+    cache.close()
+    assert not root.exists()
