@@ -2,8 +2,8 @@
 defaults of other commands whose own modules are heavy to import (eval's target precisions).
 
 A setting has one name from the CLI flag to the place it is used (--max-queue is max_queue in ServeSettings,
-create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py),
-and this module imports nothing of the package but its errors, so that `--help` shows them without loading llama.cpp.
+create_app and a Ray config's `args`). The CLI reads its defaults and help from these tables (cli/options.py), and
+this module imports nothing of the package but errors and table_checks, so that `--help` shows them without llama.cpp.
 A model is declared once, as a ModelSpec: its file, its LoadOptions and its AdapterSet.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import types
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
 from .errors import SettingsError
+from .table_checks import check_table
 
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
 # Bounds where llama.cpp would abort or a C type would wrap, checked before anything is loaded. A prompt's positions
@@ -64,37 +64,6 @@ def offload_default(unset: int = 0) -> int:
         return int(value)
     except ValueError:
         raise SettingsError(f"{N_GPU_LAYERS_ENV} must be an integer (-1: every layer), not {value!r}") from None
-
-
-def _allows(value: Any, hint: Any) -> bool:
-    """Whether `value` is of the type `hint` names; a bool is no int here (True is no prompt limit)."""
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return any(_allows(value, h) for h in get_args(hint))
-    if hint in (int, float):
-        return isinstance(value, (int, hint)) and not isinstance(value, bool)
-    return isinstance(value, origin or hint)
-
-
-def _named(hint: Any) -> str:
-    names = [getattr(get_origin(h) or h, "__name__", str(h)) for h in get_args(hint) or (hint,)]
-    return " or ".join("None" if n == "NoneType" else n for n in names)
-
-
-def check_table(table: Any) -> None:
-    """A table's values held to their types, bounds and paths, as the CLI's flags and a Ray config's pydantic hold
-    them: load()'s keywords reach the tables unparsed. A SettingsError names the first value refused."""
-    hints = get_type_hints(type(table))
-    for f in fields(table):
-        value, hint, bounds = getattr(table, f.name), hints[f.name], f.metadata
-        if not _allows(value, hint):
-            raise SettingsError(f"{f.name} must be {_named(hint)}, not {value!r}")
-        low, high = bounds.get("ge"), bounds.get("le")
-        if isinstance(value, (int, float)) and ((low is not None and value < low) or (high is not None and value > high)):
-            within = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
-            raise SettingsError(f"{f.name} must be {within}, not {value}")
-        if value == "":  # Path("") is the working directory: a path left empty is a mistake, not "here"
-            raise SettingsError(f"{f.name} is an empty path")
 
 
 # pydantic's configuration of each table, when a Ray config's `args` are validated into it: a mistyped name is refused.
@@ -197,22 +166,44 @@ class AdapterSet:
         "A fine-tune over MODEL (an adapter file: convert CHECKPOINT --base RELEASE --to-adapter) that answers every request.",
     )
 
+    adapter_sources: list[str] | None = _setting(
+        None,
+        "Where an adapter a request names may come from, if not named otherwise (the allow list; repeatable): a folder, "
+        "hf://ORG (its repositories: ORG/REPO[@REVISION][/FOLDER]) or hf://ORG/REPO. Nothing is fetched from elsewhere.",
+    )
+    adapter_cache: str | Path | None = _setting(
+        None, "The folder fetched adapters are kept in (converted, checked), reused after a restart. Default: a private one."
+    )
+    adapter_cache_size: int = _setting(16 << 30, "Disk for --adapter-cache (least recently used go first).", ge=1)
+    adapter_max_size: int = _setting(4 << 30, "The largest adapter (GGUF, or checkpoint files) a source may deliver.", ge=1)
+    adapter_fetch_timeout: float = _setting(120.0, "Seconds a first use may take (fetch, convert, check): then a 503.", gt=0)
+    adapter_base_release: str | Path | None = _setting(
+        None,
+        "The release the base was converted from (a folder or repo id): a clef-finetune checkpoint a source delivers is "
+        "converted over it (as convert CHECKPOINT --base RELEASE --to-adapter). Without it checkpoints are refused.",
+    )
+    pins: list[str] | None = _setting(None, "An adapter kept resident (never unloaded, nor evicted from the cache); repeatable.")
+
     def __post_init__(self) -> None:
         # (here, not where they are used: load(), the CLI and a Ray config's `args` build the same set, refused alike)
         check_table(self)
         if any(not isinstance(p, (str, Path)) or p == "" for p in (self.adapters or {}).values()):
             raise SettingsError(f"adapters maps each name to an adapter file's path, not {self.adapters!r}")
+        if self.adapter_fetch_timeout <= 0 or min(self.adapter_cache_size, self.adapter_max_size) < 1:
+            raise SettingsError("adapter_fetch_timeout must be > 0 s, adapter_cache_size and adapter_max_size > 0 bytes")
+        if self.pins and len(self.pins) >= self.max_adapters:
+            raise SettingsError(f"{len(self.pins)} pinned adapters leave no room under max_adapters ({self.max_adapters})")
         if self.max_adapters < 1 or (self.adapter_memory is not None and self.adapter_memory < 1):
             raise SettingsError(
                 f"max_adapters must be >= 1 and adapter_memory > 0 bytes, not {self.max_adapters}, {self.adapter_memory}"
             )
-        if self.adapter is not None and (self.adapters or self.adapter_dir is not None):
-            raise SettingsError("adapter (one fine-tune answering every request) excludes adapters and adapter_dir")
+        if self.adapter is not None and (self.adapters or self.adapter_dir is not None or self.adapter_sources or self.pins):
+            raise SettingsError("adapter (one fine-tune answering every request) excludes adapters, adapter_dir and sources")
 
     @property
     def serves_adapters(self) -> bool:
         """Whether a request may name a fine-tune (else every name is the base's, or the pinned adapter's)."""
-        return bool(self.adapters) or self.adapter_dir is not None
+        return bool(self.adapters) or self.adapter_dir is not None or bool(self.adapter_sources)
 
 
 @dataclass(frozen=True)

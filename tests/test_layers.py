@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `testing` (fixture releases, the oracle) above it, since only tests and tools use it.
 LAYERS = (
     "errors",
+    "table_checks",
     "settings",
     "inputs",
     "outputs",

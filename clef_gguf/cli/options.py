@@ -170,6 +170,28 @@ AdapterFile = Annotated[
 ]
 
 BaseHead = Annotated[bool, typer.Option("--base-head", help=help_of(AdapterSet, "base_head"))]
+# Where adapters a request names may come from (runtime/sources.py), and the bounds of what they deliver.
+AdapterSources = Annotated[
+    list[str] | None,
+    typer.Option("--adapter-source", metavar="SOURCE", help=help_of(AdapterSet, "adapter_sources"), show_default=False),
+]
+AdapterCache = Annotated[
+    Path | None, typer.Option("--adapter-cache", metavar="DIR", help=help_of(AdapterSet, "adapter_cache"), show_default=False)
+]
+AdapterCacheSize = Annotated[
+    int, typer.Option("--adapter-cache-size", metavar="SIZE", parser=size_flag, **_load("adapter_cache_size", AdapterSet))
+]
+AdapterMaxSize = Annotated[
+    int, typer.Option("--adapter-max-size", metavar="SIZE", parser=size_flag, **_load("adapter_max_size", AdapterSet))
+]
+AdapterFetchTimeout = Annotated[float, typer.Option("--adapter-fetch-timeout", **_load("adapter_fetch_timeout", AdapterSet))]
+AdapterBaseRelease = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter-base-release", metavar="RELEASE", help=help_of(AdapterSet, "adapter_base_release"), show_default=False
+    ),
+]
+Pins = Annotated[list[str] | None, typer.Option("--pin", metavar="NAME", help=help_of(AdapterSet, "pins"), show_default=False)]
 
 
 def adapter_pairs(values: list[str] | None) -> dict[str, Path] | None:
@@ -279,9 +301,29 @@ class ServedFlags(LoadFlags):
     max_adapters: MaxAdapters = AdapterSet.max_adapters
     adapter_memory: AdapterMemory = AdapterSet.adapter_memory
     base_head: BaseHead = AdapterSet.base_head
+    adapter_sources: AdapterSources = None
+    adapter_cache: AdapterCache = None
+    adapter_cache_size: AdapterCacheSize = AdapterSet.adapter_cache_size
+    adapter_max_size: AdapterMaxSize = AdapterSet.adapter_max_size
+    adapter_fetch_timeout: AdapterFetchTimeout = AdapterSet.adapter_fetch_timeout
+    adapter_base_release: AdapterBaseRelease = None
+    pins: Pins = None
 
     def spec(self, model: Path) -> ModelSpec:
-        tuned = AdapterSet(adapter_pairs(self.adapters), self.adapter_dir, self.max_adapters, self.adapter_memory, self.base_head)
+        tuned = AdapterSet(
+            adapter_pairs(self.adapters),
+            self.adapter_dir,
+            self.max_adapters,
+            self.adapter_memory,
+            self.base_head,
+            adapter_sources=self.adapter_sources,
+            adapter_cache=self.adapter_cache,
+            adapter_cache_size=self.adapter_cache_size,
+            adapter_max_size=self.adapter_max_size,
+            adapter_fetch_timeout=self.adapter_fetch_timeout,
+            adapter_base_release=self.adapter_base_release,
+            pins=self.pins,
+        )
         return ModelSpec(model, self.options(), tuned)
 
 

@@ -25,6 +25,7 @@ from ..format.header import GGUFFile
 from ..settings import AdapterSet
 from .adapter_files import AdapterCopy, PrivateFolder, read_version
 from .catalog_names import JEV_ALIAS, Names, name_of_file
+from .catalog_sources import open_sources
 from .catalog_versions import CatalogEntry, Versions
 
 __all__ = ["JEV_ALIAS", "Catalog", "CatalogEntry", "Listed", "ModelRef", "adapter_file_identity", "adapter_temperatures"]
@@ -86,9 +87,13 @@ class Catalog:
         self.base_names, self.serves_adapters = self._names.base_names, self._names.serves_adapters
         self._versions = Versions(base, self.base, adapter_set.base_head)
         self.pinned: CatalogEntry | None = None
+        self.sources = None
         try:
+            self.sources = self._names.sources = open_sources(adapter_set, base, base_identity)
             for name, path in self._names.named.items():
                 self._versions.first(name, path)
+            for name in adapter_set.pins or ():  # (fetched and checked now: a pin that cannot load stops the start)
+                self.entry(name)
             # With `adapter`, every request is that fine-tune's, whatever model it names (decide/eval --adapter); its
             # name (its file's) is only what answers say: a request cannot pick another.
             pinned = adapter_set.adapter
@@ -156,5 +161,7 @@ class Catalog:
         return self._versions.of(identity, name)
 
     def close(self) -> None:
-        """Drop the private folder (the decider has closed the copies it loaded)."""
+        """Drop the private folder (the decider has closed the copies it loaded), and a private adapter cache."""
         self._versions.close()
+        if self.sources is not None:
+            self.sources.close()

@@ -12,6 +12,7 @@ from ..errors import RequestError, SettingsError
 from ..inputs import file_kind
 from ..settings import AdapterSet
 from .adapter_files import ADAPTER_SUFFIX, FolderListing, servable, unknown_name_message
+from .sources import AdapterSources
 
 # Clef's public model names (System One's `model`, Workers AI's route): a request naming one is the base's.
 BASE_NAMES = ("clef", "clef-flash")
@@ -52,6 +53,7 @@ class Names:
         for name in self.named:
             self._check(name)
         self._listing = FolderListing(self.folder, self.base_names) if self.folder is not None else None
+        self.sources: AdapterSources | None = None  # (AdapterSet.adapter_sources: where any other name may come from)
 
     def _check(self, name: str) -> None:
         if not servable(name) or name in self.base_names:
@@ -70,6 +72,11 @@ class Names:
             return path
         if self.folder is not None and servable(name) and "/" not in name:
             return self.folder / f"{name}{ADAPTER_SUFFIX}"
+        if self.sources is not None and servable(name) and name not in self.base_names:
+            # (fetched, converted and checked on first use: FetchPending while it is, inside sources.not_waiting())
+            found = self.sources.locate(name)
+            if found is not None:
+                return found
         raise self.unknown(name)
 
     def candidates(self) -> list[str]:

@@ -85,7 +85,8 @@ class Decider:
         self._gpu, self._threads = o.n_gpu_layers != 0, o.n_threads  # (the heads run where the backbone runs)
         self._file, self._head_tensors = validated.file, d.head
         bounds = (spec.adapter_set.max_adapters, spec.adapter_set.adapter_memory)
-        self.adapters = LoadedAdapters(backbone, self._head_of, bounds, observer or Unobserved())
+        pins = frozenset(spec.adapter_set.pins or ())
+        self.adapters = LoadedAdapters(backbone, self._head_of, bounds, observer or Unobserved(), pins)
         self.stepping: PromptSteps | None = None  # the prompt prefilled in steps now (begin), on the last sequence
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:

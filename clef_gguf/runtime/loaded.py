@@ -77,10 +77,16 @@ class LoadedAdapters:
     """The LRU of loaded versions, least recently used first, and the one the context applies (on the compute thread)."""
 
     def __init__(
-        self, backbone: Backbone, head_of: HeadOf, bounds: tuple[int, int | None], observer: AdapterObserver
+        self,
+        backbone: Backbone,
+        head_of: HeadOf,
+        bounds: tuple[int, int | None],
+        observer: AdapterObserver,
+        pins: frozenset[str] = frozenset(),
     ) -> None:
         self.backbone, self._head_of, self.observer = backbone, head_of, observer
         self.max_adapters, self.adapter_memory = bounds
+        self.pins = pins  # (AdapterSet.pins) names never unloaded to make room once loaded
         self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # by identity
         self._applied: LoadedAdapter | None = None  # the adapter the context applies (None: the base alone)
         # The identities loaded, replaced whole on each change: read from other threads (/v1/models) without a lock.
@@ -109,7 +115,7 @@ class LoadedAdapters:
 
     def _make_room(self, entry: CatalogEntry) -> None:
         """Unload the least recently used adapters until `entry` fits the count and the bytes (the one applied too:
-        the context is switched to the base first)."""
+        the context is switched to the base first), never a pinned one's current version."""
 
         def over() -> bool:
             used = sum(a.entry.nbytes for a in self._loaded.values())
@@ -117,9 +123,12 @@ class LoadedAdapters:
             return bool(self._loaded) and (len(self._loaded) >= self.max_adapters or bytes_over)
 
         while over():
-            _, oldest = self._loaded.popitem(last=False)
+            oldest = next((k for k, a in self._loaded.items() if a.entry.name not in self.pins or not a.entry.current), None)
+            if oldest is None:
+                return  # (only pinned adapters loaded: the bound yields to the operator's pins)
+            unloaded = self._loaded.pop(oldest)
             self.identities = frozenset(self._loaded)
-            self._unload(oldest)
+            self._unload(unloaded)
 
     def _load(self, entry: CatalogEntry, reread: Callable[[CatalogEntry], AdapterCopy]) -> LoadedAdapter:
         """Its LoRA and its head, from one private copy of its version (kept until it is unloaded)."""

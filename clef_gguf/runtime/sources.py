@@ -174,9 +174,15 @@ class AdapterSources:
         self.sources, self.cache, self.bounds = sources, cache, bounds
         self._check, self._convert = check, convert
         self.observer: SourceObserver = observer or _Quiet()
+        self.owned = contextlib.ExitStack()  # what close() closes besides the cache (the checks' private folder)
         self._lock = threading.Lock()
         self._flights: dict[str, Future[Path]] = {}
         self._failed: dict[str, tuple[float, int, ClefError]] = {}  # key -> (retry at, failures, error)
+
+    def close(self) -> None:
+        """Drop a private cache and what was opened for the checks (a fetch still running finds its cache gone)."""
+        self.owned.close()
+        self.cache.close()
 
     @property
     def remote(self) -> bool:
@@ -231,6 +237,7 @@ class AdapterSources:
             if failed is not None and time.monotonic() < failed[0]:
                 raise _again(failed[2])
             flight = self._flights[wanted.key] = Future()
+            flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
         threading.Thread(target=self._run, args=(source, wanted, flight), name="clef-adapter-fetch", daemon=True).start()
         return flight
 

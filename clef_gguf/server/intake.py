@@ -17,6 +17,7 @@ request is prepared at once on the other lane.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 from collections.abc import Callable
@@ -33,16 +34,34 @@ from ..errors import (
     PromptTooLongError,
     RequestError,
     SettingsError,
+    SourceUnavailableError,
     TemporarilyUnavailableError,
 )
 from ..runtime import images
 from ..runtime.failures import from_request_error, problem_of
 from ..runtime.protocols import Encoder
+from ..runtime.sources import FetchPending, late, not_waiting
 from ..settings import HttpLimits
 from . import body, media
 from .problems import ApiError, overloaded
 
 LARGE_BODY = 64 * 1024  # a decoded body past this is prepared on the large lane (and memory trimmed after it)
+# Times a request awaits an adapter being fetched before it is prepared once more waiting on its thread (a cache too
+# small to keep what was just fetched would otherwise send it round for ever).
+FETCH_ROUNDS = 3
+
+
+async def _fetched(pending: FetchPending) -> None:
+    """Await a fetch, at most its first-use bound (then SOURCE_UNAVAILABLE); its error is not raised here: the next
+    preparation meets it as the sources keep it (its back-off)."""
+    fetch = asyncio.wrap_future(pending.future)
+    fetch.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its error read, even by no one awaiting it)
+    try:
+        await asyncio.wait_for(asyncio.shield(fetch), pending.timeout_s)  # (shielded: the fetch serves other requests)
+    except asyncio.TimeoutError:
+        raise problem_of(late(pending.name, pending.timeout_s), None) from None
+    except Exception:  # noqa: S110 (met again, as a request's error, when the request is prepared again)
+        pass
 
 
 def _glibc() -> bool:
@@ -114,7 +133,7 @@ class Intake:
         self._small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clef-intake")
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-intake-large")
 
-    def _prepare(self, decoded: bytes, content_type: str | None) -> Any:
+    def _prepare(self, decoded: bytes, content_type: str | None, waiting: bool = False) -> Any:
         """Parse, validate and tokenize one decoded body, before it waits for the model (a 422 even when the
         server is busy): the encoded prompt, known to fit the model. Its images are decoded and sized here too.
 
@@ -130,20 +149,23 @@ class Intake:
             message = f"the request's text is {text} bytes (its images aside), over this server's limit of {self.text_limit}"
             raise ApiError(REQUEST_TOO_LARGE, message)
         try:
-            prompt = self.model.encode(value)
+            # A name whose adapter is being fetched raises FetchPending (awaited by request()), never blocking this
+            # thread, on which the base's and the loaded adapters' requests are prepared too.
+            with contextlib.nullcontext() if waiting else not_waiting():
+                prompt = self.model.encode(value)
         except RequestError as e:  # (nesting was bounded by body.parse: the prompt renderer recurses per level)
             raise media.relocate(from_request_error(e, value), origins) from e
-        except (ModelFileError, SettingsError, AdapterUnavailableError, TemporarilyUnavailableError) as e:
+        except (ModelFileError, SettingsError, AdapterUnavailableError, TemporarilyUnavailableError, SourceUnavailableError) as e:
             # The adapter the request names, opened for it (runtime/catalog.py): its file refused, or gone for now, or
-            # no room for its private copy now.
+            # no room for its private copy now, or its source unreachable now (runtime/sources.py).
             raise problem_of(e, value) from e
         if len(prompt.tokens) > self.model.max_prompt_tokens:
             raise from_request_error(PromptTooLongError(len(prompt.tokens), self.model.max_prompt_tokens), value)
         return prompt
 
-    def _prepare_large(self, decoded: bytes, content_type: str | None) -> Any:
+    def _prepare_large(self, decoded: bytes, content_type: str | None, waiting: bool = False) -> Any:
         try:
-            return self._prepare(decoded, content_type)
+            return self._prepare(decoded, content_type, waiting)
         finally:
             _malloc_trim()()  # the tokens and the parse of a refused body are garbage by now
 
@@ -165,11 +187,13 @@ class Intake:
             # size is what picks the lane (a small compressed body can decode to a large one).
             decoded = body.decode(raw, request.headers.get("content-encoding"), self.limit)
             del raw
-            if len(decoded) > LARGE_BODY:
-                future = self._large.submit(self._prepare_large, decoded, content_type)
-            else:
-                future = self._small.submit(self._prepare, decoded, content_type)
-            return await asyncio.wrap_future(future)
+            lane, prepare = (self._large, self._prepare_large) if len(decoded) > LARGE_BODY else (self._small, self._prepare)
+            for _ in range(FETCH_ROUNDS):
+                try:
+                    return await asyncio.wrap_future(lane.submit(prepare, decoded, content_type))
+                except FetchPending as pending:  # an adapter's first use: awaited here, holding no intake thread
+                    await _fetched(pending)
+            return await asyncio.wrap_future(lane.submit(prepare, decoded, content_type, waiting=True))
         finally:
             self.preparing -= 1
 

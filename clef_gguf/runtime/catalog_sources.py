@@ -1,0 +1,53 @@
+"""The catalog's adapter sources (AdapterSet.adapter_sources): runtime/sources.py's AdapterSources built for one base,
+its files checked against that base as the catalog checks a file (adapter_files.read_version) and its checkpoints
+converted over the base's release (conversion/adapter.py, as `convert CHECKPOINT --base RELEASE --to-adapter`)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ..format.header import GGUFFile
+from ..settings import AdapterSet
+from .adapter_cache import AdapterCache
+from .adapter_files import read_version
+from .private_folder import PrivateFolder
+from .sources import AdapterSources, Bounds, Convert, SourceObserver, parse_source
+
+# A fetched checkpoint's LoRA is written in float32: it is small beside the base, and its answers are then the merged
+# fine-tune's to float precision.
+CONVERTED_TYPE = "f32"
+
+
+def open_sources(
+    adapter_set: AdapterSet, base: GGUFFile, base_identity: str, observer: SourceObserver | None = None
+) -> AdapterSources | None:
+    """The sources of `adapter_set` over `base`, or None when it names none. SettingsError for one that is not."""
+    if not adapter_set.adapter_sources:
+        return None
+    sources = [parse_source(text) for text in adapter_set.adapter_sources]
+    pinned = set()
+    for name in adapter_set.pins or ():
+        claimed = next((w for w in (s.claims(name) for s in sources) if w is not None), None)
+        if claimed is not None:
+            pinned.add(claimed.key)
+    cache = AdapterCache(adapter_set.adapter_cache, adapter_set.adapter_cache_size, pinned.__contains__)
+    private, lock = PrivateFolder(), threading.Lock()
+
+    def check(path: Path, name: str) -> None:
+        read_version(base, base_identity, path, private, label=name, base_head=adapter_set.base_head).copy.close()
+
+    convert: Convert | None = None
+    release = adapter_set.adapter_base_release
+    if release is not None:
+
+        def convert(checkpoint: Path, out: Path) -> None:
+            from ..conversion.adapter import convert_adapter  # (the converter loaded only when a checkpoint comes)
+
+            with lock:  # (one conversion at a time: each holds the base release's tensors it reads)
+                convert_adapter(checkpoint, release, out, CONVERTED_TYPE)
+
+    bounds = Bounds(adapter_set.adapter_max_size, adapter_set.adapter_fetch_timeout)
+    found = AdapterSources(sources, cache, bounds, check, convert, observer)
+    found.owned.callback(private.close)
+    return found

@@ -1,0 +1,182 @@
+"""Adapters as a service: `serve --adapter-source hf://ORG` against a local stand-in of the Hugging Face Hub (the real
+huggingface-hub client pointed at it with HF_ENDPOINT). A request naming ORG/REPO is answered as that fine-tune's
+merged conversion on its first use (a clef-finetune checkpoint converted on the way, or an adapter file), with one
+download however many ask at once, the base answering meanwhile, and again after a restart from the disk cache with
+the Hub gone; every refusal is its own one-line status while the base keeps answering."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from server_helpers import start
+
+import clef_gguf
+from clef_gguf.conversion.adapter import convert_adapter
+from clef_gguf.server import create_app
+from clef_gguf.testing import finetune
+from clef_gguf.testing.hub import Hub
+from clef_gguf.testing.release_builder import ReleaseSpec, build_release
+from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
+
+pytestmark = pytest.mark.slow  # a PEFT checkpoint, conversions and a served model
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": r".*language_model.*\.(q_proj|in_proj_qkv|out_proj|down_proj)"}
+CONTEXT = 4096
+ROUNDED = 1e-4 + 1e-9  # answers are rounded to 4 decimals: float noise may move one by a unit
+MAX_SIZE = 8 << 20
+
+
+class Files:
+    def __init__(self, ws, root: Path) -> None:
+        self.release = ws.release("untied_f32")
+        self.base = ws.gguf("untied_f32", "f32")
+        checkpoint = finetune.peft_checkpoint(self.release, root / "tune", LORA, {"prior_logit_scale": 0.5})
+        self.checkpoint = Path(shutil.copytree(checkpoint, root / "published" / "tune"))
+        self.adapter = convert_adapter(checkpoint, self.release, root / "tune.adapter.gguf", "f32")
+        self.merged = clef_gguf.convert(checkpoint, root / "merged-f32.gguf", "f32", base=self.release, mmproj=False)
+        other = build_release(root / "other-release", ReleaseSpec(seed=7, vision=False))
+        self.other = convert_adapter(finetune.peft_checkpoint(other, root / "other", LORA), other, root / "o.adapter.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def files(ws, tmp_path_factory) -> Files:
+    return Files(ws, tmp_path_factory.mktemp("hub-serve"))
+
+
+@pytest.fixture(scope="module")
+def hub(files, tmp_path_factory) -> Any:
+    stand_in = Hub(tmp_path_factory.mktemp("hub"))
+    shutil.copytree(files.checkpoint, stand_in.repo("acme", "tune"), dirs_exist_ok=True)
+    shutil.copyfile(files.adapter, stand_in.repo("acme", "tune-gguf") / "tune.adapter.gguf")
+    shutil.copytree(files.release, stand_in.repo("acme", "merged"), dirs_exist_ok=True)
+    shutil.copyfile(files.other, stand_in.repo("acme", "other") / "other.adapter.gguf")
+    with open(stand_in.repo("acme", "big") / "big.adapter.gguf", "wb") as f:
+        f.truncate(MAX_SIZE + 1)  # (refused from the listing's size: never downloaded)
+    shutil.copyfile(files.adapter, stand_in.repo("evil", "tune") / "tune.adapter.gguf")
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.fixture(scope="module")
+def merged(files) -> list[list[float]]:
+    with clef_gguf.load(files.merged, max_prompt_tokens=CONTEXT) as alone:
+        return [flat_probabilities(alone.decide(r)) for r in labelled_requests(2)]
+
+
+def _serve(files: Files, cache: Path, **keywords: Any) -> tuple[Any, Any]:
+    model = clef_gguf.load(
+        files.base,
+        max_prompt_tokens=CONTEXT,
+        state_cache=0,
+        adapter_sources=["hf://acme"],
+        adapter_cache=cache,
+        adapter_base_release=files.release,
+        adapter_max_size=MAX_SIZE,
+        **keywords,
+    )
+    return model, start(create_app(model))
+
+
+def _post(url: str, name: str | None, request: dict | None = None) -> httpx.Response:
+    body = {**(request or labelled_requests(1)[0]), **({"model": name} if name else {})}
+    return httpx.post(f"{url}/v1/systemone", json=body, timeout=120)
+
+
+def _as_merged(response: httpx.Response, name: str, expected: list[float]) -> None:
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["model"] == name
+    assert np.abs(np.subtract(flat_probabilities(answer), expected)).max() <= ROUNDED
+
+
+def test_first_uses_fetch_once_and_answer_as_the_merged_fine_tune(files, hub, merged, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    model, live = _serve(files, tmp_path / "cache")
+    try:
+        hub.delay_s = 0.5  # a Hub at its pace: the fetch lasts seconds, the base must not wait on it
+        answers: list[httpx.Response] = []
+        first_uses = [threading.Thread(target=lambda: answers.append(_post(live.url, "acme/tune"))) for _ in range(8)]
+        for t in first_uses:
+            t.start()
+        while not hub.tokens:  # (the fetch has begun)
+            time.sleep(0.01)
+        for _ in range(3):  # the base answers meanwhile, without waiting for the fetch and the conversion
+            started = time.monotonic()
+            base = _post(live.url, None)
+            assert base.status_code == 200 and time.monotonic() - started < 2.0
+        assert np.abs(np.subtract(flat_probabilities(base.json()), merged[0])).max() > 0.01  # (the fine-tune's own answers)
+        assert all(t.is_alive() for t in first_uses)
+        for t in first_uses:
+            t.join(120)
+        hub.delay_s = 0.0
+        assert len(answers) == 8
+        for response in answers:
+            _as_merged(response, "acme/tune", merged[0])
+        assert hub.downloads_of("acme", "tune") == 3  # each of the checkpoint's three files once
+        _as_merged(_post(live.url, "acme/tune-gguf"), "acme/tune-gguf", merged[0])  # an adapter file, as is
+        _as_merged(_post(live.url, "acme/tune", labelled_requests(2)[1]), "acme/tune", merged[1])
+    finally:
+        live.stop()
+        model.close()
+    down = Hub(tmp_path / "down")
+    down.close()
+    monkeypatch.setenv("HF_ENDPOINT", down.url)  # a restart with the Hub gone: the disk cache answers
+    model, live = _serve(files, tmp_path / "cache")
+    try:
+        _as_merged(_post(live.url, "acme/tune"), "acme/tune", merged[0])
+        _as_merged(_post(live.url, "acme/tune-gguf"), "acme/tune-gguf", merged[0])
+        assert hub.downloads_of("acme", "tune") == 3
+    finally:
+        live.stop()
+        model.close()
+
+
+def test_each_refusal_is_its_own_one_line_status_and_the_base_answers_throughout(files, hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_TOKEN", "hf_never_shown")
+    model, live = _serve(files, tmp_path / "cache", adapter_fetch_timeout=1.0)
+    try:
+        cases = {
+            "evil/tune": (403, "permission_error", "not from a source this server fetches adapters from (hf://acme)"),
+            "acme/merged": (422, "value_error", "is a release (a merged fine-tune or a full model), not an adapter"),
+            "acme/big": (422, "adapter_too_large", f"over this server's --adapter-max-size of {MAX_SIZE} bytes"),
+            "acme/other": (422, "value_error", "another base"),
+            "acme/nothing": (422, "value_error", "no such repository"),
+        }
+        for name, (status, kind, words) in cases.items():
+            response = _post(live.url, name)
+            assert response.status_code == status, (name, response.text)
+            assert kind in response.text and words in response.text, (name, response.text)
+            assert "\\n" not in response.text and "hf_never_shown" not in response.text and str(tmp_path) not in response.text
+            assert _post(live.url, None).status_code == 200
+        hub.delay_s = 3.0  # a Hub that answers slowly: a 503 at the first-use bound, never a hang
+        started = time.monotonic()
+        slow = _post(live.url, "acme/tune-gguf")
+        assert slow.status_code == 503 and "still being fetched after 1 s" in slow.text, slow.text
+        assert slow.headers["Retry-After"] and time.monotonic() - started < 2.5
+        assert _post(live.url, None).status_code == 200
+    finally:
+        hub.delay_s = 0.0
+        live.stop()
+        model.close()
+    down = Hub(tmp_path / "down")
+    down.close()
+    monkeypatch.setenv("HF_ENDPOINT", down.url)  # a Hub that cannot be reached: a 503 with Retry-After
+    model, live = _serve(files, tmp_path / "cold")
+    try:
+        response = _post(live.url, "acme/tune-gguf")
+        assert response.status_code == 503 and "cannot deliver acme/tune-gguf now" in response.text, response.text
+        assert response.headers["Retry-After"] == "10" and "source_unavailable_error" in response.text
+        assert _post(live.url, None).status_code == 200
+    finally:
+        live.stop()
+        model.close()
