@@ -40,6 +40,7 @@ class Files:
         checkpoint = finetune.peft_checkpoint(self.release, root / "tune", LORA, {"prior_logit_scale": 0.5})
         self.checkpoint = Path(shutil.copytree(checkpoint, root / "published" / "tune"))
         self.adapter = convert_adapter(checkpoint, self.release, root / "tune.adapter.gguf", "f32")
+        self.adapter16 = convert_adapter(checkpoint, self.release, root / "tune16.adapter.gguf", "f16")  # (other bytes)
         self.merged = clef_gguf.convert(checkpoint, root / "merged-f32.gguf", "f32", base=self.release, mmproj=False)
         other = build_release(root / "other-release", ReleaseSpec(seed=7, vision=False))
         self.other = convert_adapter(finetune.peft_checkpoint(other, root / "other", LORA), other, root / "o.adapter.gguf", "f32")
@@ -55,6 +56,7 @@ def hub(files, tmp_path_factory) -> Any:
     stand_in = Hub(tmp_path_factory.mktemp("hub"))
     shutil.copytree(files.checkpoint, stand_in.repo("acme", "tune"), dirs_exist_ok=True)
     shutil.copyfile(files.adapter, stand_in.repo("acme", "tune-gguf") / "tune.adapter.gguf")
+    shutil.copyfile(files.adapter16, stand_in.repo("acme", "tune16") / "tune16.adapter.gguf")
     shutil.copytree(files.release, stand_in.repo("acme", "merged"), dirs_exist_ok=True)
     shutil.copyfile(files.other, stand_in.repo("acme", "other") / "other.adapter.gguf")
     with open(stand_in.repo("acme", "big") / "big.adapter.gguf", "wb") as f:
@@ -180,3 +182,25 @@ def test_each_refusal_is_its_own_one_line_status_and_the_base_answers_throughout
     finally:
         live.stop()
         model.close()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pin_is_fetched_at_start_and_never_unloaded_to_make_room(files, hub, tmp_path, monkeypatch, pinned):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    before = hub.downloads_of("acme", "tune-gguf")
+    pins = {"pins": ["acme/tune-gguf"]} if pinned else {}
+    with clef_gguf.load(
+        files.base,
+        max_prompt_tokens=CONTEXT,
+        state_cache=0,
+        adapter_sources=["hf://acme"],
+        adapter_cache=tmp_path / "cache",
+        adapter_base_release=files.release,
+        max_adapters=2,
+        **pins,
+    ) as model:
+        assert hub.downloads_of("acme", "tune-gguf") == before + pinned  # a pin is fetched and checked at start
+        for name in ("acme/tune-gguf", "acme/tune16", "acme/tune"):  # the third makes room: the oldest goes, unless pinned
+            assert model.decide({**labelled_requests(1)[0], "model": name})["model"] == name
+        assert sorted(model.decider.loaded) == (["acme/tune", "acme/tune-gguf"] if pinned else ["acme/tune", "acme/tune16"])
