@@ -66,3 +66,11 @@ def test_without_a_folder_the_cache_is_private_and_removed_at_close():
     _put(cache, "k", 5)
     cache.close()
     assert not root.exists()
+
+
+def test_an_entry_another_process_wrote_is_found(tmp_path):
+    mine, theirs = AdapterCache(tmp_path, limit=1000), AdapterCache(tmp_path, limit=1000)
+    _put(theirs, "shared", 7)
+    found = mine.get("shared")
+    assert found is not None and found.path is not None and found.path.read_bytes() == b"x" * 7
+    assert mine.get("absent") is None

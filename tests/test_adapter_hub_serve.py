@@ -125,6 +125,8 @@ def test_first_uses_fetch_once_and_answer_as_the_merged_fine_tune(files, hub, me
         assert hub.downloads_of("acme", "tune") == 3  # each of the checkpoint's three files once
         _as_merged(_post(live.url, "acme/tune-gguf"), "acme/tune-gguf", merged[0])  # an adapter file, as is
         _as_merged(_post(live.url, "acme/tune", labelled_requests(2)[1]), "acme/tune", merged[1])
+        listed = [m["name"] for m in httpx.get(f"{live.url}/v1/models", timeout=60).json()["models"]]
+        assert {"acme/tune", "acme/tune-gguf"} <= set(listed)  # (the adapters delivered, listed once they are)
     finally:
         live.stop()
         model.close()

@@ -97,11 +97,15 @@ class AdapterCache:
 
     def get(self, key: str) -> Cached | None:
         """The entry of `key`, marked used; None when there is none (or its file is gone)."""
+        folder = self._folder(key)
         with self._lock:
             found = self._index.get(key)
-        if found is None:
-            return None
-        folder = self._folder(key)
+        if found is None:  # (another process sharing the folder may have written it: a Ray node's replicas)
+            found = _read_record(folder)
+            if found is None or found.key != key:
+                return None
+            with self._lock:
+                self._index[key] = found
         try:
             os.utime(folder / RECORD)
             if found.path is not None:
@@ -171,7 +175,7 @@ class AdapterCache:
 
 
 def _read_record(folder: Path) -> Cached | None:
-    """An entry from its folder, or None for one that is not whole (its file missing, its record unreadable)."""
+    """An entry from its folder, or None for one that is not whole (its file missing, its record unreadable) or none."""
     try:
         record_path = folder / RECORD
         record = json.loads(record_path.read_text(encoding="utf-8"))

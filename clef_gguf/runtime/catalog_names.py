@@ -82,6 +82,8 @@ class Names:
     def candidates(self) -> list[str]:
         """Every name a request may try besides the base's, sorted: the named adapters and the folder's files."""
         listed = self._listing.names() if self._listing is not None else []
+        if self.sources is not None:  # (the names its sources delivered in this process)
+            listed = sorted(set(listed) | set(self.sources.names()))
         return sorted(set(self.named) | set(listed)) if self.named else listed
 
     def unknown(self, name: str) -> RequestError:

@@ -43,6 +43,7 @@ from .adapter_files import ADAPTER_SUFFIX, servable
 HF_SCHEME = "hf://"
 BACKOFF_S = 10.0  # a failed fetch's first back-off (server/problems.py's Retry-After says it); doubled per failure
 BACKOFF_MAX_S = 300.0
+SERVED_KEPT = 4096  # names delivered that /v1/models lists, the newest
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class AdapterSources:
         self._lock = threading.Lock()
         self._flights: dict[str, Future[Path]] = {}
         self._failed: dict[str, tuple[float, int, ClefError]] = {}  # key -> (retry at, failures, error)
+        self._names: dict[str, None] = {}  # the names delivered, oldest first
 
     def close(self) -> None:
         """Drop a private cache and what was opened for the checks (a fetch still running finds its cache gone)."""
@@ -221,11 +223,25 @@ class AdapterSources:
             if cached.verdict is not None:
                 raise cached.error()
             assert cached.path is not None
-            return cached.path
+            return self._served(name, cached.path)
         future = self._flight(source, wanted)
         if _NOT_WAITING.get() and not future.done():
             raise FetchPending(name, future, self.bounds.timeout_s)
-        return wait_for(name, future, self.bounds.timeout_s)
+        return self._served(name, wait_for(name, future, self.bounds.timeout_s))
+
+    def _served(self, name: str, path: Path) -> Path:
+        """`name` delivered: listed by names() from now on (the newest SERVED_KEPT)."""
+        with self._lock:
+            self._names.pop(name, None)
+            self._names[name] = None
+            while len(self._names) > SERVED_KEPT:
+                del self._names[next(iter(self._names))]
+        return path
+
+    def names(self) -> list[str]:
+        """The names sources delivered in this process (what /v1/models lists besides the others)."""
+        with self._lock:
+            return list(self._names)
 
     def _flight(self, source: Source, wanted: Wanted) -> Future[Path]:
         """The fetch of `wanted` in flight, started if none is (one per key); its last failure during its back-off."""
