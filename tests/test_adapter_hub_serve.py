@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from cli_helpers import run_cli  # the CLI in this process
 from server_helpers import start
 
 import clef_gguf
@@ -206,3 +207,13 @@ def test_a_pin_is_fetched_at_start_and_never_unloaded_to_make_room(files, hub, t
         for name in ("acme/tune-gguf", "acme/tune16", "acme/tune"):  # the third makes room: the oldest goes, unless pinned
             assert model.decide({**labelled_requests(1)[0], "model": name})["model"] == name
         assert sorted(model.decider.loaded) == (["acme/tune", "acme/tune-gguf"] if pinned else ["acme/tune", "acme/tune16"])
+
+
+def test_serve_refuses_a_source_that_is_not_one_in_one_line(files, tmp_path):
+    cases = (("s3://bucket/tunes", "is not one: a folder, hf://ORG or hf://ORG/REPO"), (str(tmp_path / "no"), "not a folder"))
+    for source, words in cases:
+        bounds = ("--adapter-cache-size", "1GiB", "--adapter-fetch-timeout", "5")
+        run = run_cli("serve", files.base, "--adapter-source", source, *bounds)
+        output = run.stdout + run.stderr
+        assert run.returncode == 2 and words in output and "Traceback" not in output, output
+        assert len([line for line in output.splitlines() if "adapter source" in line]) == 1

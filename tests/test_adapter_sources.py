@@ -158,3 +158,15 @@ def test_a_hub_that_is_down_or_slow_is_a_503_and_is_asked_again_only_after_a_bac
     with pytest.raises(SourceUnavailableError, match="cannot deliver"):
         cold.locate("acme/tune-gguf")
     assert hub.downloads_of("acme", "tune-gguf") == 0
+
+
+def test_a_folder_source_is_read_in_place_before_the_hub(files, hub, tmp_path):
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    shutil.copyfile(files.adapter, folder / "local.adapter.gguf")
+    sources = _sources(files, tmp_path / "cache", str(folder), "hf://acme")
+    assert sources.locate("local") == folder / "local.adapter.gguf"  # in place: no cache entry, no download
+    assert sources.locate("missing") is None  # no source has it: the catalog's unknown name
+    assert sources.cache.keys() == [] and not hub.downloads
+    with pytest.raises(AdapterNotAllowedError):
+        sources.locate("other/tune")
