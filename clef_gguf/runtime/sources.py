@@ -252,7 +252,14 @@ class AdapterSources:
             failed = self._failed.get(wanted.key)
             if failed is not None and time.monotonic() < failed[0]:
                 raise _again(failed[2])
-            flight = self._flights[wanted.key] = Future()
+            flight = Future()
+            cached = self.cache.get(wanted.key)  # (a flight that ended since this request's look: its entry)
+            if cached is not None and cached.path is not None:
+                flight.set_result(cached.path)
+                return flight
+            if cached is not None:
+                raise cached.error()
+            self._flights[wanted.key] = flight
             flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
         threading.Thread(target=self._run, args=(source, wanted, flight), name="clef-adapter-fetch", daemon=True).start()
         return flight
@@ -260,20 +267,21 @@ class AdapterSources:
     def _run(self, source: Source, wanted: Wanted, flight: Future[Path]) -> None:
         try:
             path = self._deliver(source, wanted)
-        except ClefError as e:
-            self.observer.failed(wanted.name, e)
+        except Exception as e:  # (one the source did not expect, e.g. of its client: a 503 too, never a 500 loop)
+            error = e if isinstance(e, ClefError) else unreachable(wanted.name, type(e).__name__)
+            self.observer.failed(wanted.name, error)
             with self._lock:
-                failures = self._failed.get(wanted.key, (0.0, 0, e))[1] + 1
+                failures = self._failed.get(wanted.key, (0.0, 0, error))[1] + 1
                 backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
-                self._failed[wanted.key] = (time.monotonic() + backoff, failures, e)
+                self._failed[wanted.key] = (time.monotonic() + backoff, failures, error)
                 del self._flights[wanted.key]
-            flight.set_exception(e)
+            flight.set_exception(error)
             return
-        except BaseException as e:  # (a bug: its waiters get it, and nothing is remembered)
+        except BaseException as e:  # (the process stopping: its waiters told, nothing remembered)
             with self._lock:
                 del self._flights[wanted.key]
             flight.set_exception(e)
-            return
+            raise
         with self._lock:
             self._failed.pop(wanted.key, None)
             del self._flights[wanted.key]
@@ -328,6 +336,10 @@ def wait_for(name: str, future: Future[Path], timeout_s: float) -> Path:
         return future.result(timeout=timeout_s)
     except FutureTimeout:
         raise late(name, timeout_s) from None
+
+
+def unreachable(name: str, why: str) -> SourceUnavailableError:
+    return SourceUnavailableError(f"the adapter {name!r} cannot be fetched now ({why})")
 
 
 def late(name: str, timeout_s: float) -> SourceUnavailableError:
