@@ -85,8 +85,28 @@ def _sources(files: Files, cache_dir: Path, *names: str, max_bytes: int = 64 * M
     )
 
 
+class Recorded:
+    """A SourceObserver that keeps what it is told (what the server's metrics hang on)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def looked_up(self, name: str, hit: bool) -> None:
+        self.events.append(("looked_up", name, hit))
+
+    def fetched(self, name: str, seconds: float, nbytes: int) -> None:
+        self.events.append(("fetched", name, nbytes))
+
+    def converted(self, name: str, seconds: float) -> None:
+        self.events.append(("converted", name))
+
+    def failed(self, name: str, error: Exception) -> None:
+        self.events.append(("failed", name, type(error).__name__))
+
+
 def test_an_adapter_file_is_fetched_once_by_eight_and_kept_across_a_restart(files, hub, tmp_path):
     sources = _sources(files, tmp_path / "cache", "hf://acme")
+    sources.observer = recorded = Recorded()
     got: list[Path] = []
     threads = [threading.Thread(target=lambda: got.append(sources.locate("acme/tune-gguf"))) for _ in range(8)]
     for t in threads:
@@ -97,18 +117,29 @@ def test_an_adapter_file_is_fetched_once_by_eight_and_kept_across_a_restart(file
     assert got[0].read_bytes() == files.adapter.read_bytes()
     assert hub.downloads_of("acme", "tune-gguf") == 1
     assert all(token == "Bearer hf_secret_token_never_shown" for token in hub.tokens)  # HF_TOKEN sent, as the client sends it
+    size = files.adapter.stat().st_size
+    assert [e for e in recorded.events if e[0] != "looked_up"] == [("fetched", "acme/tune-gguf", size)]
+    assert ("looked_up", "acme/tune-gguf", False) in recorded.events
     again = _sources(files, tmp_path / "cache", "hf://acme")  # a restart: the disk cache answers
     assert again.locate("acme/tune-gguf").read_bytes() == files.adapter.read_bytes()
     assert hub.downloads_of("acme", "tune-gguf") == 1
 
 
 def test_a_checkpoint_is_converted_as_convert_to_adapter_converts_it(files, hub, tmp_path):
-    sources = _sources(files, tmp_path / "cache", "hf://acme/tune")
+    sources = _sources(files, tmp_path / "cache", "hf://acme/tune", "hf://acme/merged")
     path = sources.locate("acme/tune")
     local = Path(shutil.copytree(files.checkpoint, tmp_path / "local" / "tune"))  # (its folder's name: the adapter's)
     expected = convert_adapter(local, files.release, tmp_path / "expected.adapter.gguf", "f32")
     assert path.read_bytes() == expected.read_bytes()
     assert hub.downloads_of("acme", "tune") == 3  # adapter_config.json, adapter_model.safetensors, joint_head.safetensors
+    commit = hub.sha("acme", "merged")
+    with pytest.raises(NotADecisionModelError, match="a release"):  # a commit's refusal: kept as its verdict
+        sources.locate(f"acme/merged@{commit}")
+    asked = len(hub.tokens)
+    restarted = _sources(files, tmp_path / "cache", "hf://acme/tune", "hf://acme/merged")
+    with pytest.raises(NotADecisionModelError, match="a release"):  # after a restart, without asking the Hub
+        restarted.locate(f"acme/merged@{commit}")
+    assert restarted.locate("acme/tune") == path and len(hub.tokens) == asked
 
 
 def test_refusals_are_typed_one_line_and_the_allow_list_holds(files, hub, tmp_path):

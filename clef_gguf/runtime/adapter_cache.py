@@ -68,9 +68,10 @@ class Cached:
 
 
 def verdict_of(error: ClefError) -> tuple[str, str] | None:
-    """A refusal as a record keeps it, or None for an error that is not one to keep (not a verdict on the bytes)."""
+    """A refusal as a record keeps it, or None for an error that is not one to keep: not a verdict on the bytes (a
+    repository not found may be created, or opened to the server's token, later)."""
     name = type(error).__name__
-    if name not in VERDICTS:
+    if name not in VERDICTS or type(error) is RequestError:
         return None
     return name, error.reason if isinstance(error, RequestError) else str(error)
 

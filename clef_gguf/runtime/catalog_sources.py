@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from ..errors import SettingsError
 from ..format.header import GGUFFile
 from ..settings import AdapterSet
 from .adapter_cache import AdapterCache
@@ -31,7 +32,10 @@ def open_sources(
         claimed = next((w for w in (s.claims(name) for s in sources) if w is not None), None)
         if claimed is not None:
             pinned.add(claimed.key)
-    cache = AdapterCache(adapter_set.adapter_cache, adapter_set.adapter_cache_size, pinned.__contains__)
+    try:
+        cache = AdapterCache(adapter_set.adapter_cache, adapter_set.adapter_cache_size, pinned.__contains__)
+    except OSError as e:
+        raise SettingsError(f"the adapter cache {adapter_set.adapter_cache} cannot be used: {e.strerror or e}") from None
     private, lock = PrivateFolder(), threading.Lock()
 
     def check(path: Path, name: str) -> None:

@@ -289,18 +289,18 @@ class AdapterSources:
 
     def _deliver(self, source: Source, wanted: Wanted) -> Path:
         """Fetch, convert a checkpoint, check against the base, keep: the cached file. A refusal of a pinned revision
-        is kept as its verdict."""
+        (a commit: its bytes never change) is kept as its verdict, the fetch's own (a release, too large) included."""
         with self.cache.staging() as stage:
-            started = time.monotonic()
-            delivered = source.fetch(wanted, stage, self.bounds)
-            self.observer.fetched(wanted.name, time.monotonic() - started, delivered.nbytes)
             try:
+                started = time.monotonic()
+                delivered = source.fetch(wanted, stage, self.bounds)
+                self.observer.fetched(wanted.name, time.monotonic() - started, delivered.nbytes)
                 file = self._adapter_file(wanted, delivered, stage)
                 self._check(file, wanted.name)
             except ClefError as e:
                 verdict = verdict_of(e)
                 if verdict is not None and wanted.pinned:
-                    self.cache.put(wanted.key, delivered.revision, verdict=verdict)
+                    self.cache.put(wanted.key, wanted.key, verdict=verdict)
                 raise
             cached = self.cache.put(wanted.key, delivered.revision, file=file)
         assert cached.path is not None
