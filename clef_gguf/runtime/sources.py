@@ -72,6 +72,7 @@ class Bounds:
 
 class Source(Protocol):
     label: str  # as the operator named it (hf://ORG, a folder)
+    remote: bool  # it fetches (`fetch`), or it names files read in place (`local`)
 
     def claims(self, name: str) -> Wanted | None: ...
 
@@ -112,7 +113,7 @@ class FolderSource:
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
             raise SettingsError(f"the adapter source {folder} is not a folder (a folder, hf://ORG or hf://ORG/REPO)")
-        self.folder, self.label = folder, str(folder)
+        self.folder, self.label, self.remote = folder, str(folder), False
 
     def claims(self, name: str) -> Wanted | None:
         return Wanted(name, f"{self.folder}/{name}") if servable(name) and "/" not in name else None
@@ -187,8 +188,9 @@ class AdapterSources:
         self.cache.close()
 
     @property
-    def remote(self) -> bool:
-        return any(s.local(Wanted("x", "x")) is None for s in self.sources)
+    def remote(self) -> list[Source]:
+        """The sources that fetch (the Hub's), not read in place."""
+        return [s for s in self.sources if s.remote]
 
     def claimed(self, name: str) -> tuple[Source, Wanted] | None:
         """The first source claiming `name` (a folder's only when its file is there)."""
@@ -208,7 +210,7 @@ class AdapterSources:
         found = self.claimed(name)
         if found is None:
             if self.remote and "/" in name:
-                allowed = ", ".join(s.label for s in self.sources if s.local(Wanted("x", "x")) is None)
+                allowed = ", ".join(s.label for s in self.remote)
                 raise AdapterNotAllowedError(
                     f"{name} is not from a source this server fetches adapters from ({allowed})", "model"
                 )
