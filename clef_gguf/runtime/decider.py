@@ -42,7 +42,7 @@ from ..settings import ModelSpec, default_ubatch
 from .answers import Answer, Scores, question_probabilities, response
 from .catalog import Catalog, CatalogEntry
 from .images import ImageLimits
-from .loaded import AdapterObserver, LoadedAdapters, Unobserved
+from .loaded import AdapterObserver, LoadedAdapters
 from .prefill import Prefill, Run
 from .prompt import EncodedPrompt
 from .state_cache import StateCache
@@ -86,7 +86,7 @@ class Decider:
         self._file, self._head_tensors = validated.file, d.head
         bounds = (spec.adapter_set.max_adapters, spec.adapter_set.adapter_memory)
         pins = frozenset(spec.adapter_set.pins or ())
-        self.adapters = LoadedAdapters(backbone, self._head_of, bounds, observer or Unobserved(), pins)
+        self.adapters = LoadedAdapters(backbone, self._head_of, bounds, observer or AdapterObserver(), pins)
         self.stepping: PromptSteps | None = None  # the prompt prefilled in steps now (begin), on the last sequence
         # Every stage registers its undo: a failure at any stage closes what the earlier ones opened.
         with ExitStack() as stack:

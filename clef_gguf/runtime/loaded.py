@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Protocol
 
 from ..format.header import GGUFFile
 from ..llama.backbone import Backbone
@@ -25,33 +24,22 @@ from .adapter_files import AdapterCopy
 from .catalog import CatalogEntry
 
 
-class AdapterObserver(Protocol):
+class AdapterObserver:
     """What a decider tells of its adapters (per-adapter metrics hang here): each event names the adapter, by the name
-    of the request whose batch caused it (one file under two names is loaded once, under the first name asked)."""
-
-    def used(self, name: str, resident: bool) -> None: ...  # a batch needed it: loaded already (a hit), or not
-
-    def loaded(self, name: str, seconds: float, nbytes: int) -> None: ...  # read, checked and loaded in `seconds`
-
-    def evicted(self, name: str, nbytes: int) -> None: ...  # unloaded to make room (its version still current)
-
-    def retired(self, name: str, nbytes: int) -> None: ...  # a replaced version unloaded: never loaded again
-
-
-class Unobserved:
-    """The observer of a model nobody watches."""
+    of the request whose batch caused it (one file under two names is loaded once, under the first name asked). This
+    one hears nothing: an observer overrides the events it counts."""
 
     def used(self, name: str, resident: bool) -> None:
-        pass
+        """A batch needed it: loaded already (a hit), or not."""
 
     def loaded(self, name: str, seconds: float, nbytes: int) -> None:
-        pass
+        """Read, checked and loaded in `seconds`."""
 
     def evicted(self, name: str, nbytes: int) -> None:
-        pass
+        """Unloaded to make room (its version still current)."""
 
     def retired(self, name: str, nbytes: int) -> None:
-        pass
+        """A replaced version unloaded: never loaded again."""
 
 
 @dataclass(eq=False)

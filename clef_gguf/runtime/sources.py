@@ -81,30 +81,21 @@ class Source(Protocol):
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered: ...
 
 
-class SourceObserver(Protocol):
-    """What the fetching tells (the server's metrics hang on it); each call is cheap and never raises."""
+class SourceObserver:
+    """What the fetching tells (the server's metrics hang on it); each call is cheap and never raises. This one hears
+    nothing: an observer overrides the events it counts."""
 
-    def looked_up(self, name: str, hit: bool) -> None: ...  # the disk cache asked for a name's key
-
-    def fetched(self, name: str, seconds: float, nbytes: int) -> None: ...  # a delivery done
-
-    def converted(self, name: str, seconds: float) -> None: ...  # a checkpoint converted
-
-    def failed(self, name: str, error: ClefError) -> None: ...  # a fetch or conversion refused or failed
-
-
-class _Quiet:
     def looked_up(self, name: str, hit: bool) -> None:
-        pass
+        """The disk cache asked for a name's key."""
 
     def fetched(self, name: str, seconds: float, nbytes: int) -> None:
-        pass
+        """A delivery done."""
 
     def converted(self, name: str, seconds: float) -> None:
-        pass
+        """A checkpoint converted."""
 
     def failed(self, name: str, error: ClefError) -> None:
-        pass
+        """A fetch or conversion refused or failed."""
 
 
 class FolderSource:
@@ -175,7 +166,7 @@ class AdapterSources:
     ) -> None:
         self.sources, self.cache, self.bounds = sources, cache, bounds
         self._check, self._convert = check, convert
-        self.observer: SourceObserver = observer or _Quiet()
+        self.observer: SourceObserver = observer or SourceObserver()
         self.owned = contextlib.ExitStack()  # what close() closes besides the cache (the checks' private folder)
         self._lock = threading.Lock()
         self._flights: dict[str, Future[Path]] = {}
