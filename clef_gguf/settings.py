@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import SettingsError
-from .table_checks import check_table
+from .table_checks import check_table, check_value
 
 MAX_PARALLEL = 64  # (llama.cpp's LLAMA_MAX_SEQ is 256)
 # Bounds where llama.cpp would abort or a C type would wrap, checked before anything is loaded. A prompt's positions
@@ -217,6 +217,9 @@ class ModelSpec:
     options: LoadOptions = field(default_factory=LoadOptions)
     adapter_set: AdapterSet = field(default_factory=AdapterSet)
 
+    def __post_init__(self) -> None:
+        check_value("path", self.path, str | Path, {})  # load(None), `serve ''`: not a file to read, nor the folder "."
+
     @classmethod
     def of(cls, path: str | Path, **keywords: Any) -> ModelSpec:
         """The spec of `load(path, **keywords)`: each keyword is a setting of LoadOptions or AdapterSet, by its name."""
@@ -385,7 +388,10 @@ def body_limit(max_prompt_tokens: int, images: bool = False) -> int:
 
 def parse_size(text: str) -> int:
     """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([KMGTPE]?)(i?B?)\s*", text, re.IGNORECASE)
     if not m:
         raise SettingsError(f"not a size: {text!r} (try 8GiB)")
-    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
+    size = float(m[1]) * 1024 ** " KMGTPE".index(m[2].upper() or " ")
+    if size >= 2**63:  # 8 EiB: what no machine has, and no C int64 (llama.cpp's sizes) holds
+        raise SettingsError(f"{text.strip()} is too large a size: sizes are below 8EiB")
+    return int(size)

@@ -5,7 +5,9 @@ unparsed. Apart from settings.py, which holds the settings themselves."""
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from .errors import SettingsError
@@ -31,12 +33,16 @@ def check_table(table: Any) -> None:
     them: load()'s keywords reach the tables unparsed. A SettingsError names the first value refused."""
     hints = get_type_hints(type(table))
     for f in fields(table):
-        value, hint, bounds = getattr(table, f.name), hints[f.name], f.metadata
-        if not _allows(value, hint):
-            raise SettingsError(f"{f.name} must be {_named(hint)}, not {value!r}")
-        low, high = bounds.get("ge"), bounds.get("le")
-        if isinstance(value, (int, float)) and ((low is not None and value < low) or (high is not None and value > high)):
-            within = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
-            raise SettingsError(f"{f.name} must be {within}, not {value}")
-        if value == "":  # Path("") is the working directory: a path left empty is a mistake, not "here"
-            raise SettingsError(f"{f.name} is an empty path")
+        check_value(f.name, getattr(table, f.name), hints[f.name], f.metadata)
+
+
+def check_value(name: str, value: Any, hint: Any, bounds: Mapping[str, Any]) -> None:
+    """One setting's value held to its type hint and its bounds (`ge`, `le`); a path (a hint naming Path) not empty."""
+    if not _allows(value, hint):
+        raise SettingsError(f"{name} must be {_named(hint)}, not {value!r}")
+    low, high = bounds.get("ge"), bounds.get("le")
+    if isinstance(value, (int, float)) and ((low is not None and value < low) or (high is not None and value > high)):
+        within = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
+        raise SettingsError(f"{name} must be {within}, not {value}")
+    if value == "" and Path in (get_args(hint) or (hint,)):  # Path(""): the working directory, never meant
+        raise SettingsError(f"{name} is an empty path")

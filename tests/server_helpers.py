@@ -60,7 +60,7 @@ class BlockingModel:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.name, self.path = model.name, model.path
+        self.name, self.path, self.written = model.name, model.path, model.written
         self.max_prompt_tokens, self.ubatch = model.max_prompt_tokens, model.ubatch
         self.image_limits = model.image_limits  # the Encoder protocol's (runtime/protocols.py)
         self.release = threading.Event()

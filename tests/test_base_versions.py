@@ -155,6 +155,37 @@ def test_a_pinned_file_reads_only_its_own_version(pair, tmp_path):
         pinned.close()
 
 
+def test_a_pinned_file_reads_its_version_after_the_path_is_deleted_or_replaced(pair, tmp_path):
+    """What an adapter's content check reads (any backbone row) comes from the version pinned, whatever the path names
+    now: deleting the base or renaming another file onto it leaves every adapter loadable."""
+    base, other = pair
+    with _validated_copy(base, tmp_path) as (target, validated):
+        original = validated.file.tensor_bytes("output.weight").copy()
+        pinned = PinnedFile.pin(validated.file, ["token_embd.weight"])
+    try:
+        target.unlink()
+        assert (pinned.tensor_bytes("output.weight") == original).all()
+        shutil.copyfile(other, tmp_path / "new.gguf")
+        os.replace(tmp_path / "new.gguf", target)
+        assert (pinned.tensor_bytes("output.weight") == original).all()
+    finally:
+        pinned.close()
+
+
+def test_the_models_listing_dates_the_version_loaded_and_reads_nothing_of_the_path(pair, tmp_path):
+    from clef_gguf.server.app import _models_listing
+
+    base, _ = pair
+    target = tmp_path / "base.gguf"
+    shutil.copyfile(base, target)
+    os.utime(target, (1_700_000_000, 1_700_000_000))  # 2023-11-14
+    with clef_gguf.load(target, max_prompt_tokens=CONTEXT, state_cache=0) as model:
+        os.utime(target, (1_577_836_800, 1_577_836_800))  # `touch -d 2020-01-01`: the answers stay the old version's
+        assert {m["release_date"] for m in _models_listing(model, frozenset())["models"]} == {"2023-11-14"}
+        target.unlink()
+        assert {m["release_date"] for m in _models_listing(model, frozenset())["models"]} == {"2023-11-14"}
+
+
 def test_llama_cpp_never_loads_another_version_than_the_one_pinned(pair, tmp_path):
     """The backbone's load reads the file through a view (llama/qwen35_view.py): refused when the file is no longer
     the version pinned, rather than a backbone of one version under the embeddings and head of another."""
@@ -174,3 +205,28 @@ def test_llama_cpp_never_loads_another_version_than_the_one_pinned(pair, tmp_pat
             load_model(pinned, lean=True)
     finally:
         pinned.close()
+
+
+@pytest.mark.parametrize("change", [_delete, _replace])
+def test_the_backbone_loads_the_version_pinned_when_the_path_is_deleted_or_replaced(pair, tmp_path, change):
+    """Deleting the base (or renaming another file onto it) while it loads: llama.cpp reads the version pinned, through
+    the pin's descriptor, never a traceback of a path that is gone."""
+    import llama_cpp
+
+    from clef_gguf.llama.backbone import load_model
+
+    base, other = pair
+    with _validated_copy(base, tmp_path) as (target, validated):
+        pinned = PinnedFile.pin(validated.file, ["token_embd.weight"])
+    try:
+        change(target, other)
+        llama_cpp.llama_model_free(load_model(pinned, lean=True))
+    finally:
+        pinned.close()
+
+
+def test_a_view_of_a_file_gone_since_its_validation_is_a_model_file_error(tmp_path):
+    from clef_gguf.llama.qwen35_view import View
+
+    with pytest.raises(ModelFileError, match="changed while it was loaded"):
+        View(b"", tmp_path / "gone.gguf", 0, [], PinnedFile(tmp_path / "gone.gguf", None, None))  # type: ignore[arg-type]

@@ -97,3 +97,47 @@ def test_a_ray_config_refuses_them_too(load, says):
     with pytest.raises(SettingsError) as refused:
         validated({"model": str(DEMO_MODEL), "load": load})
     assert says in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ({"load": {"max_prompt_tokens": True}}, "max_prompt_tokens must be int, not True"),
+        ({"load": {"max_prompt_tokens": "2048"}}, "max_prompt_tokens must be int, not '2048'"),
+        ({"load": {"max_prompt_tokens": 2048.0}}, "must be int, not 2048.0"),
+        ({"load": {"state_cache": 1.0}}, "state_cache must be int"),
+        ({"load": {"mmproj": ""}}, "mmproj is an empty path"),
+        ({"adapter_set": {"max_adapters": True}}, "max_adapters must be int"),
+        ({"adapter_set": {"base_head": 1}}, "base_head must be bool"),
+        ({"serve": {"max_queue": "64"}}, "max_queue must be int"),
+        ({"serve": {"limits": {"header_timeout": True}}}, "header_timeout must be float"),
+        ({"scale": {"replicas": 2.0}}, "replicas must be int or None"),
+        ({"model": ""}, "model is an empty path"),
+    ],
+)
+def test_a_ray_config_refuses_what_pydantic_would_coerce_as_load_refuses_it(args, says):
+    """A config's values as written (YAML's true, "2048", 2048.0) are held to load()'s rules, not made 1 and 2048."""
+    with pytest.raises(SettingsError) as refused:
+        validated({"model": str(DEMO_MODEL), **args})
+    assert says in str(refused.value), refused.value
+
+
+def test_a_ray_config_still_takes_paths_as_text(tmp_path):
+    settings = validated({"model": str(DEMO_MODEL), "load": {"mmproj": str(tmp_path / "m.gguf")}, "adapter_set": {}})
+    assert settings.load.mmproj == str(tmp_path / "m.gguf") and settings.model == str(DEMO_MODEL)
+
+
+@pytest.mark.parametrize("path, says", [("", "path is an empty path"), (None, "path must be str or Path, not None")])
+def test_load_refuses_a_model_path_that_names_no_file(path, says):
+    with pytest.raises(SettingsError, match=says):
+        clef_gguf.load(path)
+
+
+@pytest.mark.parametrize("size, says", [("9999999999999TiB", "too large a size"), ("8EiB", "too large a size"),
+                                        ("1.2.3G", "not a size")])
+def test_a_size_past_what_a_machine_addresses_is_refused_as_too_large(size, says):
+    from clef_gguf.settings import parse_size
+
+    with pytest.raises(SettingsError, match=says):
+        parse_size(size)
+    assert parse_size("7EiB") == 7 << 60 and parse_size("1.5K") == 1536

@@ -5,6 +5,8 @@ app is `serve`'s (run.settings_app, from ServeSettings), on uvicorn on loopback 
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from cli_helpers import run_cli
-from server_helpers import TIMEOUT, start
+from server_helpers import TIMEOUT, parse_answer, receive, start
 
 from clef_gguf.data import DEMO_MODEL
 from clef_gguf.errors import SettingsError
@@ -85,6 +87,46 @@ def test_a_foreign_host_is_refused_on_every_route(url):
     port = url.rsplit(":", 1)[1]
     for own in ["127.0.0.1", f"localhost:{port}", "LOCALHOST.", f"[::1]:{port}", "ui.localhost", "10.1.2.3:80"]:
         assert httpx.get(f"{url}/health", headers={"Host": own}, timeout=TIMEOUT).status_code == 200, own
+
+
+def _raw(url: str, target: str, headers: list[tuple[str, str]]) -> tuple[int, bytes]:
+    """One request as written here, header by header (httpx merges a repeated Host): its status and body."""
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    body = b'{"state": "x", "questions": {"q": {"type": "noul"}}}'
+    request = f"POST {target} HTTP/1.1\r\n{head}content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(request.encode("latin-1") + b"connection: close\r\n\r\n" + body)
+        status, _, answer = parse_answer(receive(sock, time.perf_counter() + 60))
+    return status, answer
+
+
+@pytest.mark.parametrize(
+    "headers, status, says",
+    [
+        ([("host", "attacker.example"), ("host", "localhost")], 400, b"2 Host headers"),
+        ([("host", "localhost"), ("host", "attacker.example")], 400, b"2 Host headers"),
+        ([("host", "localhost"), ("host", "localhost")], 400, b"2 Host headers"),
+        ([("host", "localhost:abc")], 400, b"is not a name or address"),
+        ([("host", "localhost:99999")], 400, b"is not a name or address"),
+        ([("host", "localhost:0")], 400, b"is not a name or address"),
+        ([("host", "")], 400, b"is not a name or address"),
+        ([("host", "::1")], 400, b"is not a name or address"),
+        ([("host", "localhost"), ("origin", "http://localhost"), ("origin", ATTACKER)], 403, b"may not call this server"),
+        ([("host", "localhost"), ("origin", ATTACKER), ("origin", "http://localhost")], 403, b"may not call this server"),
+    ],
+)
+def test_a_request_with_two_hosts_a_bad_host_or_two_origins_is_refused(url, headers, status, says):
+    got, body = _raw(url, "/v1/systemone", headers)
+    assert got == status and says in body, body
+
+
+def test_an_absolute_target_names_the_host_the_request_is_for(url):
+    """`POST http://NAME/path` (RFC 9112's absolute form) is for NAME, whatever Host says: refused as a foreign host."""
+    port = url.rsplit(":", 1)[1]
+    status, body = _raw(url, "http://attacker.example/v1/systemone", [("host", "localhost")])
+    assert status == 403 and b"does not answer as 'attacker.example'" in body, body
+    status, body = _raw(url, f"http://localhost:{port}/v1/systemone", [("host", "attacker.example")])
+    assert status == 200, body
 
 
 def test_the_page_and_clients_without_an_origin_are_answered_with_safe_headers(url):

@@ -639,3 +639,35 @@ def test_a_signal_drains_in_flight_requests_then_exits_128_plus_n(ws, model, sig
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_serve_that_cannot_listen_says_where_and_why_and_claims_nothing(ws):
+    """A port in use, an address that is none: one line naming the address and the reason, exit 2 (a bad setting),
+    and no line saying it serves."""
+    import socket
+
+    model = ws.gguf("untied_f32", "f32")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = run_cli("serve", model, "--port", str(port), "--ctx", "512", "--threads", "1", timeout=300)
+    assert run.returncode == 2 and "serving" not in run.stderr, run.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr and "Traceback" not in run.stderr
+    run = run_cli("serve", model, "--host", "999.1.1.1", "--ctx", "512", "--threads", "1", timeout=300)
+    assert run.returncode == 2 and "serving" not in run.stderr and "cannot listen on 999.1.1.1:8000" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "decide"])
+def test_an_empty_model_path_is_a_bad_setting(command, tmp_path):
+    """'' is no file (pathlib makes it ".", the working directory, which was read as a model): a bad setting, exit 2."""
+    request = tmp_path / "request.json"
+    request.write_text("{}")
+    run = run_cli(command, "", *([request] if command == "decide" else []))
+    assert run.returncode == 2 and "an empty path names" in run.stderr and "Is a directory" not in run.stderr, run.stderr
+
+
+def test_an_ipv6_host_is_bracketed_in_urls():
+    from clef_gguf.server.run import url_host
+
+    assert [url_host(h) for h in ("::1", "127.0.0.1", "localhost", "[::1]")] == ["[::1]", "127.0.0.1", "localhost", "[::1]"]

@@ -180,6 +180,8 @@ def decide(
     cannot be written; --resume after any stop leaves no gap."""
     if not 1 <= len(paths) <= 2:
         fail("expected [MODEL.gguf] REQUEST.json or REQUESTS.jsonl")
+    if "" in paths:
+        fail("MODEL and REQUEST are files: an empty path names none")
     model_path, request_path = (Path(paths[0]), paths[1]) if len(paths) == 2 else (DEMO_MODEL, paths[0])
     many = jsonl or request_path.lower().endswith(JSONL_SUFFIXES)  # (nothing to reuse in one request: no state cache)
     spec = load.spec(model_path, LoadOptions.state_cache if many else 0)

@@ -98,6 +98,13 @@ Threads = Annotated[
 ]
 
 
+def file_path(text: str | Path) -> Path:
+    """A file argument's parser (a model's): '' is refused, never Path(''), which is the working directory."""
+    if str(text) == "":
+        raise typer.BadParameter("an empty path names no file")
+    return Path(text)
+
+
 def size_flag(value: str | int) -> int:
     """A SIZE flag's parser: 8GiB, 512MiB, or bytes (settings.parse_size); its default as it is."""
     if isinstance(value, int):  # the default, which click hands to the parser too

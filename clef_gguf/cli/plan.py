@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from ..settings import N_GPU_LAYERS_ENV, LoadOptions, parse_size
 from .errors import line, run
-from .options import Mmproj, Parallel, Threads, Ubatch, check_ubatch, gpu_layers_default
+from .options import Mmproj, Parallel, Threads, Ubatch, check_ubatch, file_path, gpu_layers_default
 
 if TYPE_CHECKING:
     from ..llama.plan import Plan
@@ -33,7 +33,7 @@ PlanGpuLayers = Annotated[
 
 
 def plan(
-    model: Annotated[Path, typer.Argument(help="A Clef GGUF (or a backbone-only qwen35 GGUF).")],
+    model: Annotated[Path, typer.Argument(help="A Clef GGUF (or a backbone-only qwen35 GGUF).", parser=file_path)],
     vram: Annotated[
         str | None, typer.Option("--vram", help="Device memory to fit, e.g. 8GiB: reports the largest prompt that fits.")
     ] = None,

@@ -17,7 +17,7 @@ from ..errors import ExitCode
 from ..settings import DEFAULT_TARGET_PRECISIONS
 from .common import ray_scorer, run_with_progress
 from .errors import err, fail, say
-from .options import AddressOption, DataFlags, ModelFlags, OnRayOption, WorkersOption, flag_groups
+from .options import AddressOption, DataFlags, ModelFlags, OnRayOption, WorkersOption, file_path, flag_groups
 
 Data = Annotated[
     Path,
@@ -108,7 +108,7 @@ def _work(
 
 @flag_groups
 def eval_(
-    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file.")],
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file.", parser=file_path)],
     data: Data,
     *,
     reports: Reports,
@@ -139,8 +139,12 @@ def eval_(
 
 @flag_groups
 def compare(
-    model_a: Annotated[Path, typer.Argument(metavar="MODEL_A", help="The Clef GGUF to compare from (e.g. f32).")],
-    model_b: Annotated[Path, typer.Argument(metavar="MODEL_B", help="The Clef GGUF to compare with it (e.g. Q4_K_M).")],
+    model_a: Annotated[
+        Path, typer.Argument(metavar="MODEL_A", help="The Clef GGUF to compare from (e.g. f32).", parser=file_path)
+    ],
+    model_b: Annotated[
+        Path, typer.Argument(metavar="MODEL_B", help="The Clef GGUF to compare with it (e.g. Q4_K_M).", parser=file_path)
+    ],
     data: Annotated[
         Path, typer.Argument(metavar="DATA", help="JSON Lines requests; with `labels` (clef-finetune's format), metrics too.")
     ],
@@ -166,7 +170,7 @@ def compare(
 
 @flag_groups
 def calibrate(
-    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file (never changed).")],
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="The Clef GGUF file (never changed).", parser=file_path)],
     data: Data,
     out: Annotated[Path, typer.Option("--out", "-o", help="The calibrated copy of MODEL.")],
     holdout: Annotated[

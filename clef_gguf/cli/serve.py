@@ -10,7 +10,7 @@ import typer
 
 from ..settings import API_KEY_ENV, HttpLimits, RayScale, ServeSettings, body_limit, bounds_of, help_of
 from .errors import fail, run, serve_until_stopped
-from .options import LogFormatOption, ServedFlags, flag_groups, size_flag
+from .options import LogFormatOption, ServedFlags, file_path, flag_groups, size_flag
 
 
 def _api_key(value: str | None) -> str | None:
@@ -73,7 +73,7 @@ def _http_limits(max_prompt_tokens: int, images: bool, limits: HttpLimits) -> Ht
 
 @flag_groups
 def serve(
-    model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False)],
+    model: Annotated[Path, typer.Argument(help="The Clef GGUF to serve.", show_default=False, parser=file_path)],
     host: Annotated[str, _serve("host")] = D.host,
     port: Annotated[int, _serve("port")] = D.port,
     api_key: ApiKeyOption = D.api_key,

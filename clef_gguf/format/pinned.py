@@ -8,9 +8,12 @@ runtime reads per request (the token embeddings, the head's lexicon rows, the he
 against) are copied into an anonymous mapping, with the file's identity, and the file's mapping is closed. Nothing of
 this copy is read from the path again; no other process can write, truncate or delete it.
 
-Any other tensor (a backbone row an older adapter's content check compares, format/lineage.py) is read through a new
-descriptor only while the file is still the version pinned (device, inode, size, modification and change times), and
-refused otherwise: read, never mapped, so a truncation is an error and no signal.
+Any other tensor (a backbone row an adapter's content check compares, format/lineage.py: its rows are the adapter's
+choice, any row of any adapted matrix, so no small set of them can be copied ahead) is read through the descriptor
+pinning opened on that version and keeps open: deleting the path or renaming another file onto it leaves that version
+readable there, so adapters keep loading. Only a write to that very file (`cp` over it, a truncation, a `touch`)
+changes what the descriptor reads: then the read is refused (its device, inode, size, modification and change times
+are no longer those pinned); read, never mapped, so a truncation is an error and no signal.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 
@@ -41,15 +45,26 @@ class PinnedFile(GGUFFile):
     offsets: dict[str, int] = field(default_factory=dict)  # a resident tensor's first byte in `map`
     pinned_identity: str = ""
     pinned_digest: str = ""
+    held: BinaryIO | None = None  # the version pinned, open: where a tensor not resident is read
+    links: int = 0  # its hard links when pinned
 
     @classmethod
     def pin(cls, f: GGUFFile, resident: Iterable[str]) -> PinnedFile:
         """`f` (mapped after its validation, its signature the version mapped) pinned: ModelFileError if the path no
         longer names that version, or stops naming it while the copy is made. `f` stays the caller's to close."""
         try:
-            st = os.stat(f.path)
+            held = open_regular(f.path)
         except OSError as e:
-            raise ModelFileError(f"{f.path}: cannot read ({e.strerror or e})") from e
+            raise ModelFileError(changed(f.path)) from e  # (the path named that version when it was validated)
+        try:
+            return cls._copy(f, resident, held)
+        except BaseException:
+            held.close()
+            raise
+
+    @classmethod
+    def _copy(cls, f: GGUFFile, resident: Iterable[str], held: BinaryIO) -> PinnedFile:
+        st = os.fstat(held.fileno())
         if f.signature is None or signature_of(st) != f.signature:
             raise ModelFileError(changed(f.path))
         h, names = f.header, sorted(set(resident) & set(f.header.tensors))
@@ -63,7 +78,7 @@ class PinnedFile(GGUFFile):
             block[: h.header_end] = f.map[: h.header_end]
             for name in names:
                 block[offsets[name] : offsets[name] + h.tensors[name].n_bytes] = f.tensor_bytes(name)
-            pinned = cls(f.path, block, h, f.signature, offsets, f.identity(), f.digest())
+            pinned = cls(f.path, block, h, f.signature, offsets, f.identity(), f.digest(), held, st.st_nlink)
             if pinned.current() != pinned.signature:
                 raise ModelFileError(changed(f.path))
         except BaseException:
@@ -78,6 +93,13 @@ class PinnedFile(GGUFFile):
         except OSError:
             return None
 
+    def is_version(self, st: os.stat_result) -> bool:
+        """Whether the pinned file, as fstat sees it now, still holds the version pinned. Its change time moves at any
+        write (a `touch` that sets the modification time back too) but also when a link to it goes (the path deleted,
+        or another file renamed onto it): a change time moved with fewer links, and nothing else moved, is that."""
+        now, then = signature_of(st), self.signature
+        return now[:4] == then[:4] and (now[4] == then[4] or st.st_nlink < self.links)
+
     def identity(self) -> str:
         return self.pinned_identity
 
@@ -91,21 +113,25 @@ class PinnedFile(GGUFFile):
         return self._read(self.header.data_offset + t.offset, t.n_bytes)
 
     def _read(self, start: int, size: int) -> np.ndarray:
-        """Bytes of the file, through a new descriptor, while it is the version pinned."""
+        """Bytes of the version pinned, through its descriptor, while that file is not written (the path may name
+        another file, or none)."""
         out = np.empty(size, dtype=np.uint8)
-        gone = ModelFileError(f"{self.path} is no longer the version loaded (replaced, written or deleted): restart to load it")
+        gone = ModelFileError(f"{self.path} is no longer the version loaded (written in place): restart to load it")
+        if self.held is None:
+            raise gone
         try:
-            with open_regular(self.path) as fh:
-                if signature_of(os.fstat(fh.fileno())) != self.signature:
-                    raise gone
-                fh.seek(start)
-                done = fh.readinto(memoryview(out)) or 0
-                if done != size or signature_of(os.fstat(fh.fileno())) != self.signature:
-                    raise gone
-        except OSError:
+            fd = self.held.fileno()
+            if not self.is_version(os.fstat(fd)):
+                raise gone
+            done = os.preadv(fd, [memoryview(out)], start)
+            if done != size or not self.is_version(os.fstat(fd)):
+                raise gone
+        except (OSError, ValueError):  # (ValueError: closed)
             raise gone from None
         return out
 
     def close(self) -> None:
+        if self.held is not None:
+            self.held.close()
         with contextlib.suppress(BufferError):  # (views still held: the block goes with them)
             self.map.close()

@@ -27,7 +27,7 @@ from gguf import GGUFValueType, Keys
 from ..errors import ModelFileError
 from ..format import adapter as A
 from ..format import contract as C
-from ..format.header import GGUF_MAGIC, GGUFFile, Signature, signature_of
+from ..format.header import GGUF_MAGIC, GGUFFile
 from ..format.pinned import PinnedFile, changed
 
 _GLOBAL_KEYS = (Keys.General.ALIGNMENT, Keys.General.NAME, Keys.General.FILE_TYPE, Keys.General.QUANTIZATION_VERSION)
@@ -176,14 +176,21 @@ class View:
         path: os.PathLike[str] | str,
         data_offset: int,
         extents: list[Extent],
-        version: Signature | None = None,
+        pinned: PinnedFile | None = None,
     ) -> None:
         self.header = header
         self.extents = {e.name: e for e in extents}
         self._ordered = extents
         self._starts = [e.start for e in extents]
-        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
-        self.version = version  # a pinned base's: the file read must be that version, before and after (changed())
+        # A pinned base is read through its pin's descriptor (a copy of it, this View's to close): the version pinned,
+        # whatever the path names now; the file must stay that version, before and after (changed()).
+        held = pinned.held if pinned is not None else None
+        try:
+            self._file = open(path if held is None else os.dup(held.fileno()), "rb", buffering=0)  # noqa: SIM115
+        except OSError as e:  # the file deleted or made unreadable since it was validated: not a crash of ours
+            why = changed(path) if pinned is not None else f"{os.fspath(path)}: cannot read ({e.strerror or e})"
+            raise ModelFileError(why) from None
+        self.pinned = pinned
         if self.changed():
             self._file.close()
             raise ModelFileError(changed(path))
@@ -224,7 +231,7 @@ class View:
 
     def changed(self) -> bool:
         """Whether the file read is no longer the version pinned (written, truncated, replaced before it was opened)."""
-        return self.version is not None and signature_of(os.fstat(self._file.fileno())) != self.version
+        return self.pinned is not None and not self.pinned.is_version(os.fstat(self._file.fileno()))
 
     def close(self) -> None:
         self._file.close()
@@ -238,8 +245,8 @@ class View:
 
 def open_qwen35_view(f: GGUFFile, lean: bool = False) -> View:
     extents = _extents(f, view_tensor_names(f, lean), lean)
-    version = f.signature if isinstance(f, PinnedFile) else None
-    return View(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents, version)
+    pinned = f if isinstance(f, PinnedFile) else None
+    return View(qwen35_header(f, extents, lean), f.path, f.header.data_offset, extents, pinned)
 
 
 def open_adapter_view(f: GGUFFile) -> View:

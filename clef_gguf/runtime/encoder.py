@@ -10,6 +10,7 @@ the same errors; its catalog, built from the same ModelSpec as the replicas', gi
 
 from __future__ import annotations
 
+import datetime as dt
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,10 @@ class PromptEncoder:
         # The decider's image limits (its vision tower paired with this file): images are decoded and sized here.
         mmproj = o.mmproj
         self.image_limits = image_limits(open_vision(validated.file.header, mmproj)) if mmproj is not None else None
+        # A local file has no release date: the day the version loaded was written is the honest stand-in, taken
+        # now from the signature it was read under, never from the path (which may name another version, or none).
+        mtime_ns = validated.file.signature[3] if validated.file.signature is not None else 0
+        self.written = dt.datetime.fromtimestamp(mtime_ns / 1e9, dt.timezone.utc).date().isoformat()
         # The file's identity (header and weights): a decider refuses a prompt stamped with anything else.
         self.catalog = Catalog(validated.file, d, validated.file.identity(), spec.adapter_set)
 

@@ -93,7 +93,6 @@ class LoadedAdapters:
             loaded = self._loaded.get(entry.identity)
             self.observer.used(entry.name, loaded is not None)
             if loaded is None:
-                self._make_room(entry)
                 loaded = self._load(entry, reread)
             self._loaded.move_to_end(entry.identity)
         if loaded is not self._applied:
@@ -124,6 +123,7 @@ class LoadedAdapters:
         copy = reread(entry)  # AdapterUnavailableError: the file is no longer this version
         with ExitStack() as stack:
             stack.callback(copy.close)
+            self._make_room(entry)  # once its copy is read and checked: an adapter that fails evicts none
             lora = load_lora(self.backbone.model, copy.file, scratch=copy.file.path.parent)  # (the copy's own folder)
             stack.callback(free_lora, lora)
             head = self._head_of(copy.file)

@@ -99,7 +99,7 @@ class ClefModel:
             stack.callback(self.backbone.close)
             self.encoder = PromptEncoder(self.spec, validated, self.backbone.tokenize)
             stack.callback(self.encoder.close)
-            self.catalog = self.encoder.catalog
+            self.catalog, self.written = self.encoder.catalog, self.encoder.written
             self.decider = Decider(
                 self.spec, validated, self.backbone, self.catalog, self.encoder.image_limits, self.state_cache, self._observer
             )

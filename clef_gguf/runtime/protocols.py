@@ -55,6 +55,7 @@ class Encoder(Protocol):
 
     name: str
     path: Path
+    written: str  # the day the base version loaded was written (ISO date): its release date in /v1/models
     ubatch: int  # tokens per physical batch of the prefill
     image_limits: object | None  # None: no vision tower loaded, requests with images are refused
 

@@ -6,7 +6,6 @@ a new status goes there."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -76,8 +75,7 @@ def _models_listing(model: Encoder, resident: frozenset[str]) -> dict[str, Any]:
     """The base, its alias and every adapter name a request may try, each with its state: `resident` (loaded: here, or
     on a Ray replica), `on_disk` (its file validated, loaded when a request names it) or `refused` (with the reason a
     request naming it would be refused with)."""
-    # A local file has no release date: the date its GGUF was written is the honest stand-in.
-    written = dt.datetime.fromtimestamp(model.path.stat().st_mtime, dt.timezone.utc).date().isoformat()
+    written = model.written  # taken at load: nothing of the base is read from its path while it serves
     limit = model.max_prompt_tokens
     described = f"Clef decision model {model.name} ({model.path.name}) on llama.cpp; prompts up to {limit} tokens"
     about = f"a fine-tune over {model.name} (an adapter file): name it in `model`"

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import FOREIGN_HOST, FOREIGN_ORIGIN
+from ..errors import BAD_HTTP, FOREIGN_HOST, FOREIGN_ORIGIN
 from ..runtime.failures import Failure
 from .problems import ApiError, render_problem
 
@@ -60,6 +60,22 @@ def split_host(authority: str) -> tuple[str, int | None]:
     else:
         name, _, port = authority.rpartition(":") if authority.count(":") == 1 else (authority, "", "")
     return name.rstrip("."), int(port) if port.isdigit() else None
+
+
+def is_authority(text: str) -> bool:
+    """Whether a Host header is one name or address, and a port where one is given (1 to 65535; RFC 9110's empty port
+    too): what is otherwise would be matched as some name it is not."""
+    text = text.strip()
+    if text.startswith("["):
+        name, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            return False
+        port = rest[1:]
+    else:
+        name, _, port = text.partition(":")
+        if ":" in port:  # an IPv6 address only in brackets
+            return False
+    return bool(name) and (not port or (port.isascii() and port.isdigit() and 0 < int(port) <= 65535))
 
 
 def _is_address(name: str) -> bool:
@@ -108,16 +124,21 @@ class OwnOrigin:
         self.origins = {o.lower().rstrip("/") for o in origins}
 
     def refusal(self, scope: Scope) -> Failure | None:
-        headers = dict(scope.get("headers") or [])
-        host = headers.get(b"host", b"").decode("latin-1")
-        origin = headers.get(b"origin")
+        headers = scope.get("headers") or []
+        hosts = [value.decode("latin-1") for name, value in headers if name == b"host"]
+        origins = [value for name, value in headers if name == b"origin"]
+        if len(hosts) > 1:  # (RFC 9112, 3.2: each could be read as the one that counts, by a proxy or by us)
+            return ApiError(BAD_HTTP, f"the request has {len(hosts)} Host headers: HTTP/1.1 allows one")
+        host = hosts[0] if hosts else ""
+        if hosts and not is_authority(host):
+            return ApiError(BAD_HTTP, f"Host {host[:200]!r} is not a name or address with a port from 1 to 65535")
         if host and (name := split_host(host)[0]) not in self.names:
             message = f"this server does not answer as {name[:200]!r} (Host): start it with --allowed-host NAME to allow it"
             return ApiError(FOREIGN_HOST, message)
-        if origin is None or "*" in self.origins:
+        if not origins or "*" in self.origins:
             return None
-        text = origin.decode("latin-1").strip().lower().rstrip("/")
-        if text in self.origins or (host and _same_authority(text, host)):
+        text = b", ".join(origins).decode("latin-1").strip().lower().rstrip("/")
+        if len(origins) == 1 and (text in self.origins or (host and _same_authority(text, host))):
             return None
         message = f"pages of {text[:200]!r} may not call this server (Origin): start it with --allowed-origin ORIGIN to let them"
         return ApiError(FOREIGN_ORIGIN, message)

@@ -17,7 +17,7 @@ from ..runtime.images import MAX_IMAGES
 from ..runtime.model import ClefModel
 from ..settings import ModelSpec, RayScale, ServeSettings
 from .adapter_metrics import AdapterCounts, local_view
-from .run import serve
+from .run import listen, serve, url_host
 
 
 def serve_file(spec: ModelSpec, settings: ServeSettings) -> int | None:
@@ -25,11 +25,16 @@ def serve_file(spec: ModelSpec, settings: ServeSettings) -> int | None:
     the signal that stopped it, once drained."""
     counts = AdapterCounts(settings.metrics_adapter_cap)  # (the per-adapter series: the decider tells it its events)
     loaded = ClefModel(spec, counts)
-    url = f"http://{settings.host}:{settings.port}/v1/systemone"
+    try:
+        sock = listen(settings)  # before the line saying it serves: an address in use is said instead, exit 2
+    except BaseException:
+        loaded.close()
+        raise
+    url = f"http://{url_host(settings.host)}:{settings.port}/v1/systemone"
     name = printable(loaded.name)  # general.name comes from the file: no escapes reach the terminal
     images = f", up to {MAX_IMAGES} images" if loaded.vision is not None else ""
     print(f"serving {name} on {url} (prompts up to {loaded.max_prompt_tokens} tokens{images})", file=sys.stderr, flush=True)
-    return serve(loaded, settings, local_view(counts, loaded.resident_adapters))
+    return serve(loaded, settings, local_view(counts, loaded.resident_adapters), sock)
 
 
 def serve_on_ray(spec: ModelSpec, settings: ServeSettings, scale: RayScale) -> int | None:

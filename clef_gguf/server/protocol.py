@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ..errors import BAD_HTTP, HEAD_TIMEOUT, HEAD_TOO_LARGE, URL_TOO_LONG
@@ -77,6 +78,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(ApiError(URL_TOO_LONG, message))
 
     def on_headers_complete(self) -> None:
+        self._host_from_target()
         # The head's size as received: what a single chunk holding all of it would not have counted yet.
         if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > self.limits.max_head_bytes:
             self._refuse(self._head_too_large())
@@ -84,6 +86,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timers()
         self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_timed_out)
         super().on_headers_complete()
+
+    def _host_from_target(self) -> None:
+        """An absolute-form target (`POST http://name/path`, as to a proxy) names the host the request is for, and a
+        server takes that one, not the Host header (RFC 9112, 3.2.2): uvicorn keeps only its path, so its authority
+        is made the Host, for the guard (guard.py) to answer or refuse as any Host."""
+        if self.url.startswith(b"/") or self.url == b"*":
+            return
+        try:
+            target = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            return  # (uvicorn's own parse of it answers BAD_HTTP)
+        if target.host is None:
+            return
+        host = b"[" + target.host + b"]" if b":" in target.host else target.host
+        authority = host + (b":%d" % target.port if target.port is not None else b"")
+        self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"] + [(b"host", authority)]
 
     def _head_too_large(self) -> ApiError:
         limit = self.limits.max_head_bytes

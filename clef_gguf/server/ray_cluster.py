@@ -19,6 +19,7 @@ from ..runtime.ray_local import cluster, local_cluster_alive
 from ..settings import ServeSettings
 from .ray_private import stop_proxies
 from .ray_serve import APP_NAME, RaySettings, build_app
+from .run import url_host
 
 # The time Ray may take to hand the ingress the drain call, beyond the drain itself.
 DRAIN_CALL_MARGIN_S = 30.0
@@ -95,7 +96,7 @@ def run(settings: RaySettings) -> int | None:
             except RuntimeError as e:  # Ray's "Deploying application ... failed", after its own retries
                 raise DeploymentError(_why_not_deployed(e)) from None
             deployed = True
-            where = f"http://{settings.serve.host}:{settings.serve.port}/v1/systemone"
+            where = f"http://{url_host(settings.serve.host)}:{settings.serve.port}/v1/systemone"
             print(f"serving {APP_NAME} on {where} (Ray Serve)", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)  # until a signal raises _Stopped

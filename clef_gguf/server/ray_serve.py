@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, get_args, get_type_hints
 
 from fastapi import FastAPI
 from pydantic import TypeAdapter, ValidationError
@@ -46,6 +47,7 @@ from ..errors import AdapterUnavailableError, SettingsError
 from ..runtime.model import PROBE, ClefModel, open_encoder
 from ..runtime.prompt import EncodedPrompt
 from ..settings import API_KEY_ENV, AdapterSet, HttpLimits, LoadOptions, ModelSpec, RayScale, ServeSettings
+from ..table_checks import check_value
 from .adapter_metrics import AdapterCounts, AdapterView, ReplicaFigures
 from .app import check_api_key, send_shutting_down
 from .decision import Decision
@@ -76,7 +78,7 @@ class RaySettings:
 
     __pydantic_config__ = {"extra": "forbid"}  # (a config's `args`: a mistyped name is refused)
 
-    model: str  # the GGUF's path, the same on every node that runs a replica or the ingress
+    model: str | Path  # the GGUF's path, the same on every node that runs a replica or the ingress
     serve: ServeSettings = field(default_factory=ServeSettings)  # the ingress's: its key, queue, HTTP limits, log format
     # Each replica's model (paths the same on every node; n_threads, default 1, also the CPUs Ray reserves for it).
     load: LoadOptions = field(default_factory=LoadOptions)
@@ -128,9 +130,30 @@ def _refusal(error: Any) -> str:
     return f"{where}: {error['msg']}"
 
 
+_PLAIN = {int, float, str, bool, Path, type(None)}
+
+
+def check_values(table: type, values: Any) -> None:
+    """The values a table (settings.py's) is made from, as a config gives them, held as load() holds its keywords
+    (settings.check_table) before pydantic's lax mode turns True into 1 and "2048" into 2048: each setting of a plain
+    type (numbers, text, paths, or None), in every table within. Others (an enum, a tuple) are pydantic's alone."""
+    if not isinstance(values, dict):
+        return
+    hints = get_type_hints(table)
+    for f in fields(table):
+        hint = hints[f.name]
+        if f.name not in values:
+            continue
+        if is_dataclass(hint):
+            check_values(hint, values[f.name])
+        elif set(get_args(hint) or (hint,)) <= _PLAIN:
+            check_value(f.name, values[f.name], hint, f.metadata)
+
+
 def validated(args: dict[str, Any]) -> RaySettings:
     """`args` (RaySettings' fields, each table as a dict) held to the tables' types and bounds, the autoscale range
     and the API key checked; a SettingsError naming each setting refused (unknown ones too)."""
+    check_values(RaySettings, args)  # as given, before pydantic's lax mode turns True into 1: refused as load() refuses
     try:
         settings = _SETTINGS.validate_python(args)
         if settings.scale.autoscale is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from typing import Any
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at (SIGINT, SIGTERM; Windows: SIGBREAK)
 
+from ..errors import SettingsError
 from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
 from .adapter_metrics import AdapterView
@@ -64,13 +66,43 @@ def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
     return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **names, **options)
 
 
-def serve(model: Model, settings: ServeSettings | None = None, adapters: AdapterView | None = None) -> int | None:
+def url_host(host: str) -> str:
+    """`host` as a URL names it: an IPv6 address in brackets (http://[::1]:8000/)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def listen(settings: ServeSettings) -> socket.socket:
+    """The socket the server will accept on, bound: before anything says it serves. An address that cannot be bound
+    (in use, not this machine's, not an address) is a bad setting: SettingsError naming it and why."""
+    where = f"{url_host(settings.host)}:{settings.port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise SettingsError(f"cannot listen on {where}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a port in TIME_WAIT is free
+        sock.bind(address)
+        sock.set_inheritable(True)
+    except OSError as e:
+        sock.close()
+        raise SettingsError(f"cannot listen on {where}: {e.strerror or e}") from None
+    return sock
+
+
+def serve(
+    model: Model, settings: ServeSettings | None = None, adapters: AdapterView | None = None, sock: socket.socket | None = None
+) -> int | None:
     """Serve until SIGTERM, SIGINT or SIGHUP. uvicorn then stops accepting connections, lets in-flight and
     queued requests finish (up to settings.drain_timeout), and the app closes the model; then this returns the signal
     (None: stopped otherwise). One access log line per request on stderr, in settings.log_format (observe.py);
-    `adapters`: the model's per-adapter counts (adapter_metrics.py)."""
-    access_lines = configure_access_log()
+    `adapters`: the model's per-adapter counts (adapter_metrics.py). `sock`: listen(settings)'s, bound by the caller;
+    else bound here (SettingsError where it cannot be)."""
     s = settings or ServeSettings()
+    sock = sock or listen(s)
+    access_lines = configure_access_log()
     app = settings_app(model, s, adapters=adapters)
     config = uvicorn_config(
         app,
@@ -89,7 +121,7 @@ def serve(model: Model, settings: ServeSettings | None = None, adapters: Adapter
     gc.collect()
     gc.freeze()
     try:
-        server.run()  # (off the main thread no signal reaches it: the caller stops it with server.should_exit)
+        server.run(sockets=[sock])  # (off the main thread no signal reaches it: the caller stops it with server.should_exit)
         return server.stopped_by
     finally:
         access_lines.drain(ACCESS_LOG_DRAIN_S)  # the last requests' lines, before the process exits
