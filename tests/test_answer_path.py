@@ -201,3 +201,29 @@ def test_the_decider_tells_its_observer_of_loads_evictions_and_retirements(tunes
         model.decide(_named("model", "other", request))
         model.decide(request)  # (the base: no adapter used)
     assert events.uses == [("tuned", False), ("other", False), ("other", False), ("other", True)]
+
+
+def test_an_adapter_that_fails_to_load_evicts_none(tunes, tmp_path):
+    """max_adapters 1: an adapter whose load is refused (its file changed after the request named it) leaves the one
+    loaded loaded, answering; the LRU makes room only for an adapter read and checked."""
+    import shutil
+
+    from clef_gguf.errors import AdapterUnavailableError
+    from clef_gguf.runtime.model import ClefModel
+    from clef_gguf.settings import ModelSpec
+
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    for name in NAMES:
+        shutil.copyfile(tunes.adapters[name], folder / f"{name}.adapter.gguf")
+    events = Events()
+    spec = ModelSpec.of(tunes.base, max_prompt_tokens=CONTEXT, adapter_dir=folder, max_adapters=1, state_cache=0)
+    request = labelled_requests(1)[0]
+    with ClefModel(spec, events) as model:
+        before = model.decide(_named("model", "tuned", request))
+        named = model.encode(_named("model", "other", request))
+        shutil.copyfile(folder / "tuned.adapter.gguf", folder / "other.adapter.gguf")  # before it is loaded
+        with pytest.raises(AdapterUnavailableError, match="changed after this request named it"):
+            model.answer_batch([named])
+        assert events.seen == [("loaded", "tuned")]
+        assert model.decide(_named("model", "tuned", request)) == before
