@@ -75,18 +75,15 @@ def listen(settings: ServeSettings) -> socket.socket:
     """The socket the server will accept on, bound: before anything says it serves. An address that cannot be bound
     (in use, not this machine's, not an address) is a bad setting: SettingsError naming it and why."""
     where = f"{url_host(settings.host)}:{settings.port}"
+    # As uvicorn binds --host: IPv6 for an address with a colon, else IPv4 (a name resolved there: localhost is 127.0.0.1).
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
+        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as e:  # (no IPv6 here)
         raise SettingsError(f"cannot listen on {where}: {e.strerror or e}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a port in TIME_WAIT is free
-        sock.bind(address)
-        sock.set_inheritable(True)
-    except OSError as e:
+        sock.bind((settings.host.strip("[]"), settings.port))
+    except OSError as e:  # (socket.gaierror too: a host that is no address and no name)
         sock.close()
         raise SettingsError(f"cannot listen on {where}: {e.strerror or e}") from None
     return sock
