@@ -60,10 +60,10 @@ def offload_default(unset: int = 0) -> int:
     value = os.environ.get(N_GPU_LAYERS_ENV, "").strip()
     if not value:
         return unset
-    try:
-        return int(value)
-    except ValueError:
-        raise SettingsError(f"{N_GPU_LAYERS_ENV} must be an integer (-1: every layer), not {value!r}") from None
+    layers = int(value) if re.fullmatch(r"[+-]?[0-9]+", value) else None
+    if layers is None or not -1 <= layers <= INT32_MAX:  # (named here: LoadOptions' bounds would name n_gpu_layers)
+        raise SettingsError(f"{N_GPU_LAYERS_ENV} must be an integer from -1 (every layer) to {INT32_MAX}, not {value!r}")
+    return layers
 
 
 # pydantic's configuration of each table, when a Ray config's `args` are validated into it: a mistyped name is refused.

@@ -34,11 +34,22 @@ def test_demo_answers_the_bundled_request():
     assert "RANDOM" in run.stderr
 
 
-def test_the_gpu_layers_may_come_from_the_environment():
-    """CLEF_GGUF_N_GPU_LAYERS, as llama-server's LLAMA_ARG_N_GPU_LAYERS (the device set sets it for subprocesses)."""
-    env = {**os.environ, "CLEF_GGUF_N_GPU_LAYERS": "many"}
+@pytest.mark.parametrize("value", ["many", "-7", "2147483648"])
+def test_the_gpu_layers_may_come_from_the_environment(value):
+    """CLEF_GGUF_N_GPU_LAYERS, as llama-server's LLAMA_ARG_N_GPU_LAYERS (the device set sets it for subprocesses): a
+    value out of -ngl's bounds is one line naming the variable (not n_gpu_layers, which the user never wrote), exit 2."""
+    env = {**os.environ, "CLEF_GGUF_N_GPU_LAYERS": value}
     run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "demo"], capture_output=True, text=True, env=env)
-    assert run.returncode == 2 and "CLEF_GGUF_N_GPU_LAYERS" in run.stderr, run.stderr
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"error: CLEF_GGUF_N_GPU_LAYERS must be an integer from -1 (every layer) to 2147483647, not '{value}'"
+    ], run.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_layers_given_win_over_the_environment():
+    env = {**os.environ, "CLEF_GGUF_N_GPU_LAYERS": "-7"}
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "demo", "-ngl", "0"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and json.loads(run.stdout)["answers"], run.stderr
 
 
 @pytest.mark.slow

@@ -114,3 +114,12 @@ def test_the_gpu_check_rehearsed_on_the_cpu_starts_every_step(tmp_path):
     assert "demo model's head runs on CPU" in log and "0 steps failed" in log, log[-3000:]
     assert re.search(rf"\n{len(DEVICE_QUICK) + 1}/\d+ tests collected", log), log[-3000:]  # (the plan's test has two cases)
     assert json.loads((tmp_path / "probe.json").read_text())["n_gpu_layers"] == -1
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_the_device_check_prints_its_usage(flag):
+    """--help prints the script's header comment, its usage, wherever the Vulkan venv is (none here), and exits 0."""
+    run = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), flag], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.startswith("The device set on Vulkan") and "bash tools/device_check.sh [VENV] [--quick]" in run.stdout
+    assert run.stdout.rstrip().endswith("not how fast it is.") and "#" not in run.stdout.split("\n")[0]

@@ -180,9 +180,11 @@ def test_offload_has_one_default_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(N_GPU_LAYERS_ENV, "0")  # plan's own default (-1, a card) gives way to it too
     planned = run_cli("plan", str(DEMO_MODEL), "--json")
     assert planned.returncode == 0 and json.loads(planned.stdout)["n_gpu_layers"] == 0, planned.stderr
-    monkeypatch.setenv(N_GPU_LAYERS_ENV, "all")
-    with pytest.raises(SettingsError, match=N_GPU_LAYERS_ENV):
-        LoadOptions()
+    for value in ("all", "-7"):  # (-7 named n_gpu_layers, which the caller never wrote)
+        monkeypatch.setenv(N_GPU_LAYERS_ENV, value)
+        with pytest.raises(SettingsError, match=f"^{N_GPU_LAYERS_ENV} must be an integer from -1"):
+            LoadOptions()
+        assert LoadOptions(n_gpu_layers=0).n_gpu_layers == 0  # a value given wins over the variable
 
 
 def test_serves_adapters_means_what_the_adapter_set_says(ws, tmp_path):

@@ -24,7 +24,7 @@ import pytest
 
 import clef_gguf
 from clef_gguf.conversion.adapter import convert_adapter
-from clef_gguf.errors import ExitCode, ModelFileError, SettingsError
+from clef_gguf.errors import BackendUnavailableError, ExitCode, ModelFileError, SettingsError
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import backbone, cookie_file, cpu_buffers, loader, user_model
 from clef_gguf.llama.qwen35_view import view_tensor_names
@@ -232,3 +232,17 @@ def test_ggml_base_is_bound_once_from_llama_cpps_own_folder(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     mapped = json.loads(run.stdout.splitlines()[-1])
     assert len(mapped) == 1 and Path(mapped[0]).parent == libraries, mapped
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_libraries_that_do_not_load_from_llama_cpp_lib_path_name_it(tmp_path, where):
+    """LLAMA_CPP_LIB_PATH at a folder that does not exist, or that holds no libraries: the one line names the variable
+    and its value as the cause (reinstalling llama-cpp-python, what it said, would change nothing)."""
+    folder = tmp_path / where
+    if where == "empty":
+        folder.mkdir()
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(folder)}
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "demo"], env=env, capture_output=True, text=True, timeout=300)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == BackendUnavailableError.exit_code and len(lines) == 1, run.stderr[-3000:]
+    assert f"LLAMA_CPP_LIB_PATH is set to '{folder}'" in lines[0] and "Reinstall" not in lines[0], lines

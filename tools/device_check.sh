@@ -14,6 +14,7 @@
 # below (minutes per model shape on 2 cores); later runs, and every later process, reuse it. lavapipe is
 # 30-50x slower than the CPU backend: this checks that the device path is right, not how fast it is.
 set -euo pipefail
+HELP=$(sed -n '2,/^set /s/^# \{0,1\}//p' "$0")  # the comment above: the usage
 cd "$(dirname "$0")/.."
 VENV=$HOME/.cache/clef-gguf/vulkan-venv
 if [ $# -gt 0 ] && [ -d "$1" ]; then
@@ -26,6 +27,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         --quick) MARK=device_quick ;;
         --rehearse) REHEARSE=1 ;;
+        -h|--help) echo "$HELP"; exit 0 ;;
         *) break ;;
     esac
     shift

@@ -34,8 +34,8 @@ def _load(name: str, table: type = LoadOptions) -> Any:
 
 
 def gpu_layers_default(unset: int) -> Callable[[int | None], int]:
-    """-ngl's value: the flag's, else settings.offload_default(unset) (CLEF_GGUF_N_GPU_LAYERS), refused as a usage
-    error where that is no integer."""
+    """-ngl's value: the flag's, else settings.offload_default(unset) (CLEF_GGUF_N_GPU_LAYERS), whose refusal (no
+    integer in -ngl's bounds) is one line naming the variable, exit 2: no flag was given to show usage for."""
 
     def value(given: int | None) -> int:
         if given is not None:
@@ -43,7 +43,7 @@ def gpu_layers_default(unset: int) -> Callable[[int | None], int]:
         try:
             return offload_default(unset)
         except SettingsError as e:
-            raise typer.BadParameter(str(e)) from None
+            fail(str(e))
 
     return value
 

@@ -4,6 +4,7 @@ what the error says when they cannot load, and what -ngl can use."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -36,6 +37,13 @@ def explain_load_failure(error: Exception) -> str:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     # llama-cpp-python's own wrapping: "Failed to load shared library '<path>': <the loader's message>"
     reason = re.sub(r"^Failed to load shared library '[^']*': ", "", reason)
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if override:  # llama-cpp-python then loads its libraries from there alone: the likely cause, whatever the loader says
+        return (
+            f"llama-cpp-python's libraries cannot load ({reason}): LLAMA_CPP_LIB_PATH is set to {override!r}, where "
+            "llama-cpp-python looks for libllama and the ggml libraries instead of its own: point it at a folder that "
+            "holds them, or unset it"
+        )
     backends = built_backends()
     if "CUDA" in backends and "libcuda.so" in reason:
         return (
