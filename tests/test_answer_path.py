@@ -15,10 +15,11 @@ from peft_adapters import LORA
 
 import clef_gguf
 from clef_gguf.conversion.adapter import convert_adapter
+from clef_gguf.errors import ExitCode, RequestError
 from clef_gguf.runtime import adapter_files
 from clef_gguf.runtime.dataset_file import decide_file
 from clef_gguf.testing import finetune
-from clef_gguf.testing.request_suite import flat_probabilities, labelled_requests
+from clef_gguf.testing.request_suite import LABELLED, flat_probabilities, labelled_requests
 
 pytestmark = pytest.mark.slow  # PEFT checkpoints and their merged conversions
 
@@ -227,3 +228,72 @@ def test_an_adapter_that_fails_to_load_evicts_none(tunes, tmp_path):
             model.answer_batch([named])
         assert events.seen == [("loaded", "tuned")]
         assert model.decide(_named("model", "tuned", request)) == before
+
+
+WORKERS_AI = "/accounts/a/ai/run/@cf/cloudflare/clef-flash"
+
+
+def test_an_answer_names_the_model_that_answered(tunes, expected, tmp_path):
+    """A request naming a client's alias in `model` and a fine-tune in `lora` is the fine-tune's, and its answer says
+    so (it said the alias) in decide, decide_many, the JSON Lines mode and both serve routes; the base's answer still
+    echoes the name the request used. An unknown `lora` is a 422 at `lora` on both routes."""
+    from live_server import served
+
+    both = [{**r, "model": "clef-flash", "lora": "tuned"} for r in labelled_requests(3)]
+    aliased = [{**r, "model": "clef-flash"} for r in labelled_requests(3)]
+    source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in both))
+    with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapters=tunes.adapters) as model:
+        _check([model.decide(r) for r in both], ["tuned"] * 3, expected)
+        _check(list(model.decide_many(both)), ["tuned"] * 3, expected)
+        assert [a["model"] for a in model.decide_many(aliased)] == ["clef-flash"] * 3
+        decide_file(model, str(source), str(out))
+    _check([json.loads(line) for line in out.read_text().splitlines()], ["tuned"] * 3, expected)
+    import httpx
+
+    pairs = [arg for name in NAMES for arg in ("--adapter", f"{name}={tunes.adapters[name]}")]
+    with served(tunes.base, "--ctx", str(CONTEXT), *pairs) as (url, _), httpx.Client(base_url=url, timeout=120) as client:
+        _check([client.post("/v1/systemone", json=both[0]).json()], ["tuned"], expected)
+        _check([client.post(WORKERS_AI, json=both[0]).json()["result"]], ["tuned"], expected)
+        unknown = {**both[0], "lora": "nope"}
+        refused = client.post("/v1/systemone", json=unknown)
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "lora"], refused.text
+        run = client.post(WORKERS_AI, json=unknown)
+        assert run.status_code == 422 and run.json()["errors"][0]["message"].startswith("body.lora: "), run.text
+
+
+def test_a_lora_is_answered_only_by_the_fine_tune_it_names(tunes, expected, tmp_path):
+    """A pinned adapter (--adapter FILE) answers every request under its own name (a `model` alias is no answer's
+    name), and refuses a `lora` naming another fine-tune (it answered it, as itself); `decide BASE` on JSON Lines
+    without adapters refuses a `lora` naming one (the base answered it) and still echoes any `model`."""
+    requests = labelled_requests(3)
+    with clef_gguf.load(tunes.base, max_prompt_tokens=CONTEXT, adapter=tunes.adapters["tuned"]) as model:
+        _check([model.decide({**r, "model": "clef-flash"}) for r in requests], ["tuned"] * 3, expected)
+        _check([model.decide({**requests[0], "lora": "tuned", "model": "x"})], ["tuned"], expected)
+        with pytest.raises(RequestError, match="tuned answers every request") as caught:
+            model.decide({**requests[0], "lora": "other"})
+        assert caught.value.field == "lora"
+    source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    source.write_text(json.dumps({**requests[0], "lora": "tuned"}) + "\n" + json.dumps({**requests[0], "model": "mine"}) + "\n")
+    run = run_cli("decide", tunes.base, source, "-o", out, "--ctx", str(CONTEXT))
+    assert run.returncode == ExitCode.SOME_ERRORS, run.stderr[-2000:]
+    refused, answered = (json.loads(line) for line in out.read_text().splitlines())
+    assert refused["error"]["detail"][0]["loc"] == ["body", "lora"], refused
+    assert answered["model"] == "mine" and flat_probabilities(answered) == pytest.approx(expected[None][0], abs=ROUNDED)
+
+
+def test_eval_compare_and_calibrate_name_the_adapter_they_ran(tunes, tmp_path):
+    """eval --adapter: metrics.json's `checkpoint` (clef-finetune's field for the fine-tune over `model_dir`) is the
+    adapter file, and report.md's model line names it (both named the base alone); compare's and calibrate's too."""
+    adapter, data = str(tunes.adapters["tuned"]), str(LABELLED)
+    ran = run_cli("eval", tunes.base, data, "--adapter", adapter, "-o", tmp_path / "eval", "--ctx", str(CONTEXT))
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["model_dir"] == str(tunes.base) and metrics["checkpoint"] == adapter
+    assert f"model: `{tunes.base}` with the adapter `{adapter}`" in (tmp_path / "eval" / "report.md").read_text()
+    compared = run_cli("compare", tunes.base, tunes.base, data, "--adapter-a", adapter, "--json", "--ctx", str(CONTEXT))
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    assert json.loads(compared.stdout)["a"] == f"{tunes.base} with the adapter {adapter}"
+    out = tmp_path / "calibrated.adapter.gguf"
+    fitted = run_cli("calibrate", tunes.base, data, "-o", out, "--adapter", adapter, "--json", "--ctx", str(CONTEXT))
+    assert fitted.returncode == 0 and json.loads(fitted.stdout)["adapter"] == adapter, fitted.stderr[-2000:]

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 
 from clef_gguf import errors
+from clef_gguf.check.validate import open_validated
+from clef_gguf.data import DEMO_MODEL
 from clef_gguf.errors import (
     HEAD_TOO_LARGE,
     NO_SUCH_MODEL,
@@ -43,6 +45,7 @@ from clef_gguf.errors import (
     RequestError,
     RequestTooLargeError,
 )
+from clef_gguf.runtime.catalog import Catalog
 from clef_gguf.runtime.failures import Failure, Invalid, error_object, from_request_error, internal, problem_of
 from clef_gguf.runtime.prompt import Request
 from clef_gguf.server.observe import REQUEST_ID_HEADER, X_REQUEST_ID
@@ -54,6 +57,7 @@ from clef_gguf.server.problems import (
     render_problem,
     starlette_problem,
 )
+from clef_gguf.settings import AdapterSet
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clef_gguf"
 TABLE = "errors.py"
@@ -329,3 +333,45 @@ def test_a_model_that_cannot_be_used_is_a_422_at_the_field_that_named_it(sent: d
     field = "lora" if "lora" in sent else "model"
     expected = {"detail": [{"loc": ["body", field], "msg": "x.adapter.gguf: not an adapter", "type": "value_error"}]}
     assert problem_of(error, sent).body() == problem_of(error, None, parsed.named_by).body() == expected
+
+
+@pytest.fixture(scope="module")
+def demo_file():
+    validated = open_validated(DEMO_MODEL)
+    yield validated
+    validated.close()
+
+
+def _catalog(validated, adapter_set: AdapterSet) -> Catalog:
+    return Catalog(validated.file, validated.description, validated.file.identity(), adapter_set)
+
+
+@pytest.mark.parametrize("field", ["lora", "model"])
+@pytest.mark.parametrize("name", ["nope", "", "../x", "/srv/tunes/a.adapter.gguf"])
+def test_an_unknown_name_is_a_422_at_the_field_that_named_it(demo_file, tmp_path, field: str, name: str) -> None:
+    """A name no adapter served answers to (unknown, empty, path-like): a 422 at the field the request sent it in."""
+    catalog = _catalog(demo_file, AdapterSet(adapter_dir=tmp_path))
+    try:
+        with pytest.raises(RequestError) as caught:
+            catalog.resolve(name, field)
+    finally:
+        catalog.close()
+    assert caught.value.field == field and caught.value.reason.startswith("no model ")
+    body = {"model": "clef-flash", "lora": name} if field == "lora" else {"model": name}
+    assert problem_of(caught.value, body).body()["detail"][0]["loc"] == ["body", field]
+
+
+def test_a_lora_is_never_answered_by_another_model(demo_file) -> None:
+    """Without adapters a `model` of any name is the base's (a client's own name), but a `lora` names a fine-tune: one
+    the model does not have is a 422 at `lora`, as a server serving adapters refuses it; the base's names are the base."""
+    catalog = _catalog(demo_file, AdapterSet())
+    try:
+        assert catalog.resolve("my-own-name", "model").entry is catalog.base
+        for name in ("clef-flash", "jev-latest", demo_file.description.name):
+            assert catalog.resolve(name, "lora").entry is catalog.base
+        for name in ("triage", "", "../x"):
+            with pytest.raises(RequestError, match="is loaded without adapters") as caught:
+                catalog.resolve(name, "lora")
+            assert caught.value.field == "lora"
+    finally:
+        catalog.close()

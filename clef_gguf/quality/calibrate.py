@@ -170,6 +170,7 @@ def calibrate(
     rekey(adapter or model, out, keys, drop_prefix=C.KEY_TEMPERATURE_PREFIX, force=force, progress=progress)
     return {
         "model": str(model),
+        "adapter": None if adapter is None else str(adapter),  # (the fine-tune fitted, whose copy `out` is)
         "out": str(out),
         "eval": str(data),
         "temperatures": fit.temperatures,

@@ -72,8 +72,8 @@ def compare_runs(a: Run, b: Run, target_precisions: Sequence[float] = DEFAULT_TA
     if not pairs:
         raise RequestError(f"{a.data}: no question was decided by both models")
     result: dict[str, Any] = {
-        "a": a.model,
-        "b": b.model,
+        "a": a.label,
+        "b": b.label,
         "data": a.data,
         "records": len(b_by_line),
         "changes": {

@@ -26,7 +26,7 @@ def evaluation(run: Run, rows: list[Row], target_precisions: Sequence[float]) ->
     """The eval's result: clef-finetune's tuned_metrics.json fields (model_dir, checkpoint, eval, metrics) and ours."""
     return {
         "model_dir": run.model,
-        "checkpoint": None,
+        "checkpoint": run.adapter,  # (clef-finetune's: the fine-tune over model_dir; here the adapter file)
         "eval": run.data,
         "metrics": summarize(rows, target_precisions),
         "rows": len(rows),
@@ -68,7 +68,7 @@ def report_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Evaluation",
         "",
-        f"model: `{result['model_dir']}`  ",
+        f"model: `{result['model_dir']}`" + (f" with the adapter `{result['checkpoint']}`  " if result["checkpoint"] else "  "),
         f"data: `{result['eval']}`: {result['records']} records decided, {result['rows']} labelled questions, "
         f"{len(result['errors'])} lines with errors ({result['records_per_s']} records/s)",
         "",

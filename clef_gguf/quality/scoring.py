@@ -49,6 +49,7 @@ class Run:
 
     model: str
     data: str
+    adapter: str | None = None  # the fine-tune over `model` that answered (decide/eval --adapter FILE), as named
     decided: list[Decided] = field(default_factory=list)
     bad: list[BadLine] = field(default_factory=list)  # lines that are not labelled records
     tokens: int = 0
@@ -60,6 +61,11 @@ class Run:
         lines = [(b.line, m) for b in self.bad for m in b.messages()]
         lines += [(d.record.line, f"line {d.record.line} ({d.record.id}): {d.error}") for d in self.decided if d.error]
         return [m for _, m in sorted(lines, key=lambda x: x[0])]
+
+    @property
+    def label(self) -> str:
+        """The model as the reports name it: the file, and the adapter over it."""
+        return self.model if self.adapter is None else f"{self.model} with the adapter {self.adapter}"
 
     def rows(self) -> list[Row]:
         """One Row per labelled question of every decided record, in file order."""
@@ -79,6 +85,12 @@ class Run:
             "seconds": round(self.seconds, 3),
             "records_per_s": round(n / self.seconds, 2) if self.seconds else 0.0,
         }
+
+
+def adapter_of(spec: ModelSpec) -> str | None:
+    """The pinned adapter (--adapter FILE) that answers every request of a run, as named."""
+    adapter = spec.adapter_set.adapter
+    return None if adapter is None else str(adapter)
 
 
 def score_path(
@@ -115,7 +127,7 @@ def score_file(
         file = nullcontext(sys.stdin.buffer) if stdin else open(path, "rb")  # noqa: SIM115 (closed once read)
     except OSError as e:
         raise RequestError(f"cannot read {path}: {e.strerror or e}") from None
-    run = Run(str(model.path), str(path))
+    run = Run(str(model.path), str(path), adapter_of(model.spec))
     started = time.perf_counter()
 
     def items() -> Iterator[Labelled | BadLine]:

@@ -18,7 +18,7 @@ from ..runtime.model import ClefModel
 from ..runtime.reader import Record, count_records, read_records
 from ..settings import MAX_LINE_BYTES, ModelSpec
 from .labelled import labelled_records
-from .scoring import Progress, Run, score_records
+from .scoring import Progress, Run, adapter_of, score_records
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ def score_on_ray(address: str | None, workers: int | None) -> Callable[..., Run]
 
 def _score(spec: ModelSpec, data: str, settings: RayData, stage: str, progress: Progress | None, max_line_bytes: int) -> Run:
     actors, _ = actors_for(spec, data)
-    run, total, started = Run(str(spec.path), str(Path(data))), count_records(Path(data)), time.perf_counter()
+    run = Run(str(spec.path), str(Path(data)), adapter_of(spec))
+    total, started = count_records(Path(data)), time.perf_counter()
     try:
         with open(data, "rb") as file:
             cut = parts(file, read_records(file, max_line_bytes), 1, settings.part_records)

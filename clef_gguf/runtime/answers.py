@@ -108,13 +108,22 @@ def question_probabilities(model_name: str, logits: list[np.ndarray], temperatur
     return [probabilities(z, t) for z, t in zip(logits, temperatures, strict=True)]
 
 
+def answered_as(prompt: EncodedPrompt, model_name: str) -> str:
+    """The answer's `model`: the model that answered it. An adapter's name (the one the request used, or the pinned
+    adapter's whatever the request named); for the base, the name the request used (a client's own alias, in `lora`
+    or `model`), else the file's."""
+    ref, named = prompt.model, prompt.request.named
+    if ref is not None and ref.entry.source is not None:
+        return ref.name
+    return named if named is not None else model_name
+
+
 def response(prompt: EncodedPrompt, model_name: str, probs: list[np.ndarray], cached_tokens: int = 0) -> dict[str, Any]:
     """The response body from each question's probabilities (question_probabilities). usage.input_tokens counts
     every prompt token; input_tokens_details.cached_tokens (OpenAI's name for the same extension) those whose
     backbone state came from the state cache."""
-    model = prompt.request.model
     return {
-        "model": model if model is not None else model_name,
+        "model": answered_as(prompt, model_name),
         "answers": {q.question.id: answer(q, p) for q, p in zip(prompt.questions, probs, strict=True)},
         "usage": {
             "input_tokens": len(prompt.tokens),

@@ -121,14 +121,30 @@ class Catalog:
                 found.append(Listed(name, None, e.reason if isinstance(e, RequestError) else str(e)))
         return found
 
-    def resolve(self, asked: str | None) -> ModelRef:
-        """The model a parsed request names (its `Request.named`: Workers AI's `lora`, else System One's `model`),
-        resolved once: the entry of its file's current version, and the name its answer and the metrics give: the name
-        the request asked for for an adapter (one file may answer to two names), else the entry's own (the base's
-        whatever name reached it; a pinned adapter's whatever the request named). Errors as `entry`."""
-        entry = self.entry(asked)
+    def resolve(self, asked: str | None, field: str = "model") -> ModelRef:
+        """The model a parsed request names (its `Request.named`: Workers AI's `lora`, else System One's `model`, the
+        `field` it came in: Request.named_by), resolved once: the entry of its file's current version, and the name its
+        answer and the metrics give: the name the request asked for for an adapter (one file may answer to two names),
+        else the entry's own (the base's whatever name reached it; a pinned adapter's whatever the request named).
+        Errors as `entry`, at `field`; a `lora` must name what answers (a fine-tune, or the base's own names)."""
+        try:
+            entry = self.entry(asked)
+            if field == "lora" and asked is not None:
+                self._check_lora(asked, entry)
+        except RequestError as e:  # (the names' errors point to `model`: a request may have named it in `lora`)
+            raise e if e.field == field else type(e)(e.reason, field) from None
         name = asked if isinstance(asked, str) and entry is not self.base and self.pinned is None else entry.name
         return ModelRef(entry.identity, name, entry, self.key)
+
+    def _check_lora(self, name: str, entry: CatalogEntry) -> None:
+        """Workers AI's `lora` names a fine-tune: never answered silently by another model. A model without adapters
+        answers only to the base's names there (a `model` may be any client's own name: it still means the base); a
+        pinned adapter (decide/eval --adapter) only to its own."""
+        if self.pinned is not None:
+            if name != self.pinned.name:
+                raise RequestError(f"no fine-tune {name[:128]!r} here: {self.pinned.name} answers every request (--adapter)")
+        elif entry is self.base and name not in self.base_names:  # (only without adapters: else `entry` refused it)
+            raise RequestError(f"no fine-tune {name[:128]!r} here: {self.base.name} is loaded without adapters")
 
     def adopt(self, ref: ModelRef, loaded: CatalogEntry | None = None) -> ModelRef | None:
         """A ref as this catalog's: itself when this catalog resolved it, else (a prompt encoded elsewhere: another

@@ -48,7 +48,7 @@ class PromptEncoder:
         """Validate, tokenize and (images) decode and size a request, its model name resolved; no compute. Raises
         RequestError (AdapterUnavailableError: a named adapter's file is gone or broken now)."""
         parsed = parse_request(request, self.image_limits)
-        return encode(parsed, self.template, self._tokenize, self.catalog.resolve(parsed.named))
+        return encode(parsed, self.template, self._tokenize, self.catalog.resolve(parsed.named, parsed.named_by))
 
     def adapter_names(self) -> list[str]:
         """The fine-tunes a request may name besides the base (its `model`, Workers AI's `lora`)."""
