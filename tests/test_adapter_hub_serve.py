@@ -16,11 +16,15 @@ import httpx
 import numpy as np
 import pytest
 from cli_helpers import run_cli  # the CLI in this process
+from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import start
 
 import clef_gguf
 from clef_gguf.conversion.adapter import convert_adapter
+from clef_gguf.runtime.model import ClefModel
 from clef_gguf.server import create_app
+from clef_gguf.server.adapter_metrics import AdapterCounts, local_view
+from clef_gguf.settings import ModelSpec, ServeSettings
 from clef_gguf.testing import finetune
 from clef_gguf.testing.hub import Hub
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release
@@ -218,3 +222,83 @@ def test_serve_refuses_a_source_that_is_not_one_in_one_line(files, tmp_path):
         output = run.stdout + run.stderr
         assert run.returncode == 2 and words in output and "Traceback" not in output, output
         assert len([line for line in output.splitlines() if "adapter source" in line]) == 1
+
+
+def _counted(files: Files, cache: Path) -> tuple[Any, Any]:
+    """_serve's model and app, its adapter sources and its decider counted as `clef-gguf serve` counts them."""
+    spec = ModelSpec.of(
+        files.base,
+        max_prompt_tokens=CONTEXT,
+        state_cache=0,
+        adapter_sources=["hf://acme"],
+        adapter_cache=cache,
+        adapter_base_release=files.release,
+        adapter_max_size=MAX_SIZE,
+    )
+    counts = AdapterCounts(ServeSettings.metrics_adapter_cap)
+    model = ClefModel(spec, counts, counts)
+    return model, start(create_app(model, adapters=local_view(counts, model.resident_adapters)))
+
+
+def _scraped(url: str) -> dict[str, dict[str, float]]:
+    """Each adapter label's figures on /metrics: counters by name (fetch_failures by reason), histograms' _count."""
+    figures: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+        for s in family.samples:
+            if s.name.startswith("clef_adapter_") and "le" not in s.labels and not s.name.endswith(("_sum", "_created")):
+                what = s.name.removeprefix("clef_adapter_").removesuffix("_total")
+                what += f":{s.labels['reason']}" if "reason" in s.labels else ""
+                figures.setdefault(s.labels["adapter"], {})[what] = s.value
+    return figures
+
+
+def test_a_scrape_counts_each_adapters_disk_lookups_fetch_and_conversion(files, hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    model, live = _counted(files, tmp_path / "cache")
+    before = dict(hub.downloads)
+    try:
+        hub.gate.clear()  # the Hub holds its answers until every first use has looked in the disk cache and waits
+        answers: list[httpx.Response] = []
+        first_uses = [threading.Thread(target=lambda: answers.append(_post(live.url, "acme/tune"))) for _ in range(8)]
+        for t in first_uses:
+            t.start()
+        deadline = time.monotonic() + 120
+        while _scraped(live.url).get("acme/tune", {}).get("disk_lookups") != 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hub.gate.set()
+        for t in first_uses:
+            t.join(120)
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
+        assert _post(live.url, "acme/nothing").status_code == 422  # a fetch that fails: counted by its error's row
+        scraped = _scraped(live.url)
+    finally:
+        hub.gate.set()
+        live.stop()
+        model.close()
+    delivered = {k: n for k, n in hub.downloads.items() if k.startswith("acme/tune/") and n > before.get(k, 0)}
+    nbytes = sum((hub.root / key).stat().st_size for key in delivered)
+    tune = scraped["acme/tune"]
+    # Each first use looked twice: a miss (then it waited for the one fetch), and the hit once the fetch was kept.
+    disk = ("disk_lookups", "disk_hits", "fetch_seconds_count", "conversion_seconds_count")
+    assert [tune[k] for k in disk] == [16, 8, 1, 1], tune
+    assert tune["fetched_bytes"] == nbytes and len(delivered) == 3 and not any(k.startswith("fetch_failures") for k in tune)
+    assert (tune["loads"], tune["resident"], tune["lookups"] - tune["memory_hits"], tune["evictions"]) == (1, 1, 1, 0)
+    nothing = scraped["acme/nothing"]
+    failed = {k: v for k, v in nothing.items() if k.startswith("fetch_failures")}
+    # (looked twice too: the miss that started the fetch, and the look before its remembered refusal was raised)
+    assert (nothing["disk_lookups"], nothing["disk_hits"], nothing["fetch_seconds_count"], nothing["loads"]) == (2, 0, 0, 0)
+    assert failed == {"fetch_failures:invalid": 1}, nothing
+    down = Hub(tmp_path / "down")
+    down.close()
+    monkeypatch.setenv("HF_ENDPOINT", down.url)  # a restart with the Hub gone: the disk cache answers, nothing fetched
+    model, live = _counted(files, tmp_path / "cache")
+    try:
+        for _ in range(2):
+            assert _post(live.url, "acme/tune").status_code == 200
+        tune = _scraped(live.url)["acme/tune"]
+    finally:
+        live.stop()
+        model.close()
+    assert [tune[k] for k in disk] == [2, 2, 0, 0], tune
+    assert (tune["fetched_bytes"], tune["lookups"], tune["memory_hits"], tune["loads"]) == (0, 2, 1, 1)

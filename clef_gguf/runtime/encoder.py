@@ -22,12 +22,15 @@ from ..settings import ModelSpec, default_ubatch
 from .catalog import Catalog, Listed
 from .images import image_limits
 from .prompt import EncodedPrompt, Tokenize, encode, parse_request
+from .sources import SourceObserver
 
 
 class PromptEncoder:
     """A model's vocabulary (`tokenize`), template and catalog, from its validated file and its spec. Thread-safe."""
 
-    def __init__(self, spec: ModelSpec, validated: ValidatedFile, tokenize: Tokenize) -> None:
+    def __init__(
+        self, spec: ModelSpec, validated: ValidatedFile, tokenize: Tokenize, source_observer: SourceObserver | None = None
+    ) -> None:
         o, d = spec.options, validated.description
         self.path = Path(spec.path)
         self.max_prompt_tokens = o.max_prompt_tokens  # the decider's limit: a front refuses what it would
@@ -42,7 +45,8 @@ class PromptEncoder:
         mtime_ns = validated.file.signature[3] if validated.file.signature is not None else 0
         self.written = dt.datetime.fromtimestamp(mtime_ns / 1e9, dt.timezone.utc).date().isoformat()
         # The file's identity (header and weights): a decider refuses a prompt stamped with anything else.
-        self.catalog = Catalog(validated.file, d, validated.file.identity(), spec.adapter_set)
+        # (`source_observer`: told of its adapter sources' lookups and fetches, a pin's at start among them)
+        self.catalog = Catalog(validated.file, d, validated.file.identity(), spec.adapter_set, source_observer)
 
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
         """Validate, tokenize and (images) decode and size a request, its model name resolved; no compute. Raises

@@ -25,6 +25,7 @@ from .decider import Decider, PromptSteps, load_backbone
 from .encoder import PromptEncoder
 from .loaded import AdapterObserver
 from .prompt import EncodedPrompt
+from .sources import SourceObserver
 from .state_cache import StateCache
 
 T = TypeVar("T")
@@ -50,11 +51,14 @@ class ClefModel:
     vocabulary, the template and the catalog of the models it answers as; no weights) and the decider
     (runtime/decider.py: a batch's way from prompts to answers, the loaded adapters, the prompt decided in steps). A
     request's model name is resolved once, by the encoder, into its prompt (EncodedPrompt.model). `observer` is told
-    when an adapter is loaded, evicted or retired (runtime/loaded.py's AdapterObserver).
+    when an adapter is loaded, evicted or retired (runtime/loaded.py's AdapterObserver); `source_observer`, of its adapter
+    sources' disk-cache lookups, fetches and conversions (runtime/sources.py's SourceObserver), a pin's at load included.
     """
 
-    def __init__(self, spec: ModelSpec, observer: AdapterObserver | None = None) -> None:
-        self.spec, self._observer = spec, observer
+    def __init__(
+        self, spec: ModelSpec, observer: AdapterObserver | None = None, source_observer: SourceObserver | None = None
+    ) -> None:
+        self.spec, self._observer, self._source_observer = spec, observer, source_observer
         self.state_cache = StateCache(spec.options.state_cache)  # a bad size is refused before anything is loaded
         self.path = Path(spec.path)
         self._closed = False
@@ -97,7 +101,7 @@ class ClefModel:
             self.header_digest = self.file.digest()  # an older clef-gguf's model_sha256
             self.backbone = load_backbone(self.spec, validated)
             stack.callback(self.backbone.close)
-            self.encoder = PromptEncoder(self.spec, validated, self.backbone.tokenize)
+            self.encoder = PromptEncoder(self.spec, validated, self.backbone.tokenize, self._source_observer)
             stack.callback(self.encoder.close)
             self.catalog, self.written = self.encoder.catalog, self.encoder.written
             self.decider = Decider(
@@ -255,7 +259,7 @@ load.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 )
 
 
-def open_encoder(spec: ModelSpec) -> PromptEncoder:
+def open_encoder(spec: ModelSpec, source_observer: SourceObserver | None = None) -> PromptEncoder:
     """The encoding part of the model `spec` declares, alone, with llama.cpp's tokenizer and no weights: the Ray
     ingress encodes what its replicas decide. Its base is pinned (runtime/base_file.py): a folder's adapters are
     checked against the version loaded when first named."""
@@ -264,6 +268,6 @@ def open_encoder(spec: ModelSpec) -> PromptEncoder:
         stack.callback(validated.close)
         vocabulary = Vocabulary(validated.file, nfc=validated.description.nfc)  # llama.cpp keeps its own copy
         stack.callback(vocabulary.close)
-        encoder = PromptEncoder(spec, validated, vocabulary.tokenize)
+        encoder = PromptEncoder(spec, validated, vocabulary.tokenize, source_observer)
         encoder.owned = stack.pop_all()
     return encoder

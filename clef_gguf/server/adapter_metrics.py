@@ -6,6 +6,11 @@ names is loaded once, under the first name asked). The first ServeSettings.metri
 get a label of their own; those after share OTHER, so that a folder of many files, or a busy one, cannot grow the
 series without bound.
 
+With adapter sources (runtime/sources.py) the same labels count what the sources' observer is told: each look in the
+disk cache for a name a source fetches (a disk lookup; a hit, when it was there), each first-use fetch's and
+conversion's seconds, and each failed fetch by its error's row (a bounded set: errors.py's table). A fetch counts under
+the name of the request that started it; the others that waited for it count lookups only.
+
 A lookup is a batch (or a step of a prompt decided in steps: each applies its adapter again) that needed the adapter
 in memory; a hit, one that found it loaded. A lookup that missed is a load, unless the load failed: so loads equal
 lookups less hits, and resident versions equal loads less evictions and retirements.
@@ -18,18 +23,24 @@ its last figures there, as counters of a series that ended, until REPLICAS_KEPT 
 
 from __future__ import annotations
 
+import copy
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from ..errors import ClefError
+from ..runtime.sources import SourceObserver
 
 OTHER = "_other"  # (no adapter's name: names begin with a letter or a digit, catalog_names.py)
 # From a small adapter's load off a warm page cache (milliseconds) to a large one's from a slow disk.
 REPLICAS_KEPT = 256  # replicas whose counts the Ray ingress shows
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# From a small adapter file off a near mirror to a large checkpoint's download or conversion on a busy machine.
+FETCH_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 @dataclass
@@ -45,6 +56,14 @@ class Figures:
     resident_bytes: int = 0
     load_seconds: float = 0.0  # the sum of the loads' seconds
     load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))  # per bucket, +Inf last
+    disk_lookups: int = 0  # (a source's: runtime/sources.SourceObserver's events)
+    disk_hits: int = 0
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0
+    fetch_buckets: list[int] = field(default_factory=lambda: [0] * (len(FETCH_BUCKETS) + 1))
+    conversion_seconds: float = 0.0
+    conversion_buckets: list[int] = field(default_factory=lambda: [0] * (len(FETCH_BUCKETS) + 1))
+    failures: dict[str, int] = field(default_factory=dict)  # by the error's row (errors.py's Problem.name, lower case)
 
 
 @dataclass(frozen=True)
@@ -56,8 +75,10 @@ class Snapshot:
     resident: frozenset[str] = frozenset()  # identities loaded now (/v1/models' state)
 
 
-class AdapterCounts:
-    """The observer a server hands its model (ClefModel(spec, observer)): the counts, by label; thread-safe."""
+class AdapterCounts(SourceObserver):
+    """The observer a server hands its model (ClefModel(spec, observer, source_observer)): the decider's events
+    (runtime/loaded.AdapterObserver's, not imported here: it loads llama.cpp, which the app never does) and the adapter
+    sources', counted by label; thread-safe."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -101,6 +122,30 @@ class AdapterCounts:
             figures = self._unloaded(name, nbytes)
             figures.retirements += 1
 
+    def looked_up(self, name: str, hit: bool) -> None:
+        with self._lock:
+            figures = self._of(name)
+            figures.disk_lookups += 1
+            figures.disk_hits += hit
+
+    def fetched(self, name: str, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            figures = self._of(name)
+            figures.fetched_bytes += nbytes
+            figures.fetch_seconds += seconds
+            figures.fetch_buckets[bisect_left(FETCH_BUCKETS, seconds)] += 1
+
+    def converted(self, name: str, seconds: float) -> None:
+        with self._lock:
+            figures = self._of(name)
+            figures.conversion_seconds += seconds
+            figures.conversion_buckets[bisect_left(FETCH_BUCKETS, seconds)] += 1
+
+    def failed(self, name: str, error: ClefError) -> None:
+        with self._lock:
+            figures, reason = self._of(name), error.problem.name.lower()
+            figures.failures[reason] = figures.failures.get(reason, 0) + 1
+
     def _unloaded(self, name: str, nbytes: int) -> Figures:
         figures = self._of(name)
         figures.resident -= 1
@@ -110,7 +155,7 @@ class AdapterCounts:
     def snapshot(self, resident: frozenset[str] = frozenset()) -> Snapshot:
         """The counts now (copies), with the identities loaded now."""
         with self._lock:
-            figures = {label: replace(f, load_buckets=list(f.load_buckets)) for label, f in self._figures.items()}
+            figures = {label: copy.deepcopy(f) for label, f in self._figures.items()}
             return Snapshot(self.generation, figures, resident)
 
 
@@ -163,6 +208,11 @@ SERIES = (
     _Series("clef_adapter_resident", "Versions of the adapter loaded now.", _GAUGE, lambda f: f.resident),
     _Series("clef_adapter_resident_bytes", "Bytes of its loaded versions (LoRA and head).", _GAUGE, lambda f: f.resident_bytes),
 )
+SOURCE_SERIES = (  # (shown once a source was asked for a name: a server with no --adapter-source has none)
+    _Series("clef_adapter_disk_lookups", "Looks in the disk cache for a source's name.", _COUNTER, lambda f: f.disk_lookups),
+    _Series("clef_adapter_disk_hits", "Of those, the looks that found it there.", _COUNTER, lambda f: f.disk_hits),
+    _Series("clef_adapter_fetched_bytes", "Bytes its source delivered (first uses).", _COUNTER, lambda f: f.fetched_bytes),
+)
 
 
 @dataclass(frozen=True)
@@ -190,16 +240,36 @@ class AdapterCollector:
         if not labelled:
             return  # (no adapter used yet, or none served: no empty families)
         names = ["adapter", *sorted({key for labels, _, _ in labelled for key in labels})]
-        for series in SERIES:
+        rows = [([label, *(labels[key] for key in names[1:])], f) for labels, label, f in labelled]
+        sourced = any(f.disk_lookups or f.failures for _, f in rows)
+        for series in (*SERIES, *(SOURCE_SERIES if sourced else ())):
             family = series.kind(series.name, series.help, labels=names)
-            for labels, label, f in labelled:
-                family.add_metric([label, *(labels[key] for key in names[1:])], series.read(f))
+            for values, f in rows:
+                family.add_metric(values, series.read(f))
             yield family
-        seconds = HistogramMetricFamily("clef_adapter_load_seconds", "Seconds an adapter's load took.", labels=names)
-        for labels, label, f in labelled:
-            cumulative, buckets = 0, []
-            for bound, count in zip((*map(str, LOAD_BUCKETS), "+Inf"), f.load_buckets, strict=True):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            seconds.add_metric([label, *(labels[key] for key in names[1:])], buckets, f.load_seconds)
-        yield seconds
+        yield _histogram("clef_adapter_load_seconds", "Seconds an adapter's load took.", names, LOAD_BUCKETS, rows, "load")
+        if not sourced:
+            return
+        yield _histogram("clef_adapter_fetch_seconds", "Seconds a first use's fetch took.", names, FETCH_BUCKETS, rows, "fetch")
+        converted = "Seconds a fetched checkpoint's conversion took."
+        yield _histogram("clef_adapter_conversion_seconds", converted, names, FETCH_BUCKETS, rows, "conversion")
+        failed = "Fetches refused or failed, by their error's row."
+        failures = CounterMetricFamily("clef_adapter_fetch_failures", failed, labels=[*names, "reason"])
+        for values, f in rows:
+            for reason, count in sorted(f.failures.items()):
+                failures.add_metric([*values, reason], count)
+        yield failures
+
+
+def _histogram(
+    name: str, text: str, names: list[str], bounds: tuple[float, ...], rows: list[tuple[list[str], Figures]], what: str
+) -> HistogramMetricFamily:
+    """A histogram family of each row's `what`_buckets (per bucket, +Inf last) and `what`_seconds (their sum)."""
+    family = HistogramMetricFamily(name, text, labels=names)
+    for values, f in rows:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, bounds), "+Inf"), getattr(f, f"{what}_buckets"), strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric(values, buckets, getattr(f, f"{what}_seconds"))
+    return family

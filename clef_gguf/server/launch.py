@@ -23,8 +23,8 @@ from .run import listen, serve, url_host
 def serve_file(spec: ModelSpec, settings: ServeSettings) -> int | None:
     """Load the model `spec` declares, say where it is served on stderr, and serve it until SIGTERM, SIGINT or SIGHUP;
     the signal that stopped it, once drained."""
-    counts = AdapterCounts(settings.metrics_adapter_cap)  # (the per-adapter series: the decider tells it its events)
-    loaded = ClefModel(spec, counts)
+    counts = AdapterCounts(settings.metrics_adapter_cap)  # (the per-adapter series: the decider and the sources tell it)
+    loaded = ClefModel(spec, counts, counts)
     try:
         sock = listen(settings)  # before the line saying it serves: an address in use is said instead, exit 2
     except BaseException:

@@ -216,7 +216,7 @@ class ClefReplica:
         self.counts = AdapterCounts(adapter_cap)  # sent to the ingress with the decisions (adapter_metrics.py)
         self.replica = serve.get_replica_context().replica_tag
         self._sent = self.counts.generation
-        self.model = ClefModel(spec, self.counts)
+        self.model = ClefModel(spec, self.counts, self.counts)
         self.worker = ComputeScheduler(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
@@ -287,7 +287,10 @@ class ClefIngress:
 
     def __init__(self, replicas: DeploymentHandle, spec: ModelSpec, settings: ServeSettings) -> None:
         # The replicas' spec: their prompt limit, ubatch and vision tower, their adapters' names and identities.
-        self.encoder = open_encoder(spec)
+        # Its own fetches too (it resolves each request's name first): their counts labelled with its own replica tag.
+        self.counts = AdapterCounts(settings.metrics_adapter_cap)
+        self.replica = serve.get_replica_context().replica_tag
+        self.encoder = open_encoder(spec, self.counts)
         configure_access_log()  # this process's stderr, which Ray shows on the driver's (log_to_driver) and keeps in its logs
         self.scheduler = ReplicaScheduler(replicas, settings.max_queue)
         self.settings = settings
@@ -295,7 +298,8 @@ class ClefIngress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
         figures = self.scheduler.figures  # the replicas': /metrics' per-adapter series, /v1/models' resident ones
-        adapters = AdapterView(figures.labelled, figures.resident)
+        own = {"replica": self.replica}
+        adapters = AdapterView(lambda: [*figures.labelled(), (own, self.counts.snapshot())], figures.resident)
         app = settings_app(self.encoder, self.settings, scheduler=self.scheduler, behind_ray=True, adapters=adapters)
         app.user_middleware.append(Middleware(ShutdownGate, doors=self.doors))  # appended: innermost (add_middleware: outermost)
         return app

@@ -1,7 +1,8 @@
 """A local stand-in of the Hugging Face Hub: the routes huggingface-hub's own client uses to download (FACTS.md, "The
 Hugging Face Hub, offline"), serving a folder of repositories, ROOT/ORG/REPO/..., each one revision. The real client
 is pointed at it with HF_ENDPOINT. It counts downloads (GETs of a file's bytes), records the bearer tokens sent, and
-can be made slow (`delay_s` before every answer) to stand for a Hub that answers slowly.
+can be made slow (`delay_s` before every answer) to stand for a Hub that answers slowly, or held (`gate` cleared:
+every answer waits until it is set again, at most GATE_MAX_S) for a test that needs every first use waiting at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 _INFO = re.compile(r"^/api/models/([^/]+)/([^/?]+)(?:/revision/([^/?]+))?(?:\?.*)?$")
 _RESOLVE = re.compile(r"^/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$")
+GATE_MAX_S = 120.0
 
 
 class Hub:
@@ -29,6 +31,8 @@ class Hub:
         self.downloads: Counter[str] = Counter()  # "ORG/REPO/FILE" -> GETs of its bytes
         self.tokens: list[str] = []  # the Authorization headers received
         self.delay_s = 0.0
+        self.gate = threading.Event()
+        self.gate.set()
         self._lock = threading.Lock()
         hub = self
 
@@ -74,6 +78,7 @@ class Hub:
     def _answer(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
         with self._lock:
             self.tokens.append(handler.headers.get("Authorization", ""))
+        self.gate.wait(GATE_MAX_S)
         if self.delay_s:
             time.sleep(self.delay_s)
         path = handler.path
