@@ -40,7 +40,7 @@ from .intake import Intake
 from .metrics import CONTENT_TYPE, Metrics, create_metrics
 from .observe import Observed, note_decision, response_headers
 from .problems import ApiError, overloaded, render_problem, starlette_problem
-from .ui import mount_ui
+from .ui import mount_ui, source_names
 from .worker import ComputeScheduler
 
 MODEL_SHA256_HEADER = "Clef-Model-Sha256"
@@ -282,7 +282,7 @@ def create_app(
     app.add_middleware(Observed, metrics=service.metrics, log_format=log_format, echo_id=not behind_ray)
     _add_routes(app, service, api_key)
     if ui:
-        mount_ui(app)
+        mount_ui(app, sources=source_names(model))
     return app
 
 

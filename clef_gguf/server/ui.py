@@ -19,11 +19,12 @@ from ..runtime.catalog import JEV_ALIAS
 from ..runtime.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from ..runtime.images import MEDIA_TYPES as IMAGE_MEDIA_TYPES
 from ..runtime.prompt import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS
+from ..runtime.sources import HF_SCHEME
 from .observe import response_headers
 
 UI_DIR = Path(__file__).with_name("ui")
 # The page's script: ES modules (main.js imports the others), served as they are, no build step.
-MODULES = ("main", "dom", "page", "server", "examples", "questions", "request", "images", "answers", "code")
+MODULES = ("main", "dom", "page", "server", "examples", "questions", "request", "images", "answers", "code", "sources")
 # The page's routes: `/` and its files, each a fixed path (no path parameter: nothing else under /ui/ is served).
 FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -52,9 +53,10 @@ class StaticFile:
         return Response(self.body, media_type=self.media_type, headers=response_headers(SECURITY_HEADERS))
 
 
-def limits() -> dict[str, Any]:
-    """What the page holds a request to, as the runtime does (runtime/prompt.py, runtime/images.py), and the SDKs' alias
-    that /v1/models lists beside the base: read by the page, never copied into it."""
+def limits(sources: list[str] | None = None) -> dict[str, Any]:
+    """What the page holds a request to, as the runtime does (runtime/prompt.py, runtime/images.py), the SDKs' alias
+    that /v1/models lists beside the base, and `sources`: what an adapter name it may type begins with (source_names):
+    read by the page, never copied into it."""
     return {
         "questions": MAX_QUESTIONS,
         "choice": list(CHOICE_OPTIONS),
@@ -63,13 +65,22 @@ def limits() -> dict[str, Any]:
         "image_bytes": MAX_IMAGE_BYTES,
         "image_types": sorted(IMAGE_MEDIA_TYPES),
         "alias": JEV_ALIAS,
+        "sources": sources or [],
     }
 
 
-def mount_ui(app: FastAPI, folder: Path = UI_DIR) -> None:
-    """Add the page's routes to `app`, without a key (the files hold nothing a key guards), outside the API's schema."""
+def source_names(model: Any) -> list[str]:
+    """The Hub organisations (ORG) and repositories (ORG/REPO) the model's adapter sources fetch from, as the page
+    shows them: the operator's --adapter-source less its scheme; a folder source's path is the server's own, not said."""
+    sources = getattr(getattr(model, "catalog", None), "sources", None)
+    return [] if sources is None else [s.label.removeprefix(HF_SCHEME) for s in sources.remote]
+
+
+def mount_ui(app: FastAPI, folder: Path = UI_DIR, sources: list[str] | None = None) -> None:
+    """Add the page's routes to `app`, without a key (the files hold nothing a key guards), outside the API's schema;
+    `sources`: what the page says adapter names may be fetched from (source_names)."""
     for route, (name, media_type) in FILES.items():
         page = StaticFile((folder / name).read_bytes(), media_type)
         app.add_api_route(route, page.get, methods=["GET", "HEAD"], include_in_schema=False)
-    numbers = StaticFile(json.dumps(limits()).encode(), "application/json")
+    numbers = StaticFile(json.dumps(limits(sources)).encode(), "application/json")
     app.add_api_route(LIMITS_ROUTE, numbers.get, methods=["GET", "HEAD"], include_in_schema=False)

@@ -10,6 +10,7 @@ import { page } from "./page.js";
 import { addQuestion, newQuestion } from "./questions.js";
 import { clearErrors, readRequest, showRefusals } from "./request.js";
 import { apiKey, askForKey, call, decide, keyProblem, loadLimits, refusals, storeKey } from "./server.js";
+import { chosenModel, retryNote, waitingNote, wireSources } from "./sources.js";
 
 // ---- the key: one the browser can send, or refused at the form and never stored -----------------------------------
 $("key-form").addEventListener("submit", async (event) => {
@@ -115,8 +116,8 @@ async function decideAll(models, body, questions) {
     showResults(questions, runs);
     return;
   }
-  // In a comparison each line names the model that refused.
-  const named = (r, x) => (models.length > 1 ? { ...x, message: `${r.model}: ${x.message}` } : x);
+  // In a comparison each line names the model that refused; a refusal for now (503) says when to ask again.
+  const named = (r, x) => ({ ...x, message: `${models.length > 1 ? `${r.model}: ` : ""}${x.message}${retryNote(r)}` });
   showRefusals(refused.flatMap((r) => refusals(r).map((x) => named(r, x))), questions);
   if (refused.some((r) => r.status === 401)) askForKey(refusals(refused.find((r) => r.status === 401))[0].message);
   clearResults();
@@ -129,10 +130,10 @@ $("ask").addEventListener("submit", async (event) => {
   const { body, questions, problems } = readRequest();
   if (problems.length) { showRefusals(problems, questions); return; }
   if (page.images.some((i) => !i.url)) { $("images-error").textContent = "an image is still being read: try again"; return; }
-  const models = [$("model").value];
+  const models = [chosenModel()];
   if ($("compare-on").checked) models.push($("model-b").value);
   $("decide").disabled = true;
-  $("busy").textContent = "Deciding…";
+  $("busy").textContent = waitingNote(models);
   try {
     await decideAll(models, body, questions);
   } finally {
@@ -160,6 +161,7 @@ async function start() {
   }
   wireImages();
   wireCopy();
+  wireSources();
   loadExample(EXAMPLES[0]);
   await loadHealth();
   await loadModels();

@@ -28,12 +28,17 @@ export async function call(path, init) {
   try {
     response = await fetch(path, { ...init, headers: all, cache: "no-store" });
   } catch (e) {
-    return { status: 0, ok: false, body: null, text: `the request did not reach the server: ${e.message}`, timing: "" };
+    const text = `the request did not reach the server: ${e.message}`;
+    return { status: 0, ok: false, body: null, text, timing: "", retryAfter: "" };
   }
   const text = await response.text();
   let body = null;
   try { body = JSON.parse(text); } catch { body = null; }
-  return { status: response.status, ok: response.ok, body, text, timing: response.headers.get("Server-Timing") || "" };
+  const headers = response.headers;
+  return {
+    status: response.status, ok: response.ok, body, text,
+    timing: headers.get("Server-Timing") || "", retryAfter: headers.get("Retry-After") || "",
+  };
 }
 
 // The server's one-line message(s) of a refusal, each with the field it concerns where it names one.
