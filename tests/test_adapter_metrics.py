@@ -6,6 +6,7 @@ counts on the ingress's scrape, is tests/test_adapter_refusals.py's (on the sess
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import httpx
 import pytest
 from live_server import served
 from peft_adapters import peft_adapter
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clef_gguf.server.adapter_metrics import LOAD_BUCKETS, OTHER, AdapterCounts
+from clef_gguf.errors import AdapterTooLargeError, SourceUnavailableError
+from clef_gguf.server.adapter_metrics import LOAD_BUCKETS, OTHER, AdapterCollector, AdapterCounts, ReplicaFigures
 
 TIMEOUT = httpx.Timeout(300.0)
 SHORT = {"state": "s", "questions": {"q": {"type": "noul"}}}
@@ -131,3 +134,49 @@ def test_the_ingress_keeps_each_replicas_newest_counts_whatever_order_they_arriv
     figures.take("r1", newer)
     figures.take("r3", older)
     assert [labels["replica"] for labels, _ in figures.labelled()] == ["r1", "r3"]
+
+
+def test_the_sources_events_count_by_label_and_reach_a_scrape_through_a_replicas_snapshot():
+    """A replica's source events (runtime/sources.SourceObserver's) travel in its snapshot (pickled, as Ray sends it) to
+    the ingress's series, under the cap, each failure by its error's row; a later event leaves a snapshot as it was."""
+    counts = AdapterCounts(1)
+    counts.looked_up("acme/a", False)
+    counts.fetched("acme/a", 0.3, 1000)
+    counts.converted("acme/a", 2.0)
+    counts.looked_up("acme/a", True)
+    counts.looked_up("acme/b", False)  # past the cap: OTHER
+    counts.failed("acme/b", SourceUnavailableError("the Hub cannot be reached"))
+    counts.failed("acme/b", AdapterTooLargeError("too large", "model"))
+    snapshot = pickle.loads(pickle.dumps(counts.snapshot()))
+    counts.fetched("acme/a", 0.3, 1000)
+    counts.failed("acme/a", SourceUnavailableError("later"))
+    figures = ReplicaFigures()
+    figures.take("r1", snapshot)
+    scraped = exposition(AdapterCollector(figures.labelled))
+    families = text_string_to_metric_families(scraped)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    a, other = (("adapter", "acme/a"), ("replica", "r1")), (("adapter", OTHER), ("replica", "r1"))
+    assert samples[("clef_adapter_disk_lookups_total", a)] == 2 and samples[("clef_adapter_disk_hits_total", a)] == 1
+    assert samples[("clef_adapter_fetched_bytes_total", a)] == 1000 and samples[("clef_adapter_fetch_seconds_count", a)] == 1
+    assert samples[("clef_adapter_fetch_seconds_bucket", (*a[:1], ("le", "0.25"), *a[1:]))] == 0
+    assert samples[("clef_adapter_fetch_seconds_bucket", (*a[:1], ("le", "0.5"), *a[1:]))] == 1
+    assert samples[("clef_adapter_conversion_seconds_sum", a)] == 2.0
+    failures = {k[1]: v for k, v in samples.items() if k[0] == "clef_adapter_fetch_failures_total"}
+    by_reason = {(*other[:1], ("reason", reason), *other[1:]): 1 for reason in ("adapter_too_large", "source_unavailable")}
+    assert failures == by_reason  # (the later failure of acme/a is not in the snapshot sent before it)
+    assert (samples[("clef_adapter_disk_lookups_total", other)], samples[("clef_adapter_loads_total", other)]) == (1, 0)
+
+
+def test_without_a_source_event_the_source_series_are_not_shown():
+    counts = AdapterCounts(4)
+    counts.used("one", False)
+    counts.loaded("one", 0.01, 10)
+    scraped = exposition(AdapterCollector(lambda: [({}, counts.snapshot())]))
+    assert "clef_adapter_loads_total" in scraped and "disk" not in scraped and "fetch" not in scraped
+
+
+def exposition(collector: AdapterCollector) -> str:
+    """One collector's series as /metrics writes them."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode()
