@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,12 +27,14 @@ from peft_adapters import peft_adapter
 from PIL import Image
 from server_helpers import start
 
+import clef_gguf
 from clef_gguf.runtime.catalog import JEV_ALIAS
 from clef_gguf.runtime.prompt import MAX_QUESTIONS
 from clef_gguf.server.app import check_api_key
 from clef_gguf.server.run import settings_app
 from clef_gguf.server.ui import CONTENT_SECURITY_POLICY, FILES, LIMITS_ROUTE, UI_DIR, limits
 from clef_gguf.settings import API_KEY_ENV, ServeSettings
+from clef_gguf.testing.hub import Hub
 
 pytestmark = pytest.mark.slow  # a browser against a served model
 
@@ -499,3 +502,95 @@ def test_on_a_long_form_decide_stays_in_view_and_ctrl_enter_decides(tab):
         tab.page.keyboard.press("Control+Enter")
     assert len(json.loads(sent.value.post_data)["questions"]) == 15
     tab.page.wait_for_selector("#results section.answer", timeout=WAIT_MS)
+
+
+# --- a server with adapter sources (serve --adapter-source hf://acme, against the Hub stand-in) ------------------------
+# The page says which names it may fetch; the user types one beside the list and decides with it; its first use says it
+# is being fetched while the request waits; a source that cannot deliver now is the server's 503 with its Retry-After.
+@pytest.fixture(scope="module")
+def hub(ws, tmp_path_factory) -> Iterator[Hub]:
+    """The Hub stand-in with one adapter file, acme/tune-gguf."""
+    root = tmp_path_factory.mktemp("ui-hub")
+    stand_in = Hub(root / "hub")
+    adapter = peft_adapter(ws.release("untied_f32"), root / "tunes", "tune")
+    shutil.copyfile(adapter, stand_in.repo("acme", "tune-gguf") / "tune.adapter.gguf")
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.fixture
+def source_tab(browser, hub, ws, tmp_path, monkeypatch) -> Iterator[Tab]:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    model = clef_gguf.load(
+        ws.gguf("untied_f32", "f32"),
+        max_prompt_tokens=4096,
+        adapter_sources=["hf://acme"],
+        adapter_cache=tmp_path / "cache",
+        adapter_base_release=ws.release("untied_f32"),
+    )
+    live = start(settings_app(model, ServeSettings(), owns_model=False))
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = Tab(context.new_page(), live.url)
+    tab.page.on("pageerror", lambda e: tab.errors.append(str(e)))
+    tab.page.on("console", lambda m: tab.errors.append(m.text) if m.type == "error" and "status of" not in m.text else None)
+    try:
+        yield tab
+    finally:
+        hub.gate.set()
+        context.close()
+        live.stop()
+        model.close()
+    assert tab.errors == []
+
+
+def _decide_typed(tab: Tab, name: str) -> dict[str, Any]:
+    """Type `name` beside the list and click Decide; the body the page sent, once it was sent."""
+    tab.page.fill("#model-source", name)
+    with tab.page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/v1/systemone")) as sent:
+        tab.page.click("#decide")
+    return json.loads(sent.value.post_data)
+
+
+def _decided(tab: Tab) -> None:
+    tab.page.wait_for_function("() => !document.getElementById('decide').disabled", timeout=WAIT_MS)
+
+
+def test_an_adapter_typed_from_a_source_is_fetched_on_first_use_and_decides(source_tab, hub, tmp_path):
+    tab = source_tab
+    limits = httpx.get(f"{tab.url}/ui/limits.json", timeout=TIMEOUT).json()
+    assert limits["sources"] == ["acme"] and str(tmp_path) not in json.dumps(limits)  # names, never a path or a token
+    tab.open(key=None)
+    assert tab.page.is_visible("#model-source") and tab.page.inner_text("#source-names") == "acme/REPO[@REVISION]"
+    hub.gate.clear()  # the Hub holds its answers: the first use waits, and the page says why
+    body = _decide_typed(tab, "acme/tune-gguf")
+    assert body["model"] == "acme/tune-gguf"
+    tab.page.wait_for_function("() => document.getElementById('busy').textContent.startsWith('Fetching')", timeout=WAIT_MS)
+    assert tab.page.inner_text("#busy") == "Fetching acme/tune-gguf for its first use, then deciding… (the request waits)"
+    assert tab.page.is_disabled("#decide")
+    hub.gate.set()
+    _decided(tab)
+    want = httpx.post(f"{tab.url}/v1/systemone", json=body, timeout=TIMEOUT)
+    assert want.status_code == 200 and want.json()["model"] == "acme/tune-gguf", want.text
+    check_shown(tab, want.json()["answers"], "acme/tune-gguf")  # the fine-tune's own answers, as the API gives them
+    option = "document.querySelector('#model option[value=\"acme/tune-gguf\"]')"
+    tab.page.wait_for_function(f"() => {option} !== null && {option}.dataset.state === 'resident'", timeout=WAIT_MS)
+    _decide_typed(tab, "acme/tune-gguf")  # listed now: no fetch to say
+    assert tab.page.inner_text("#busy") == "Deciding…"
+    _decided(tab)
+
+
+def test_a_source_that_cannot_deliver_now_shows_the_503_and_when_to_ask_again(source_tab, monkeypatch, tmp_path):
+    tab = source_tab
+    down = Hub(tmp_path / "down")
+    down.close()
+    monkeypatch.setenv("HF_ENDPOINT", down.url)  # a Hub that cannot be reached
+    tab.open(key=None)
+    body = _decide_typed(tab, "acme/tune-gguf")
+    _decided(tab)
+    refused = httpx.post(f"{tab.url}/v1/systemone", json=body, timeout=TIMEOUT)  # (within the back-off: the same)
+    assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+    shown = tab.page.inner_text("#form-error")
+    assert shown.startswith(refused.json()["detail"]["message"]) and "cannot deliver acme/tune-gguf now" in shown, shown
+    assert shown.endswith(" Ask again in 10 s."), shown
+    assert tab.page.locator("#results section.answer").count() == 0
