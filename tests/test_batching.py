@@ -9,6 +9,7 @@ products over more rows). The server batches the requests that wait while a batc
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +20,7 @@ from conftest import f16_tiles
 from server_helpers import ANSWER_TOLERANCE, TIMEOUT, BlockingModel, assert_close, reuse_apart, start
 
 import clef_gguf
+from clef_gguf.runtime.batching import take
 from clef_gguf.server.app import create_app
 from clef_gguf.testing.request_suite import (
     largest_difference,
@@ -164,3 +166,24 @@ def test_the_server_batches_the_requests_that_wait_in_order(loaded):
     for request, response in zip(sent, responses, strict=True):
         assert response.status_code == 200
         assert_close(reuse_apart(response.json()), reuse_apart(model.decide(request)), answer_tolerance(file_type, model))
+
+
+def test_after_a_batch_of_one_model_the_oldest_request_of_another_goes_first():
+    """A hot model's requests do not hold the context batch after batch while a cold one's request waits behind them
+    all (ComputeScheduler passes the model of its last batch): the cold one goes next, the order kept otherwise."""
+    waiting = deque([("hot", 1), ("hot", 2), ("hot", 3), ("cold", 4), ("hot", 5)])
+
+    def fits(batch: list, item: tuple) -> bool:
+        return len(batch) < 2
+
+    def model(item: tuple) -> str:
+        return item[0]
+
+    assert take(waiting, fits, model, last="hot") == [("cold", 4)]
+    assert list(waiting) == [("hot", 1), ("hot", 2), ("hot", 3), ("hot", 5)]
+    assert take(waiting, fits, model, last="cold") == [("hot", 1), ("hot", 2)]
+    assert take(waiting, fits, model, last="hot") == [("hot", 3), ("hot", 5)]  # only the last model waits: it goes
+    assert take(deque([("hot", 1), ("cold", 2)]), fits, model) == [("hot", 1)]  # no last batch: the oldest goes
+    not_ready = deque([("hot", 1), ("cold", 2), ("hot", 3)])  # the cold one refused now (beside a prompt in steps)
+    assert take(not_ready, fits, model, lambda item: item[0] != "cold", last="hot") == [("hot", 1), ("hot", 3)]
+    assert list(not_ready) == [("cold", 2)]

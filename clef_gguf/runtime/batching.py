@@ -21,17 +21,28 @@ def take(
     fits: Callable[[list[T], T], bool],
     model: Callable[[T], object] | None = None,
     ready: Callable[[T], bool] | None = None,
+    last: object = None,
 ) -> list[T]:
     """Pop the oldest of `waiting` (not empty), then the next ones in order while fits(batch, next).
 
     With `model` (an item's model: the base or one of its adapters), items of other models are passed over and
     stay waiting in their order: a batch is one model's (the context applies one adapter at a time), and the oldest
     request's model goes first, so that no model starves while the batches follow their models, not their arrival.
-    With `ready`, the items it refuses now (the server's long prompts while one is decided in steps) are passed over
-    the same way, the oldest ready one going first; none ready: an empty batch."""
+    With `last` (the model of the batch decided before), the oldest item of another model goes first when one
+    waits: a model with many clients does not hold the context batch after batch while another's request waits
+    behind all of its own, which would wait as long as they do. With `ready`, the items it refuses now (the
+    server's long prompts while one is decided in steps) are passed over the same way, the oldest ready one going
+    first; none ready: an empty batch."""
+
+    def passed_first(item: T) -> bool:
+        return (ready is not None and not ready(item)) or (model is not None and last is not None and model(item) == last)
+
     passed: list[T] = []
-    while waiting and ready is not None and not ready(waiting[0]):
+    while waiting and passed_first(waiting[0]):
         passed.append(waiting.popleft())
+    if not waiting and last is not None:  # nothing of another model is ready: the last model's oldest ready item goes
+        waiting.extendleft(reversed(passed))
+        return take(waiting, fits, model, ready)
     batch = [waiting.popleft()] if waiting else []
     while waiting and batch:
         if (model is not None and model(waiting[0]) != model(batch[0])) or (ready is not None and not ready(waiting[0])):

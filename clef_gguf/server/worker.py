@@ -73,6 +73,10 @@ class _Job:
         self.loop.call_soon_threadsafe(done)
 
 
+def _model_of(job: _Job) -> str:
+    return job.prompt.identity  # (a batch is one model's)
+
+
 class ComputeScheduler:
     """The Scheduler of a model in this process: its decisions batched on the model's compute thread."""
 
@@ -84,6 +88,7 @@ class ComputeScheduler:
         self._lock = threading.Lock()  # guards _queue, _drain and _closed
         self._drain: Future[None] | None = None  # the drain submitted to the compute thread, while there is one
         self._closed = False
+        self._last: object = None  # the model of the batch decided last (take: another model's waiting request goes first)
 
     def _fits(self, batch: list[_Job], job: _Job) -> bool:
         return self.model.batchable([*(j.prompt for j in batch), job.prompt])
@@ -94,8 +99,10 @@ class ComputeScheduler:
     def _drain_queue(self) -> None:
         """On the model's compute thread: decide what waits, batch by batch, until nothing does.
 
-        Fairness: a prompt longer than a ubatch (Model.stepped) is decided in steps of a ubatch, and
-        between two of its steps the oldest batch waiting that fits beside it is decided; other long prompts wait
+        Fairness: after a batch of one model, the oldest request of another model waiting goes next (batching.take):
+        a cold adapter's request waits about one batch of a hot one, not all that waits for it. A prompt longer than
+        a ubatch (Model.stepped) is decided in steps of a ubatch, and between two of its steps the oldest batch
+        waiting that fits beside it is decided; other long prompts wait
         for its end. A small request behind a long one waits about a ubatch of its prefill, not all of it."""
         stepping: tuple[_Job, Steps, float] | None = None  # the long prompt decided in steps now, and its start
         try:
@@ -105,7 +112,8 @@ class ComputeScheduler:
                         self._drain = None
                         return
                     ready = None if stepping is None else self._ready
-                    batch = [] if self._closed else take(self._queue, self._fits, lambda job: job.prompt.identity, ready)
+                    batch = [] if self._closed else take(self._queue, self._fits, _model_of, ready, self._last)
+                    self._last = batch[0].prompt.identity if batch else self._last
                 if stepping is None and len(batch) == 1 and self.model.stepped(batch[0].prompt):
                     stepping = self._begin(batch[0])
                 elif batch:
