@@ -2,7 +2,7 @@
 beside a cold one.
 
     python tools/bench/bench_many_adapters.py [--adapters 100] [--max-adapters 8] [--clients 8] [--per-client 20]
-        [--zipf 1.0] [--rounds 8] [--type q4_k_m] [--rank 4] [--fixture benchmark] [--out DIR]
+        [--zipf 1.0] [--rounds 8] [--type q4_k_m] [--rank 4] [--fixture benchmark] [--out DIR] [--hot-cold]
 
 On the benchmark fixture (hidden 256, 8 layers) as a --type base, four PEFT fine-tunes of rank --rank (random LoRA on
 every linear clef-finetune targets, a head of their own) as f16 adapter files, and --adapters distinct files in one
@@ -69,17 +69,26 @@ def served(base: Path, folder: Path, names: list[str], args: argparse.Namespace)
     with ExitStack() as stack:
         port, _ = server(stack, base, "--adapter-dir", str(folder), "--max-adapters", str(args.max_adapters))
         clients(port, 2, n, lambda c, k: names[c % 4])  # warm: 4 adapters loaded, the process's first decodes done
-        report["one_adapter"] = clients(port, per, n, lambda c, k: names[0])["all"]
-        report["four_adapters"] = clients(port, per, n, lambda c, k: names[c % 4])["all"]
-        draws = zipf_draws(names, args.zipf, n, per)
-        misses, total = lru_misses(draws, args.max_adapters)
-        distinct = len({d for client in draws for d in client})
-        zipf = clients(port, per, n, lambda c, k: draws[c][k])["all"]
-        report["zipf"] = zipf | {"distinct_adapters": distinct, "lru_misses": misses, "requests": total}
+        if not args.hot_cold:
+            report |= throughput(port, names, args)
         report["one_client_base"] = clients(port, per, 1, lambda c, k: None)["0"]
         report["cold_alone"] = clients(port, per, 1, lambda c, k: names[1])["0"]  # (also: one client, one adapter)
         both = clients(port, per, n + 1, lambda c, k: names[1] if c == n else names[0])
         report["hot_and_cold"] = {"hot": {"rps": sum(both[str(c)]["rps"] for c in range(n))}, "cold": both[str(n)]}
+    return report
+
+
+def throughput(port: int, names: list[str], args: argparse.Namespace) -> dict[str, object]:
+    """One adapter, four, and the Zipf draws: each --clients clients of --per-client requests."""
+    report: dict[str, object] = {}
+    per, n = args.per_client, args.clients
+    report["one_adapter"] = clients(port, per, n, lambda c, k: names[0])["all"]
+    report["four_adapters"] = clients(port, per, n, lambda c, k: names[c % 4])["all"]
+    draws = zipf_draws(names, args.zipf, n, per)
+    misses, total = lru_misses(draws, args.max_adapters)
+    distinct = len({d for client in draws for d in client})
+    zipf = clients(port, per, n, lambda c, k: draws[c][k])["all"]
+    report["zipf"] = zipf | {"distinct_adapters": distinct, "lru_misses": misses, "requests": total}
     return report
 
 
@@ -119,6 +128,7 @@ def main() -> None:
     parser.add_argument("--type", default="q4_k_m")
     parser.add_argument("--fixture", choices=sorted(FIXTURES), default="benchmark")
     parser.add_argument("--out", type=Path, help="keep the files here (default: a temporary folder)")
+    parser.add_argument("--hot-cold", action="store_true", help="only the hot adapter beside the cold one")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-many-adapters-"))
     started = time.perf_counter()
@@ -127,15 +137,17 @@ def main() -> None:
     report: dict[str, object] = {"fixture": args.fixture, "rank": args.rank, "type": args.type, "zipf": args.zipf}
     report["build_s"] = time.perf_counter() - started
     report |= served(out / "base.gguf", out / "adapters", names, args)
-    report["in_process"] = first_use(out / "base.gguf", out / "adapters", names, args.rounds)
-    z, four, one = report["zipf"], report["four_adapters"], report["one_adapter"]
     cold, alone = report["hot_and_cold"]["cold"], report["cold_alone"]  # type: ignore[index]
-    report["ratios"] = {
-        "zipf_over_one_adapter_rps": z["rps"] / one["rps"],  # type: ignore[index]
-        "zipf_over_four_adapters_rps": z["rps"] / four["rps"],  # type: ignore[index]
+    ratios = {
         "cold_p99_beside_hot_over_alone": cold["p99_ms"] / alone["p99_ms"],
         "one_client_adapter_over_base_p50": alone["p50_ms"] / report["one_client_base"]["p50_ms"],  # type: ignore[index]
     }
+    if not args.hot_cold:
+        report["in_process"] = first_use(out / "base.gguf", out / "adapters", names, args.rounds)
+        z, four, one = report["zipf"], report["four_adapters"], report["one_adapter"]
+        ratios["zipf_over_one_adapter_rps"] = z["rps"] / one["rps"]  # type: ignore[index]
+        ratios["zipf_over_four_adapters_rps"] = z["rps"] / four["rps"]  # type: ignore[index]
+    report["ratios"] = ratios
     print(json.dumps(report, indent=2))
 
 
