@@ -54,6 +54,25 @@ def build(out: Path, fixture: str, file_type: str, ranks: dict[str, int], merged
         shutil.rmtree(out / name)
 
 
+def checkpoint(out: Path, rank: int, seed: int) -> None:
+    """(in a child) One PEFT fine-tune of out/release (built by build) in clef-finetune's layout: out/tune/."""
+    from clef_gguf.testing.finetune import peft_checkpoint
+
+    lora = {"r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS}
+    made = peft_checkpoint(out / "release", out / "tune-work", lora, {"prior_logit_scale": 0.3}, seed=seed)
+    shutil.copytree(made, out / "tune")
+    shutil.rmtree(out / "tune-work")
+
+
+def checkpoint_in_child(out: Path, rank: int, seed: int = 99) -> Path:
+    """checkpoint() in a child process, unless out/tune exists: the checkpoint's folder."""
+    if not (out / "tune").exists():
+        code = "import sys; from pathlib import Path; from clef_gguf.testing.adapter_bench import checkpoint; "
+        code += "checkpoint(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+        subprocess.run([sys.executable, "-c", code, str(out), str(rank), str(seed)], check=True)
+    return out / "tune"
+
+
 def build_in_child(out: Path, fixture: str, file_type: str, ranks: dict[str, int], merged: bool) -> None:
     """build() in a child process, unless out holds its base file already."""
     if (out / "base.gguf").exists():

@@ -2,7 +2,7 @@
 beside a cold one.
 
     python tools/bench/bench_many_adapters.py [--adapters 100] [--max-adapters 8] [--clients 8] [--per-client 20]
-        [--zipf 1.0] [--rounds 8] [--type q4_k_m] [--rank 4] [--fixture benchmark] [--out DIR] [--hot-cold]
+        [--zipf 1.0] [--rounds 8] [--type q4_k_m] [--rank 4] [--fixture benchmark] [--out DIR] [--hot-cold] [--hub]
 
 On the benchmark fixture (hidden 256, 8 layers) as a --type base, four PEFT fine-tunes of rank --rank (random LoRA on
 every linear clef-finetune targets, a head of their own) as f16 adapter files, and --adapters distinct files in one
@@ -19,7 +19,9 @@ cache hit):
 And in process, one request at a time (state cache off, --max-adapters 1, so that each new name evicts the last):
 an adapter's first use (its file read into a private copy, checked in full, loaded into llama.cpp, then decided),
 its reload after eviction (read again and matched on its signature and the identity of its bytes, not checked
-again), and a request to the loaded adapter; medians of --rounds adapters.
+again), and a request to the loaded adapter; medians of --rounds adapters. With --hub, also first use from a local
+stand-in of the Hugging Face Hub (`serve --adapter-source hf://ORG`'s way): an adapter file, and a clef-finetune
+checkpoint converted on the way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -34,7 +37,7 @@ from collections import OrderedDict
 from contextlib import ExitStack
 from pathlib import Path
 
-from clef_gguf.testing.adapter_bench import FIXTURES, NAMES, body, build_in_child, clients, server, variants
+from clef_gguf.testing.adapter_bench import FIXTURES, NAMES, body, build_in_child, checkpoint_in_child, clients, server, variants
 
 
 def zipf_draws(names: list[str], exponent: float, n_clients: int, per_client: int) -> list[list[str]]:
@@ -116,6 +119,42 @@ def first_use(base: Path, folder: Path, names: list[str], rounds: int) -> dict[s
     return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in timed.items()}
 
 
+def first_use_hub(out: Path, names: list[str], rank: int, rounds: int) -> dict[str, float]:
+    """In process, one at a time, from a local stand-in of the Hugging Face Hub (testing/hub.Hub, the real client
+    pointed at it): an adapter file's first use (downloaded, checked, loaded, decided) and a clef-finetune
+    checkpoint's (downloaded, converted over the release, checked, loaded, decided), against a loaded adapter's
+    request (ms, medians of --rounds repositories each; a fresh disk cache)."""
+    import os
+
+    from clef_gguf.testing.hub import Hub
+
+    import clef_gguf
+
+    tune = checkpoint_in_child(out, rank)
+    hub = Hub(Path(tempfile.mkdtemp(prefix="hub-", dir=out)))
+    for i, name in enumerate(names[4 + rounds : 4 + 2 * rounds]):
+        shutil.copyfile(out / "adapters" / f"{name}.adapter.gguf", hub.repo("acme", f"file-{i}") / "tune.adapter.gguf")
+        shutil.copytree(tune, hub.repo("acme", f"tune-{i}"), dirs_exist_ok=True)
+        with open(hub.repo("acme", f"tune-{i}") / "adapter" / "README.md", "w") as f:
+            f.write(f"copy {i}\n")  # (another repository revision; the same fine-tune)
+    os.environ["HF_ENDPOINT"], os.environ["HF_HUB_CACHE"] = hub.url, tempfile.mkdtemp(prefix="hf-", dir=out)
+    timed: dict[str, list[float]] = {"hub_file_first_use": [], "hub_checkpoint_first_use": [], "loaded": []}
+    options = {"adapter_sources": ["hf://acme"], "adapter_base_release": out / "release", "state_cache": 0}
+    cache = tempfile.mkdtemp(prefix="adapter-cache-", dir=out)
+    try:
+        with clef_gguf.load(out / "base.gguf", max_prompt_tokens=2048, adapter_cache=cache, **options) as model:
+            model.decide(json.loads(body(0, None)))
+            for i in range(rounds):
+                for kind, repo in (("hub_file_first_use", f"file-{i}"), ("hub_checkpoint_first_use", f"tune-{i}")):
+                    for key in (kind, "loaded"):
+                        started = time.perf_counter()
+                        model.decide(json.loads(body(100 + i, f"acme/{repo}")))
+                        timed[key].append(time.perf_counter() - started)
+    finally:
+        hub.close()
+    return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in timed.items()} | {"downloads": sum(hub.downloads.values())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=100)
@@ -129,6 +168,7 @@ def main() -> None:
     parser.add_argument("--fixture", choices=sorted(FIXTURES), default="benchmark")
     parser.add_argument("--out", type=Path, help="keep the files here (default: a temporary folder)")
     parser.add_argument("--hot-cold", action="store_true", help="only the hot adapter beside the cold one")
+    parser.add_argument("--hub", action="store_true", help="also first use from a local Hub stand-in")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-many-adapters-"))
     started = time.perf_counter()
@@ -142,6 +182,8 @@ def main() -> None:
         "cold_p99_beside_hot_over_alone": cold["p99_ms"] / alone["p99_ms"],
         "one_client_adapter_over_base_p50": alone["p50_ms"] / report["one_client_base"]["p50_ms"],  # type: ignore[index]
     }
+    if args.hub:
+        report["hub"] = first_use_hub(out, names, args.rank, args.rounds)
     if not args.hot_cold:
         report["in_process"] = first_use(out / "base.gguf", out / "adapters", names, args.rounds)
         z, four, one = report["zipf"], report["four_adapters"], report["one_adapter"]
