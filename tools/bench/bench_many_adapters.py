@@ -126,9 +126,8 @@ def first_use_hub(out: Path, names: list[str], rank: int, rounds: int) -> dict[s
     request (ms, medians of --rounds repositories each; a fresh disk cache)."""
     import os
 
-    from clef_gguf.testing.hub import Hub
-
     import clef_gguf
+    from clef_gguf.testing.hub import Hub
 
     tune = checkpoint_in_child(out, rank)
     hub = Hub(Path(tempfile.mkdtemp(prefix="hub-", dir=out)))
