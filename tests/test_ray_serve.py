@@ -413,8 +413,8 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
         ({"model": "m.gguf", "host": "0.0.0.0"}, r"host: not a setting here; it is http_options\.host"),
         ({"model": "m.gguf", "scale": {"autoscale": "4:1"}}, "1 <= MIN <= MAX"),
         ({"model": "m.gguf", "serve": {"api_key": "has space"}}, "visible ASCII"),
-        ({"model": "m.gguf", "load": {"n_threads": 0}}, "load.n_threads: Input should be greater than or equal to 1"),
-        ({"model": "m.gguf", "serve": {"limits": {"min_body_rate": -1}}}, "serve.limits.min_body_rate: Input should be greater"),
+        ({"model": "m.gguf", "load": {"n_threads": 0}}, "load.n_threads must be between 1 and 512, not 0"),
+        ({"model": "m.gguf", "serve": {"limits": {"min_body_rate": -1}}}, "serve.limits.min_body_rate must be >= 0, not -1"),
         ({"model": "m.gguf", "serve": {"port": 9000}}, "set http_options.port instead"),
         ({"model": "m.gguf", "serve": {"allowed_origins": ["app.example.com"]}}, "is not an origin"),
     ]:

@@ -133,10 +133,11 @@ def _refusal(error: Any) -> str:
 _PLAIN = {int, float, str, bool, Path, type(None)}
 
 
-def check_values(table: type, values: Any) -> None:
+def check_values(table: type, values: Any, within: str = "") -> None:
     """The values a table (settings.py's) is made from, as a config gives them, held as load() holds its keywords
     (settings.check_table) before pydantic's lax mode turns True into 1 and "2048" into 2048: each setting of a plain
-    type (numbers, text, paths, or None), in every table within. Others (an enum, a tuple) are pydantic's alone."""
+    type (numbers, text, paths, or None), in every table within, named by its place in the config (load.n_threads).
+    Others (an enum, a tuple) are pydantic's alone."""
     if not isinstance(values, dict):
         return
     hints = get_type_hints(table)
@@ -145,9 +146,9 @@ def check_values(table: type, values: Any) -> None:
         if f.name not in values:
             continue
         if is_dataclass(hint):
-            check_values(hint, values[f.name])
+            check_values(hint, values[f.name], f"{within}{f.name}.")
         elif set(get_args(hint) or (hint,)) <= _PLAIN:
-            check_value(f.name, values[f.name], hint, f.metadata)
+            check_value(within + f.name, values[f.name], hint, f.metadata)
 
 
 def validated(args: dict[str, Any]) -> RaySettings:
