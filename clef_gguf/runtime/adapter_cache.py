@@ -1,11 +1,14 @@
 """The disk cache of the adapters sources delivered (runtime/sources.py): --adapter-cache DIR, --adapter-cache-size.
 
 One folder per entry (entries/<sha256 of its key>/), holding its adapter file (adapter.gguf: a GGUF as delivered, or
-a checkpoint's conversion) and its record (entry.json: the key, the revision delivered, its size and its verdict: a
-refusal keeps its error's class and message and no file). An entry is written whole in a staging folder and renamed
-into place, so that a crash leaves either the old entry or the new one, never half of one; staging folders left by a
-crash are removed at the next start. Entries are kept across restarts, verdicts included. Past the size bound the
-least recently used (its record's mtime, touched on each use) are removed first; the pinned ones (--pin) never.
+a checkpoint's conversion) and its record (entry.json: the key, the revision delivered, its size, the sha256 of its
+file, and its verdict: a refusal keeps its error's class and message and no file). A file is checked against its
+sha256 when this process first reads it and again whenever its size, mtime or inode changed since: a file swapped or
+damaged behind the record's back is never served as the adapter it was; its entry is removed (fetched again).
+An entry is written whole in a staging folder and renamed into place, so that a crash leaves either the old entry
+or the new one, never half of one; staging folders left by a crash are removed at the next start. Entries are kept
+across restarts, verdicts included. Past the size bound the least recently used (its record's mtime, touched on each
+use) are removed first; the pinned ones (--pin) never.
 Without DIR the cache is a private folder of this process, removed at close.
 """
 
@@ -59,6 +62,8 @@ class Cached:
     path: Path | None  # the adapter file; None for a refusal
     verdict: tuple[str, str] | None  # (error class, message) of a refusal
     used: float  # when last used (the record's mtime)
+    sha256: str = ""  # of the file, as delivered and checked
+    verified: tuple[int, int, int] | None = None  # (size, mtime_ns, inode) of the file when its sha256 was last seen
 
     def error(self) -> ClefError:
         """The refusal as its typed error, raised anew."""
@@ -109,11 +114,13 @@ class AdapterCache:
                 self._index[key] = found
         try:
             os.utime(folder / RECORD)
-            if found.path is not None:
-                os.stat(found.path)
+            if found.path is not None and not _intact(found):
+                shutil.rmtree(folder, ignore_errors=True)  # (swapped or damaged: fetched again, never served)
+                raise FileNotFoundError(found.path)
         except OSError:  # (removed by hand, or evicted by another process sharing the folder)
             with self._lock:
-                self._index.pop(key, None)
+                if self._index.get(key) is found:
+                    del self._index[key]
             return None
         found.used = time.time()
         return found
@@ -132,11 +139,13 @@ class AdapterCache:
         then the least recently used entries past the bound removed."""
         folder = self._folder(key)
         temporary = Path(tempfile.mkdtemp(dir=self._staging))
-        nbytes = 0
+        nbytes, digest, seen = 0, "", None
         if file is not None:
             os.replace(file, temporary / ADAPTER)
-            nbytes = os.stat(temporary / ADAPTER).st_size
-        record = {"key": key, "revision": revision, "bytes": nbytes, "verdict": list(verdict) if verdict else None}
+            digest, stat = _sha256(temporary / ADAPTER), os.stat(temporary / ADAPTER)
+            nbytes, seen = stat.st_size, _signature(stat)
+        verdict_kept = list(verdict) if verdict else None
+        record = {"key": key, "revision": revision, "bytes": nbytes, "sha256": digest, "verdict": verdict_kept}
         with open(temporary / RECORD, "w", encoding="utf-8") as f:
             json.dump(record, f)
             f.flush()
@@ -145,7 +154,8 @@ class AdapterCache:
             if folder.exists():  # (replaced: the old one aside first, so that the rename below cannot fail on it)
                 os.replace(folder, Path(tempfile.mkdtemp(dir=self._staging)) / "old")
             os.replace(temporary, folder)
-            entry = Cached(key, revision, nbytes, folder / ADAPTER if file is not None else None, verdict, time.time())
+            path = folder / ADAPTER if file is not None else None
+            entry = Cached(key, revision, nbytes, path, verdict, time.time(), digest, seen)
             self._index[key] = entry
         self._evict(keep=key)
         return entry
@@ -182,9 +192,35 @@ def _read_record(folder: Path) -> Cached | None:
         record = json.loads(record_path.read_text(encoding="utf-8"))
         verdict = tuple(record["verdict"]) if record["verdict"] else None
         path = None if verdict else folder / ADAPTER
-        if path is not None and os.stat(path).st_size != int(record["bytes"]):
+        digest = str(record.get("sha256") or "")
+        if path is not None and (os.stat(path).st_size != int(record["bytes"]) or len(digest) != 64):
             return None
         used = os.stat(record_path).st_mtime
-        return Cached(str(record["key"]), str(record["revision"]), int(record["bytes"]), path, verdict, used)  # type: ignore[arg-type]
+        return Cached(str(record["key"]), str(record["revision"]), int(record["bytes"]), path, verdict, used, digest)  # type: ignore[arg-type]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _signature(stat: os.stat_result) -> tuple[int, int, int]:
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+
+def _intact(entry: Cached) -> bool:
+    """Whether the entry's file is still the one its record names: hashed at its first read in this process and
+    whenever it changed since (a stat is the cheap look between)."""
+    assert entry.path is not None
+    seen = _signature(os.stat(entry.path))
+    if seen == entry.verified:
+        return True
+    if seen[0] != entry.nbytes or _sha256(entry.path) != entry.sha256:
+        return False
+    entry.verified = seen
+    return True
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

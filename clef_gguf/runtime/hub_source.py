@@ -1,11 +1,15 @@
 """A Hugging Face Hub source (--adapter-source hf://ORG or hf://ORG/REPO): names ORG/REPO[@REVISION][/SUBFOLDER].
 
-Through huggingface-hub's own client (imported here only, when a Hub source is served): HF_ENDPOINT, HF_TOKEN and
-its cache are honoured; the token is sent as the client sends it and never appears in a message. What a repository
+Through huggingface-hub's own client (imported here only, when a Hub source is served): HF_ENDPOINT, HF_TOKEN (or
+HF_HOME's token) are honoured; the token is sent as the client sends it and never appears in a message. Files are
+streamed by its HTTP client into the adapter cache's staging folder, not through huggingface-hub's cache: the adapter
+cache's copy is the only one (bounded by --adapter-cache-size), and each download is cut off at --adapter-max-size
+and at its deadline, whatever the listing said. What a repository
 (or its subfolder) may deliver: one GGUF file (an adapter file, checked against the base by the caller) or a
 clef-finetune checkpoint (adapter/adapter_config.json, adapter/adapter_model.safetensors, joint_head.safetensors,
 converted by the caller); a release (a merged fine-tune, a full model) is refused as a model file is. Sizes are
-read from the repository's listing and refused over the bound before a byte is downloaded.
+read from the repository's listing and refused over the bound before a byte is downloaded (and counted again as the
+bytes come).
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,13 +37,6 @@ def endpoint() -> str:
 
     # Read at call time, not import time: HF_ENDPOINT may be set after huggingface_hub was imported.
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
-
-
-def cache_dir() -> str | None:
-    """huggingface-hub's cache as its environment names it now (HF_HUB_CACHE, HF_HOME), else its default."""
-    if "HF_HUB_CACHE" in os.environ:
-        return os.environ["HF_HUB_CACHE"]
-    return os.path.join(os.environ["HF_HOME"], "hub") if "HF_HOME" in os.environ else None
 
 
 class HubSource:
@@ -68,8 +65,9 @@ class HubSource:
         return None
 
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:
-        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub import HfApi, hf_hub_url
 
+        deadline = time.monotonic() + bounds.deadline_s
         m = NAME.fullmatch(wanted.name)
         assert m is not None  # (claims)
         repo_id, prefix = f"{m['org']}/{m['repo']}", f"{m['sub']}/" if m["sub"] else ""
@@ -83,22 +81,37 @@ class HubSource:
             if total > bounds.max_bytes:
                 raise too_large(wanted.name, total, bounds.max_bytes)
             folder = into / m["repo"]  # (a checkpoint's folder name is what its conversion names the adapter)
+            nbytes = 0
             for file in chosen:
-                got = hf_hub_download(
-                    repo_id,
-                    prefix + file,
-                    revision=info.sha,
-                    endpoint=endpoint(),
-                    etag_timeout=bounds.timeout_s,
-                    cache_dir=cache_dir(),
-                )
                 (folder / file).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(got, folder / file)
-        nbytes = sum(os.stat(folder / f).st_size for f in chosen)
-        if nbytes > bounds.max_bytes:  # (a listing without sizes, or one that lied)
-            raise too_large(wanted.name, nbytes, bounds.max_bytes)
+                url = hf_hub_url(repo_id, prefix + file, revision=info.sha, endpoint=endpoint())
+                nbytes += _download(wanted.name, url, folder / file, bounds, bounds.max_bytes - nbytes, deadline)
         path = folder if len(chosen) > 1 else folder / chosen[0]
         return Delivered(path, str(info.sha), nbytes)
+
+
+def _download(name: str, url: str, to: Path, bounds: Bounds, budget: int, deadline: float) -> int:
+    """One file streamed into `to` (the staging folder: the cache's copy is the only one, none in huggingface-hub's
+    cache), cut off past `budget` bytes (a listing's sizes are the Hub's word, not a bound) or past `deadline` (a Hub
+    that drips bytes just within each read's timeout); the connection is closed on the way out either way."""
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    got = 0
+    with get_session().stream("GET", url, headers=build_hf_headers(), timeout=bounds.timeout_s, follow_redirects=True) as r:
+        if r.status_code >= 400:
+            r.read()
+            hf_raise_for_status(r)
+        if int(r.headers.get("Content-Length") or 0) > budget:
+            raise too_large(name, bounds.max_bytes - budget + int(r.headers["Content-Length"]), bounds.max_bytes)
+        with open(to, "wb") as f:
+            for chunk in r.iter_bytes():  # (as they come: a size would wait for that many bytes)
+                got += len(chunk)
+                if got > budget:
+                    raise too_large(name, bounds.max_bytes - budget + got, bounds.max_bytes, more=True)
+                if time.monotonic() > deadline:
+                    raise unreachable(name, f"not delivered within {bounds.deadline_s:g} s; abandoned")
+                f.write(chunk)
+    return got
 
 
 def choose(name: str, listed: dict[str, int | None]) -> list[str]:
@@ -122,8 +135,9 @@ def choose(name: str, listed: dict[str, int | None]) -> list[str]:
     )
 
 
-def too_large(name: str, nbytes: int, limit: int) -> AdapterTooLargeError:
-    return AdapterTooLargeError(f"{name} is {nbytes} bytes, over this server's --adapter-max-size of {limit} bytes", "model")
+def too_large(name: str, nbytes: int, limit: int, more: bool = False) -> AdapterTooLargeError:
+    size = f"more than {nbytes}" if more else f"{nbytes}"
+    return AdapterTooLargeError(f"{name} is {size} bytes, over this server's --adapter-max-size of {limit} bytes", "model")
 
 
 @contextlib.contextmanager

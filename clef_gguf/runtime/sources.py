@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,6 +45,7 @@ HF_SCHEME = "hf://"
 BACKOFF_S = 10.0  # a failed fetch's first back-off (server/problems.py's Retry-After says it); doubled per failure
 BACKOFF_MAX_S = 300.0
 SERVED_KEPT = 4096  # names delivered that /v1/models lists, the newest
+FAILED_KEPT = 4096  # back-offs remembered, the newest: a flood of junk names cannot grow the table without bound
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,13 @@ class Delivered:
 class Bounds:
     max_bytes: int  # the largest adapter a source may deliver
     timeout_s: float  # how long a first use may take (and each request to a source)
+    new_per_minute: int = 60  # fetches started per minute (each asks a source: the Hub, with the server's token)
+    max_fetches: int = 4  # fetches at once (each a thread and a connection)
+    deadline_factor: float = 5.0  # a fetch is abandoned after this many timeout_s in all (a Hub that drips bytes)
+
+    @property
+    def deadline_s(self) -> float:
+        return self.timeout_s * self.deadline_factor
 
 
 class Source(Protocol):
@@ -170,7 +179,8 @@ class AdapterSources:
         self.owned = contextlib.ExitStack()  # what close() closes besides the cache (the checks' private folder)
         self._lock = threading.Lock()
         self._flights: dict[str, Future[Path]] = {}
-        self._failed: dict[str, tuple[float, int, ClefError]] = {}  # key -> (retry at, failures, error)
+        self._failed: OrderedDict[str, tuple[float, int, ClefError]] = OrderedDict()  # key -> (retry at, failures, error)
+        self._tokens, self._refilled = float(bounds.new_per_minute), time.monotonic()  # the new fetches' bucket
         self._names: dict[str, None] = {}  # the names delivered, oldest first
 
     def close(self) -> None:
@@ -252,10 +262,30 @@ class AdapterSources:
                 return flight
             if cached is not None:
                 raise cached.error()
+            self._admit(wanted.name)
             self._flights[wanted.key] = flight
             flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
         threading.Thread(target=self._run, args=(source, wanted, flight), name="clef-adapter-fetch", daemon=True).start()
         return flight
+
+    def _admit(self, name: str) -> None:
+        """Refuse a new fetch (a 503 that asks no source anything) past the fetches at once or the new ones a minute
+        allows: distinct junk names must not cost a thread each, nor a Hub request each with the server's token."""
+        if len(self._flights) >= self.bounds.max_fetches:
+            raise SourceUnavailableError(
+                f"the adapter {name!r} cannot be fetched now: {len(self._flights)} adapters are being fetched (at most "
+                f"{self.bounds.max_fetches} at once); ask again later"
+            )
+        now = time.monotonic()
+        rate = self.bounds.new_per_minute / 60.0
+        self._tokens = min(float(self.bounds.new_per_minute), self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+        if self._tokens < 1.0:
+            raise SourceUnavailableError(
+                f"the adapter {name!r} cannot be fetched now: too many new adapter names (at most "
+                f"{self.bounds.new_per_minute} fetches a minute); ask again later"
+            )
+        self._tokens -= 1.0
 
     def _run(self, source: Source, wanted: Wanted, flight: Future[Path]) -> None:
         try:
@@ -264,9 +294,12 @@ class AdapterSources:
             error = e if isinstance(e, ClefError) else unreachable(wanted.name, type(e).__name__)
             self.observer.failed(wanted.name, error)
             with self._lock:
-                failures = self._failed.get(wanted.key, (0.0, 0, error))[1] + 1
+                failures = self._failed.pop(wanted.key, (0.0, 0, error))[1] + 1
                 backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
-                self._failed[wanted.key] = (time.monotonic() + backoff, failures, error)
+                # (a copy: the raised one holds its traceback, and through it the fetch's frames and buffers)
+                self._failed[wanted.key] = (time.monotonic() + backoff, failures, _again(error))
+                while len(self._failed) > FAILED_KEPT:
+                    self._failed.popitem(last=False)
                 del self._flights[wanted.key]
             flight.set_exception(error)
             return

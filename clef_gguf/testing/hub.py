@@ -2,7 +2,9 @@
 Hugging Face Hub, offline"), serving a folder of repositories, ROOT/ORG/REPO/..., each one revision. The real client
 is pointed at it with HF_ENDPOINT. It counts downloads (GETs of a file's bytes), records the bearer tokens sent, and
 can be made slow (`delay_s` before every answer) to stand for a Hub that answers slowly, or held (`gate` cleared:
-every answer waits until it is set again, at most GATE_MAX_S) for a test that needs every first use waiting at once.
+every answer waits until it is set again, at most GATE_MAX_S) for a test that needs every first use waiting at once,
+made to lie in its listing (`listed`: a file's size as the listing gives it) or to drip a file's bytes (`drip_s`
+between its 1 KiB pieces).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class Hub:
         self.delay_s = 0.0
         self.gate = threading.Event()
         self.gate.set()
+        self.drip_s = 0.0
+        self.listed: dict[str, int] = {}  # "ORG/REPO/FILE" -> the size the listing says, whatever the file's
         self._lock = threading.Lock()
         hub = self
 
@@ -97,7 +101,10 @@ class Hub:
             return _send(handler, 404, b'{"error":"Repository not found"}', {"X-Error-Code": "RepoNotFound"}, body)
         if not self._revision_ok(org, name, revision):
             return _send(handler, 404, b'{"error":"Revision not found"}', {"X-Error-Code": "RevisionNotFound"}, body)
-        siblings = [{"rfilename": str(p.relative_to(repo)), "size": p.stat().st_size} for p in self._files(repo)]
+        siblings = [
+            {"rfilename": (f := str(p.relative_to(repo))), "size": self.listed.get(f"{org}/{name}/{f}", p.stat().st_size)}
+            for p in self._files(repo)
+        ]
         info: dict[str, Any] = {
             "id": f"{org}/{name}",
             "modelId": f"{org}/{name}",
@@ -118,14 +125,16 @@ class Hub:
             with self._lock:
                 self.downloads[f"{org}/{name}/{file}"] += 1
         headers = {"X-Repo-Commit": self.sha(org, name), "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
-        _send(handler, 200, data, headers | {"Content-Type": "application/octet-stream"}, body)
+        _send(handler, 200, data, headers | {"Content-Type": "application/octet-stream"}, body, self.drip_s)
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
 
 
-def _send(handler: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str], body: bool) -> None:
+def _send(
+    handler: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str], body: bool, drip_s: float = 0.0
+) -> None:
     handler.send_response(status)
     for key, value in headers.items():
         handler.send_header(key, value)
@@ -133,4 +142,9 @@ def _send(handler: BaseHTTPRequestHandler, status: int, data: bytes, headers: di
     handler.end_headers()
     if body:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            handler.wfile.write(data)
+            if not drip_s:
+                handler.wfile.write(data)
+            for start in range(0, len(data) if drip_s else 0, 1024):
+                handler.wfile.write(data[start : start + 1024])
+                handler.wfile.flush()
+                time.sleep(drip_s)
