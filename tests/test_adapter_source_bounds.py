@@ -130,3 +130,26 @@ def test_a_swapped_cache_file_is_fetched_again_live_and_after_a_restart(hub, tmp
     assert third is not None and third.read_bytes() == good and hub.downloads_of("acme", "tune") == 3
     assert restarted.locate("acme/tune") == third and hub.downloads_of("acme", "tune") == 3  # intact: no fetch
     restarted.close()
+
+
+@pytest.mark.parametrize("name", ["acme/good.", "acme/good@.", "acme/good/", "acme//good", "acme/a--b", "acme/-a"])
+def test_a_malformed_hub_name_is_the_request_s_fault_and_asks_nothing(hub, tmp_path, name):
+    sources = _sources(tmp_path, Bounds(1 << 20, 10.0))
+    with pytest.raises(RequestError, match="not an adapter name a source reads") as caught:
+        sources.locate(name)
+    assert type(caught.value) is RequestError and caught.value.field == "model"  # a 422 at model, not a 403
+    assert not hub.tokens and not sources._failed
+    sources.close()
+
+
+def test_a_cache_that_cannot_be_written_is_said_to_be_the_cache(hub, tmp_path, caplog):
+    (hub.repo("acme", "tune") / "tune.adapter.gguf").write_bytes(b"GGUF" + b"\1" * 100)
+    sources = _sources(tmp_path, Bounds(1 << 20, 10.0))
+    staging = tmp_path / "cache" / "staging"
+    staging.rmdir()
+    staging.write_text("")  # (no folder can be made there: as a read-only or full disk refuses, even to root)
+    with pytest.raises(SourceUnavailableError, match="the adapter cache cannot keep 'acme/tune' now") as caught:
+        sources.locate("acme/tune")
+    assert "Hugging Face" not in str(caught.value)
+    assert any("the adapter cache" in r.getMessage() and str(tmp_path / "cache") in r.getMessage() for r in caplog.records)
+    sources.close()

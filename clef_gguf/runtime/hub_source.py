@@ -26,8 +26,11 @@ from ..errors import AdapterTooLargeError, ClefError, NotADecisionModelError, Re
 from .adapter_files import ADAPTER_SUFFIX
 from .sources import HF_SCHEME, Bounds, Delivered, Wanted
 
-_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
-NAME = re.compile(rf"(?P<org>{_PART})/(?P<repo>{_PART})(?:@(?P<rev>[A-Za-z0-9._-]{{1,64}}))?(?:/(?P<sub>{_PART}(?:/{_PART})*))?")
+# The Hub's own rule for a namespace or a repository (huggingface-hub's validate_repo_id): letters, digits, ._- ,
+# neither first nor last a . or -, no -- or .. (checked in claims), at most 96.
+_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_REV = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+NAME = re.compile(rf"(?P<org>{_PART})/(?P<repo>{_PART})(?:@(?P<rev>{_REV}))?(?:/(?P<sub>{_PART}(?:/{_PART})*))?")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 CHECKPOINT = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "joint_head.safetensors")
 
@@ -53,9 +56,14 @@ class HubSource:
             raise SettingsError(f"the adapter source {text!r} is not one: {HF_SCHEME}ORG or {HF_SCHEME}ORG/REPO")
         return cls(parts[0], parts[1] if len(parts) == 2 else None)
 
+    def well_formed(self, name: str) -> bool:
+        """Whether `name` reads as ORG/REPO[@REVISION][/FOLDER] by the Hub's rules, whoever's it is."""
+        m = NAME.fullmatch(name)
+        return m is not None and ".." not in name and "--" not in f"{m['org']}/{m['repo']}"
+
     def claims(self, name: str) -> Wanted | None:
         m = NAME.fullmatch(name)
-        if m is None or ".." in name or m["org"] != self.org or (self.repo is not None and m["repo"] != self.repo):
+        if not self.well_formed(name) or m is None or m["org"] != self.org or (self.repo is not None and m["repo"] != self.repo):
             return None
         rev = m["rev"]
         key = f"{HF_SCHEME}{m['org']}/{m['repo']}@{rev or 'main'}/{m['sub'] or ''}"
@@ -146,6 +154,7 @@ def _hub_errors(name: str, revision: str | None) -> Iterator[None]:
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -155,6 +164,8 @@ def _hub_errors(name: str, revision: str | None) -> Iterator[None]:
         yield
     except ClefError:
         raise
+    except HFValidationError as e:  # (a name the client refuses to ask for: the request's fault)
+        raise RequestError(f"{name} is not a Hugging Face Hub name: {_first_line(e)}", "model") from None
     except RepositoryNotFoundError:
         raise RequestError(f"{name}: no such repository on the Hugging Face Hub (or not open to this server)", "model") from None
     except RevisionNotFoundError:
@@ -164,7 +175,11 @@ def _hub_errors(name: str, revision: str | None) -> Iterator[None]:
     except HfHubHTTPError as e:  # (any other answer of the Hub's: a server error, a rate limit, an outage page)
         status = getattr(e.response, "status_code", None)
         raise unreachable(name, f"HTTP {status}" if status else _first_line(e)) from None
-    except (LocalEntryNotFoundError, OSError, *_transport_errors()) as e:
+    except OSError as e:
+        if e.filename is not None:  # (a file of ours: the adapter cache's disk, not the Hub)
+            raise
+        raise unreachable(name, _first_line(e)) from None
+    except (LocalEntryNotFoundError, *_transport_errors()) as e:
         raise unreachable(name, _first_line(e)) from None
 
 

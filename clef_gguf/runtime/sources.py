@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -35,12 +36,14 @@ from ..errors import (
     ClefError,
     ConversionError,
     ReleaseError,
+    RequestError,
     SettingsError,
     SourceUnavailableError,
 )
 from .adapter_cache import AdapterCache, verdict_of
 from .adapter_files import ADAPTER_SUFFIX, servable
 
+log = logging.getLogger("clef_gguf")
 HF_SCHEME = "hf://"
 BACKOFF_S = 10.0  # a failed fetch's first back-off (server/problems.py's Retry-After says it); doubled per failure
 BACKOFF_MAX_S = 300.0
@@ -85,6 +88,8 @@ class Source(Protocol):
 
     def claims(self, name: str) -> Wanted | None: ...
 
+    def well_formed(self, name: str) -> bool: ...  # a name of its kind, whether it claims it or not
+
     def local(self, wanted: Wanted) -> Path | None: ...
 
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered: ...
@@ -116,7 +121,10 @@ class FolderSource:
         self.folder, self.label, self.remote = folder, str(folder), False
 
     def claims(self, name: str) -> Wanted | None:
-        return Wanted(name, f"{self.folder}/{name}") if servable(name) and "/" not in name else None
+        return Wanted(name, f"{self.folder}/{name}") if self.well_formed(name) else None
+
+    def well_formed(self, name: str) -> bool:
+        return servable(name) and "/" not in name
 
     def local(self, wanted: Wanted) -> Path | None:
         return self.folder / f"{wanted.name}{ADAPTER_SUFFIX}"
@@ -211,6 +219,8 @@ class AdapterSources:
         found = self.claimed(name)
         if found is None:
             if self.remote and "/" in name:
+                if not any(s.well_formed(name) for s in self.remote):
+                    raise RequestError(f"{name!r} is not an adapter name a source reads: ORG/REPO[@REVISION][/FOLDER]", "model")
                 allowed = ", ".join(s.label for s in self.remote)
                 raise AdapterNotAllowedError(
                     f"{name} is not from a source this server fetches adapters from ({allowed})", "model"
@@ -292,6 +302,9 @@ class AdapterSources:
             path = self._deliver(source, wanted)
         except Exception as e:  # (one the source did not expect, e.g. of its client: a 503 too, never a 500 loop)
             error = e if isinstance(e, ClefError) else unreachable(wanted.name, type(e).__name__)
+            if isinstance(e, OSError) and e.filename is not None:  # (the cache's disk: read-only, full; the operator's)
+                log.error("the adapter cache %s cannot keep %s: %s", self.cache.root, wanted.name, e)
+                error = SourceUnavailableError(f"the adapter cache cannot keep {wanted.name!r} now ({e.strerror or e})")
             self.observer.failed(wanted.name, error)
             with self._lock:
                 failures = self._failed.pop(wanted.key, (0.0, 0, error))[1] + 1
