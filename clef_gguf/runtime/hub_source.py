@@ -106,7 +106,7 @@ def _download(name: str, url: str, to: Path, bounds: Bounds, budget: int, deadli
 
     got = 0
     with get_session().stream("GET", url, headers=build_hf_headers(), timeout=bounds.timeout_s, follow_redirects=True) as r:
-        if r.status_code >= 400:
+        if r.is_error:  # (its message read before the status is raised: a stream has no body yet)
             r.read()
             hf_raise_for_status(r)
         if int(r.headers.get("Content-Length") or 0) > budget:
