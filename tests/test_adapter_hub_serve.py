@@ -77,17 +77,19 @@ def merged(files) -> list[list[float]]:
         return [flat_probabilities(alone.decide(r)) for r in labelled_requests(2)]
 
 
+def _settings(files: Files, cache: Path) -> dict[str, Any]:
+    return {
+        "max_prompt_tokens": CONTEXT,
+        "state_cache": 0,
+        "adapter_sources": ["hf://acme"],
+        "adapter_cache": cache,
+        "adapter_base_release": files.release,
+        "adapter_max_size": MAX_SIZE,
+    }
+
+
 def _serve(files: Files, cache: Path, **keywords: Any) -> tuple[Any, Any]:
-    model = clef_gguf.load(
-        files.base,
-        max_prompt_tokens=CONTEXT,
-        state_cache=0,
-        adapter_sources=["hf://acme"],
-        adapter_cache=cache,
-        adapter_base_release=files.release,
-        adapter_max_size=MAX_SIZE,
-        **keywords,
-    )
+    model = clef_gguf.load(files.base, **_settings(files, cache), **keywords)
     return model, start(create_app(model))
 
 
@@ -226,15 +228,7 @@ def test_serve_refuses_a_source_that_is_not_one_in_one_line(files, tmp_path):
 
 def _counted(files: Files, cache: Path) -> tuple[Any, Any]:
     """_serve's model and app, its adapter sources and its decider counted as `clef-gguf serve` counts them."""
-    spec = ModelSpec.of(
-        files.base,
-        max_prompt_tokens=CONTEXT,
-        state_cache=0,
-        adapter_sources=["hf://acme"],
-        adapter_cache=cache,
-        adapter_base_release=files.release,
-        adapter_max_size=MAX_SIZE,
-    )
+    spec = ModelSpec.of(files.base, **_settings(files, cache))
     counts = AdapterCounts(ServeSettings.metrics_adapter_cap)
     model = ClefModel(spec, counts, counts)
     return model, start(create_app(model, adapters=local_view(counts, model.resident_adapters)))

@@ -13,7 +13,8 @@ import pytest
 from clef_gguf.errors import AdapterTooLargeError, RequestError, SourceUnavailableError
 from clef_gguf.runtime import sources as sources_module
 from clef_gguf.runtime.adapter_cache import AdapterCache
-from clef_gguf.runtime.sources import AdapterSources, Bounds, FetchPending, not_waiting, parse_source
+from clef_gguf.runtime.catalog_sources import parse_source
+from clef_gguf.runtime.sources import AdapterSources, Bounds, FetchPending, not_waiting
 from clef_gguf.testing.hub import Hub
 
 

@@ -25,7 +25,8 @@ from clef_gguf.errors import (
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.runtime.adapter_cache import AdapterCache
 from clef_gguf.runtime.adapter_files import PrivateFolder, read_version
-from clef_gguf.runtime.sources import AdapterSources, Bounds, FetchPending, not_waiting, parse_source
+from clef_gguf.runtime.catalog_sources import parse_source
+from clef_gguf.runtime.sources import AdapterSources, Bounds, FetchPending, not_waiting
 from clef_gguf.testing import finetune
 from clef_gguf.testing.hub import Hub
 from clef_gguf.testing.release_builder import ReleaseSpec, build_release

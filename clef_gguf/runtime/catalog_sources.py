@@ -13,7 +13,20 @@ from ..settings import AdapterSet
 from .adapter_cache import AdapterCache
 from .adapter_files import read_version
 from .private_folder import PrivateFolder
-from .sources import AdapterSources, Bounds, Convert, SourceObserver, parse_source
+from .sources import HF_SCHEME, AdapterSources, Bounds, Convert, FolderSource, Source, SourceObserver
+
+
+def parse_source(text: str) -> Source:
+    """One --adapter-source: hf://ORG, hf://ORG/REPO, or a folder. (Here, above sources.py and hub_source.py alike,
+    which builds on sources.py: the seam a new source plugs into.)"""
+    if text.startswith(HF_SCHEME):
+        from .hub_source import HubSource  # (huggingface-hub loaded only where a Hub source is served)
+
+        return HubSource.parse(text)
+    if "://" in text:
+        raise SettingsError(f"the adapter source {text!r} is not one: a folder, {HF_SCHEME}ORG or {HF_SCHEME}ORG/REPO")
+    return FolderSource(Path(text).expanduser())
+
 
 # A fetched checkpoint's LoRA is written in float32: it is small beside the base, and its answers are then the merged
 # fine-tune's to float precision.

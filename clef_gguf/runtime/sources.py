@@ -4,7 +4,7 @@ A Source reads a requested name (`claims`: None when the name is not its own) an
 place (`local`: a folder's NAME.adapter.gguf) or delivers the adapter into a staging folder (`fetch`: a GGUF file,
 or a clef-finetune checkpoint folder). The list of sources is the allow list: a name no source claims is never
 fetched from anywhere. A new kind of source (S3, http) is a class with those three methods and a scheme in
-`parse_source`; nothing else changes.
+`parse_source` (runtime/catalog_sources.py); nothing else changes.
 
 AdapterSources turns a name into an adapter file the catalog reads: the disk cache first (runtime/adapter_cache.py);
 else one fetch per key at a time however many ask (single flight), on a thread of its own, never the compute thread;
@@ -131,17 +131,6 @@ class FolderSource:
 
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:  # pragma: no cover - local() answers
         raise AssertionError("a folder's files are read in place")
-
-
-def parse_source(text: str) -> Source:
-    """One --adapter-source: hf://ORG, hf://ORG/REPO, or a folder."""
-    if text.startswith(HF_SCHEME):
-        from .hub_source import HubSource  # (huggingface-hub loaded only where a Hub source is served)
-
-        return HubSource.parse(text)
-    if "://" in text:
-        raise SettingsError(f"the adapter source {text!r} is not one: a folder, {HF_SCHEME}ORG or {HF_SCHEME}ORG/REPO")
-    return FolderSource(Path(text).expanduser())
 
 
 class FetchPending(Exception):  # noqa: N818 (not an error: a caller that must not block awaits `future`)
