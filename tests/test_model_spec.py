@@ -56,9 +56,9 @@ def built(monkeypatch):
     specs: list[ModelSpec] = []
     real = ClefModel.__init__
 
-    def recording(self, spec, observer=None):
+    def recording(self, spec, *observers):
         specs.append(spec)
-        real(self, spec, observer)
+        real(self, spec, *observers)
 
     monkeypatch.setattr(ClefModel, "__init__", recording)
     return specs
