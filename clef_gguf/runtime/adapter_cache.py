@@ -35,6 +35,7 @@ from ..errors import (
     NotADecisionModelError,
     RequestError,
 )
+from ..format.header import Signature, signature_of
 
 RECORD = "entry.json"
 ADAPTER = "adapter.gguf"
@@ -63,7 +64,7 @@ class Cached:
     verdict: tuple[str, str] | None  # (error class, message) of a refusal
     used: float  # when last used (the record's mtime)
     sha256: str = ""  # of the file, as delivered and checked
-    verified: tuple[int, int, int] | None = None  # (size, mtime_ns, inode) of the file when its sha256 was last seen
+    verified: Signature | None = None  # the file's signature (format/header.py) when its sha256 was last seen
 
     def error(self) -> ClefError:
         """The refusal as its typed error, raised anew."""
@@ -143,7 +144,7 @@ class AdapterCache:
         if file is not None:
             os.replace(file, temporary / ADAPTER)
             digest, stat = _sha256(temporary / ADAPTER), os.stat(temporary / ADAPTER)
-            nbytes, seen = stat.st_size, _signature(stat)
+            nbytes, seen = stat.st_size, signature_of(stat)
         verdict_kept = list(verdict) if verdict else None
         record = {"key": key, "revision": revision, "bytes": nbytes, "sha256": digest, "verdict": verdict_kept}
         with open(temporary / RECORD, "w", encoding="utf-8") as f:
@@ -201,18 +202,14 @@ def _read_record(folder: Path) -> Cached | None:
         return None
 
 
-def _signature(stat: os.stat_result) -> tuple[int, int, int]:
-    return stat.st_size, stat.st_mtime_ns, stat.st_ino
-
-
 def _intact(entry: Cached) -> bool:
     """Whether the entry's file is still the one its record names: hashed at its first read in this process and
     whenever it changed since (a stat is the cheap look between)."""
     assert entry.path is not None
-    seen = _signature(os.stat(entry.path))
+    seen = signature_of(os.stat(entry.path))  # (its ctime too: a rewrite with its mtime put back is seen)
     if seen == entry.verified:
         return True
-    if seen[0] != entry.nbytes or _sha256(entry.path) != entry.sha256:
+    if seen[2] != entry.nbytes or _sha256(entry.path) != entry.sha256:
         return False
     entry.verified = seen
     return True
