@@ -119,7 +119,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # once per process) together. (xdist's own --dist loadgroup reads xdist_group marks by rewriting item._nodeid, which
 # pytest 9 no longer reads: hence a scheduler of our own.)
 SAME_WORKER = {
-    **dict.fromkeys(("test_adapter_refusals.py", "test_ray_dataset.py", "test_ray_serve.py"), "ray"),
+    **dict.fromkeys(("test_adapter_refusals.py", "test_ray_dataset.py", "test_ray_serve.py", "test_ray_sources.py"), "ray"),
     **dict.fromkeys(("test_adapter_file.py", "test_adapters.py", "test_finetune.py", "test_readme.py"), "trainings"),
 }
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.errors import AdapterTooLargeError, RequestError, SourceUnavailableError
+from clef_gguf.errors import AdapterNotAllowedError, AdapterTooLargeError, RequestError, SourceUnavailableError
 from clef_gguf.runtime import sources as sources_module
 from clef_gguf.runtime.adapter_cache import AdapterCache
 from clef_gguf.runtime.catalog_sources import parse_source
+from clef_gguf.runtime.relay_source import relayed
 from clef_gguf.runtime.sources import AdapterSources, Bounds, FetchPending, not_waiting
 from clef_gguf.testing.hub import Hub
 
@@ -154,3 +155,34 @@ def test_a_cache_that_cannot_be_written_is_said_to_be_the_cache(hub, tmp_path, c
     assert "Hugging Face" not in str(caught.value)
     assert any("the adapter cache" in r.getMessage() and str(tmp_path / "cache") in r.getMessage() for r in caplog.records)
     sources.close()
+
+
+def test_a_relay_hands_on_only_what_the_other_process_fetched_and_is_bounded_here(hub, tmp_path):
+    """runtime/relay_source.py as `serve --ray` wires it (server/ray_relay.py): a replica's sources take the ingress's
+    delivery, never the Hub's; two replicas, one download; a name only a folder claims at the ingress is refused,
+    and bytes over the replica's own bound are."""
+    (hub.repo("acme", "tune") / "tune.adapter.gguf").write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "tunes").mkdir()
+    (tmp_path / "tunes" / "local.adapter.gguf").write_bytes(b"GGUF" + bytes(60))
+    ingress = AdapterSources(
+        [parse_source("hf://acme"), parse_source(str(tmp_path / "tunes"))],
+        AdapterCache(tmp_path / "ingress", 1 << 30),
+        Bounds(1 << 20, 10.0),
+        _check,
+    )
+
+    def relay(name: str) -> tuple[bytes, str]:
+        path, revision = ingress.delivered(name)
+        return path.read_bytes(), revision
+
+    def replica(folder: str, max_bytes: int = 1 << 20) -> AdapterSources:
+        sources = relayed([parse_source("hf://acme")], relay)
+        return AdapterSources(sources, AdapterCache(tmp_path / folder, 1 << 30), Bounds(max_bytes, 10.0), _check)
+
+    for folder in ("one", "two"):
+        assert replica(folder).locate("acme/tune").read_bytes() == b"GGUF" + bytes(60)
+    assert hub.downloads_of("acme", "tune") == 1
+    with pytest.raises(AdapterNotAllowedError, match="not from a source this server fetches"):
+        ingress.delivered("local")
+    with pytest.raises(AdapterTooLargeError, match="64 bytes, over this server's --adapter-max-size of 10 bytes"):
+        replica("three", max_bytes=10).locate("acme/tune")

@@ -27,6 +27,7 @@ from .adapter_files import AdapterCopy, PrivateFolder, read_version
 from .catalog_names import JEV_ALIAS, Names, name_of_file
 from .catalog_sources import open_sources
 from .catalog_versions import CatalogEntry, Versions
+from .relay_source import Relay
 from .sources import SourceObserver
 
 __all__ = ["JEV_ALIAS", "Catalog", "CatalogEntry", "Listed", "ModelRef", "adapter_file_identity", "adapter_temperatures"]
@@ -88,6 +89,7 @@ class Catalog:
         base_identity: str,
         adapter_set: AdapterSet,
         source_observer: SourceObserver | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.base = CatalogEntry(description.name, base_identity, description.temperatures)
         self.key = secrets.token_hex(8)  # its ModelRefs' (a prompt resolved by another catalog is looked up: adopt)
@@ -97,7 +99,7 @@ class Catalog:
         self.pinned: CatalogEntry | None = None
         self.sources = None
         try:
-            self.sources = self._names.sources = open_sources(adapter_set, base, base_identity, source_observer)
+            self.sources = self._names.sources = open_sources(adapter_set, base, base_identity, source_observer, relay)
             for name, path in self._names.named.items():
                 self._versions.first(name, path)
             for name in adapter_set.pins or ():  # (fetched and checked now: a pin that cannot load stops the start)

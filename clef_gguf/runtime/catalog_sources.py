@@ -13,6 +13,7 @@ from ..settings import AdapterSet
 from .adapter_cache import AdapterCache
 from .adapter_files import read_version
 from .private_folder import PrivateFolder
+from .relay_source import Relay, relayed
 from .sources import HF_SCHEME, AdapterSources, Bounds, Convert, FolderSource, Source, SourceObserver
 
 
@@ -34,12 +35,17 @@ CONVERTED_TYPE = "f32"
 
 
 def open_sources(
-    adapter_set: AdapterSet, base: GGUFFile, base_identity: str, observer: SourceObserver | None = None
+    adapter_set: AdapterSet,
+    base: GGUFFile,
+    base_identity: str,
+    observer: SourceObserver | None = None,
+    relay: Relay | None = None,
 ) -> AdapterSources | None:
-    """The sources of `adapter_set` over `base`, or None when it names none. SettingsError for one that is not."""
+    """The sources of `adapter_set` over `base`, or None when it names none (with `relay`, the remote ones' adapters
+    come from another process: relay_source.py). SettingsError for one that is not."""
     if not adapter_set.adapter_sources:
         return None
-    sources = [parse_source(text) for text in adapter_set.adapter_sources]
+    sources = relayed([parse_source(text) for text in adapter_set.adapter_sources], relay)
     pinned = set()
     for name in adapter_set.pins or ():
         claimed = next((w for w in (s.claims(name) for s in sources) if w is not None), None)

@@ -22,6 +22,7 @@ from ..settings import ModelSpec, default_ubatch
 from .catalog import Catalog, Listed
 from .images import image_limits
 from .prompt import EncodedPrompt, Tokenize, encode, parse_request
+from .relay_source import Relay
 from .sources import SourceObserver
 
 
@@ -29,7 +30,12 @@ class PromptEncoder:
     """A model's vocabulary (`tokenize`), template and catalog, from its validated file and its spec. Thread-safe."""
 
     def __init__(
-        self, spec: ModelSpec, validated: ValidatedFile, tokenize: Tokenize, source_observer: SourceObserver | None = None
+        self,
+        spec: ModelSpec,
+        validated: ValidatedFile,
+        tokenize: Tokenize,
+        source_observer: SourceObserver | None = None,
+        relay: Relay | None = None,
     ) -> None:
         o, d = spec.options, validated.description
         self.path = Path(spec.path)
@@ -45,8 +51,9 @@ class PromptEncoder:
         mtime_ns = validated.file.signature[3] if validated.file.signature is not None else 0
         self.written = dt.datetime.fromtimestamp(mtime_ns / 1e9, dt.timezone.utc).date().isoformat()
         # The file's identity (header and weights): a decider refuses a prompt stamped with anything else.
-        # (`source_observer`: told of its adapter sources' lookups and fetches, a pin's at start among them)
-        self.catalog = Catalog(validated.file, d, validated.file.identity(), spec.adapter_set, source_observer)
+        # (`source_observer`: told of its adapter sources' lookups and fetches, a pin's at start among them; `relay`:
+        # where its remote sources' adapters come from instead, relay_source.py)
+        self.catalog = Catalog(validated.file, d, validated.file.identity(), spec.adapter_set, source_observer, relay)
 
     def encode(self, request: dict[str, Any]) -> EncodedPrompt:
         """Validate, tokenize and (images) decode and size a request, its model name resolved; no compute. Raises

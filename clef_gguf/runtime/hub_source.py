@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import AdapterTooLargeError, ClefError, NotADecisionModelError, RequestError, SettingsError, SourceUnavailableError
+from ..errors import ClefError, NotADecisionModelError, RequestError, SettingsError, SourceUnavailableError
 from .adapter_files import ADAPTER_SUFFIX
-from .sources import HF_SCHEME, Bounds, Delivered, Wanted
+from .sources import HF_SCHEME, Bounds, Delivered, Wanted, too_large
 
 # The Hub's own rule for a namespace or a repository (huggingface-hub's validate_repo_id): letters, digits, ._- ,
 # neither first nor last a . or -, no -- or .. (checked in claims), at most 96.
@@ -141,11 +141,6 @@ def choose(name: str, listed: dict[str, int | None]) -> list[str]:
     raise RequestError(
         f"{name} holds no adapter: an .adapter.gguf file, or a clef-finetune checkpoint ({', '.join(CHECKPOINT)})", "model"
     )
-
-
-def too_large(name: str, nbytes: int, limit: int, more: bool = False) -> AdapterTooLargeError:
-    size = f"more than {nbytes}" if more else f"{nbytes}"
-    return AdapterTooLargeError(f"{name} is {size} bytes, over this server's --adapter-max-size of {limit} bytes", "model")
 
 
 @contextlib.contextmanager

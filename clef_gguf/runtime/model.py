@@ -25,6 +25,7 @@ from .decider import Decider, PromptSteps, load_backbone
 from .encoder import PromptEncoder
 from .loaded import AdapterObserver
 from .prompt import EncodedPrompt
+from .relay_source import Relay
 from .sources import SourceObserver
 from .state_cache import StateCache
 
@@ -52,13 +53,18 @@ class ClefModel:
     (runtime/decider.py: a batch's way from prompts to answers, the loaded adapters, the prompt decided in steps). A
     request's model name is resolved once, by the encoder, into its prompt (EncodedPrompt.model). `observer` is told
     when an adapter is loaded, evicted or retired (runtime/loaded.py's AdapterObserver); `source_observer`, of its adapter
-    sources' disk-cache lookups, fetches and conversions (runtime/sources.py's SourceObserver), a pin's at load included.
+    sources' disk-cache lookups, fetches and conversions (runtime/sources.py's SourceObserver), a pin's at load included;
+    `relay`, where its remote sources' adapters come from instead of the sources (runtime/relay_source.py).
     """
 
     def __init__(
-        self, spec: ModelSpec, observer: AdapterObserver | None = None, source_observer: SourceObserver | None = None
+        self,
+        spec: ModelSpec,
+        observer: AdapterObserver | None = None,
+        source_observer: SourceObserver | None = None,
+        relay: Relay | None = None,
     ) -> None:
-        self.spec, self._observer, self._source_observer = spec, observer, source_observer
+        self.spec, self._observer, self._source_observer, self._relay = spec, observer, source_observer, relay
         self.state_cache = StateCache(spec.options.state_cache)  # a bad size is refused before anything is loaded
         self.path = Path(spec.path)
         self._closed = False
@@ -101,7 +107,7 @@ class ClefModel:
             self.header_digest = self.file.digest()  # an older clef-gguf's model_sha256
             self.backbone = load_backbone(self.spec, validated)
             stack.callback(self.backbone.close)
-            self.encoder = PromptEncoder(self.spec, validated, self.backbone.tokenize, self._source_observer)
+            self.encoder = PromptEncoder(self.spec, validated, self.backbone.tokenize, self._source_observer, self._relay)
             stack.callback(self.encoder.close)
             self.catalog, self.written = self.encoder.catalog, self.encoder.written
             self.decider = Decider(

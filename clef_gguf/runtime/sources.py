@@ -33,6 +33,7 @@ from typing import Protocol
 from ..errors import (
     AdapterBaseError,
     AdapterNotAllowedError,
+    AdapterTooLargeError,
     ClefError,
     ConversionError,
     ReleaseError,
@@ -231,6 +232,18 @@ class AdapterSources:
             raise FetchPending(name, future, self.bounds.timeout_s)
         return self._served(name, wait_for(name, future, self.bounds.timeout_s))
 
+    def delivered(self, name: str) -> tuple[Path, str]:
+        """(for another process's relay: runtime/relay_source.py) The adapter file a remote source delivered for `name`,
+        fetched now if it was not (as locate), and the revision delivered. A name only a folder, or nothing, claims
+        is not allowed: a relay hands on what this process fetched, never its files."""
+        found = self.claimed(name)
+        if found is None or not found[0].remote:
+            raise AdapterNotAllowedError(f"{name} is not from a source this server fetches adapters from", "model")
+        path = self.locate(name)
+        assert path is not None  # (a remote source's name: fetched or refused)
+        cached = self.cache.get(found[1].key)
+        return path, cached.revision if cached is not None else ""
+
     def _served(self, name: str, path: Path) -> Path:
         """`name` delivered: listed by names() from now on (the newest SERVED_KEPT)."""
         with self._lock:
@@ -364,6 +377,11 @@ def wait_for(name: str, future: Future[Path], timeout_s: float) -> Path:
         return future.result(timeout=timeout_s)
     except FutureTimeout:
         raise late(name, timeout_s) from None
+
+
+def too_large(name: str, nbytes: int, limit: int, more: bool = False) -> AdapterTooLargeError:
+    size = f"more than {nbytes}" if more else f"{nbytes}"
+    return AdapterTooLargeError(f"{name} is {size} bytes, over this server's --adapter-max-size of {limit} bytes", "model")
 
 
 def unreachable(name: str, why: str) -> SourceUnavailableError:

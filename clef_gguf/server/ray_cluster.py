@@ -18,7 +18,7 @@ from ..errors import DeploymentError
 from ..runtime.ray_local import cluster, local_cluster_alive
 from ..settings import ServeSettings
 from .ray_private import stop_proxies
-from .ray_serve import APP_NAME, RaySettings, build_app
+from .ray_serve import APP_NAME, INGRESS, RaySettings, build_app
 from .run import url_host
 
 # The time Ray may take to hand the ingress the drain call, beyond the drain itself.
@@ -57,7 +57,7 @@ def _why_not_deployed(error: RuntimeError) -> str:
 def _drain(timeout_s: float) -> None:
     """The ingress refuses new requests (our 503) and lets those admitted finish, up to timeout_s (ClefIngress.drain)."""
     try:
-        ingress = serve.get_deployment_handle("ClefIngress", APP_NAME)
+        ingress = serve.get_deployment_handle(INGRESS, APP_NAME)
         left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + DRAIN_CALL_MARGIN_S)
     # The application gone or replaced, its ingress lost; a deleted application's handle is a KeyError in Ray Serve.
     except (TimeoutError, KeyError, RayError, RayServeException) as e:

@@ -43,7 +43,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import AdapterUnavailableError, SettingsError
+from ..errors import AdapterUnavailableError, ClefError, SettingsError
 from ..runtime.model import PROBE, ClefModel, open_encoder
 from ..runtime.prompt import EncodedPrompt
 from ..settings import API_KEY_ENV, AdapterSet, HttpLimits, LoadOptions, ModelSpec, RayScale, ServeSettings
@@ -53,10 +53,15 @@ from .app import check_api_key, send_shutting_down
 from .decision import Decision
 from .observe import configure_access_log
 from .problems import overloaded
+from .ray_relay import HubAccess, adapter_file, ingress_relay
 from .run import settings_app
 from .worker import ComputeScheduler, Prompt, queue_full, render
 
 APP_NAME = "clef-gguf"
+INGRESS = "ClefIngress"
+# A replica waits for the ingress's relay of an adapter at most this many first-use bounds: the ingress's own
+# fetch is bounded by one (then a 503), and the bytes still travel after it.
+RELAY_TIMEOUT_FACTOR = 2
 # Autoscaling aims at one decision running and one waiting per replica (Ray counts both): more requests in
 # flight than that add a replica, up to MAX.
 AUTOSCALE_TARGET_ONGOING = 2
@@ -215,9 +220,12 @@ class ClefReplica:
 
     def __init__(self, spec: ModelSpec, *, queue: int, adapter_cap: int = ServeSettings.metrics_adapter_cap) -> None:
         self.counts = AdapterCounts(adapter_cap)  # sent to the ingress with the decisions (adapter_metrics.py)
-        self.replica = serve.get_replica_context().replica_tag
+        context = serve.get_replica_context()
+        self.replica = context.replica_tag
         self._sent = self.counts.generation
-        self.model = ClefModel(spec, self.counts, self.counts)
+        # A Hub source's adapters come from the ingress, which fetched them (ray_relay.py), never from the Hub.
+        relay = ingress_relay(context.app_name, INGRESS, RELAY_TIMEOUT_FACTOR * spec.adapter_set.adapter_fetch_timeout)
+        self.model = ClefModel(spec, self.counts, self.counts, relay)
         self.worker = ComputeScheduler(self.model, queue)
         # Through the path every request takes: a replica that cannot answer never reports healthy (Ray runs
         # a first check_health right after this constructor, and routes nothing to the replica before it passes).
@@ -281,14 +289,15 @@ class ShutdownGate:
             self.doors.inside -= 1
 
 
-@serve.deployment(name="ClefIngress", ray_actor_options={"num_cpus": 0})
+@serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class ClefIngress:
     """create_app over the file's PromptEncoder, deciding on the replicas (ReplicaScheduler)."""
 
-    def __init__(self, replicas: DeploymentHandle, spec: ModelSpec, settings: ServeSettings) -> None:
+    def __init__(self, replicas: DeploymentHandle, spec: ModelSpec, settings: ServeSettings, hub: HubAccess) -> None:
         # The replicas' spec: their prompt limit, ubatch and vision tower, their adapters' names and identities.
         # Its own fetches too (it resolves each request's name first): their counts labelled with its own replica tag.
+        hub.apply()  # (before the encoder's catalog fetches a pinned adapter)
         self.counts = AdapterCounts(settings.metrics_adapter_cap)
         self.replica = serve.get_replica_context().replica_tag
         self.encoder = open_encoder(spec, self.counts)
@@ -304,6 +313,10 @@ class ClefIngress:
         app = settings_app(self.encoder, self.settings, scheduler=self.scheduler, behind_ray=True, adapters=adapters)
         app.user_middleware.append(Middleware(ShutdownGate, doors=self.doors))  # appended: innermost (add_middleware: outermost)
         return app
+
+    async def adapter_file(self, name: str) -> tuple[bytes, str] | ClefError:
+        """(a replica's relay) The adapter file this ingress's sources delivered for `name`, and its revision."""
+        return await adapter_file(self.encoder.catalog.sources, name)
 
     async def drain(self, timeout_s: float) -> int:
         """`serve --ray`'s first step at SIGTERM (run()): refuse new requests, and wait up to timeout_s for those
@@ -351,7 +364,7 @@ def build_app(settings: RaySettings) -> serve.Application:
         graceful_shutdown_timeout_s=s.drain_timeout,
         logging_config=quiet,
     )
-    return ingress.bind(replicas, spec, s)
+    return ingress.bind(replicas, spec, s, HubAccess.from_environment())
 
 
 def settings_from_args(args: dict[str, Any]) -> RaySettings:
