@@ -90,6 +90,32 @@ def test_a_scrape_after_a_scripted_workload_shows_each_adapters_exact_counts(cli
     assert {n: listed[n]["state"] for n in ("one", "two", "three")} == {"one": "on_disk", "two": "on_disk", "three": "resident"}
 
 
+@pytest.mark.slow
+def test_the_decided_series_label_adapters_as_the_adapter_series_do_and_never_a_refused_name(client):
+    """Every series with a `model` label (clef_decision_seconds, clef_prompt_tokens, ...) labels an adapter's name as the
+    clef_adapter_* series do: the first --metrics-adapter-cap (2) names their own, later ones `_other`; a name refused
+    (a broken file) or unknown is never decided, so never a label."""
+    base = states(client)
+    for name in ("one", "two", "three", "one", "three"):
+        response = client.post("/v1/systemone", json={**SHORT, "model": name})
+        assert response.status_code == 200, (name, response.text)
+    for name in ("broken", "nope", "two/x"):
+        assert client.post("/v1/systemone", json={**SHORT, "model": name}).status_code in (404, 422), name
+    scraped = list(text_string_to_metric_families(client.get("/metrics").text))
+    models = {s.labels["model"] for f in scraped for s in f.samples if "model" in s.labels}
+    base_name = next(name for name, m in base.items() if m["description"].startswith("Clef decision model"))
+    assert models == {base_name, "one", "two", OTHER}
+    adapters = {s.labels["adapter"] for f in scraped for s in f.samples if "adapter" in s.labels}
+    assert adapters == {"one", "two", OTHER}  # (the same names, labelled by the one Labels)
+    decided = {
+        s.labels["model"]: s.value
+        for f in scraped
+        for s in f.samples
+        if s.name == "clef_decision_seconds_count" and s.labels["phase"] == "compute"
+    }
+    assert decided[OTHER] >= 2 and decided["one"] >= 2 and decided["two"] >= 1
+
+
 def test_names_past_the_cap_share_one_label_and_loads_fall_in_their_buckets():
     """The observer alone (what the decider tells it): the first `cap` names keep their labels; an unload is counted
     under the label its name has; a load's seconds go to the first bucket at or above them."""

@@ -155,6 +155,51 @@ def test_the_decided_series_carry_the_model_that_decided(ws, tmp_path):
     assert value(samples, "clef_requests_total", route="/v1/systemone", status="200") == 2
 
 
+class EnteredModel(GatedModel):
+    """Tells when a batch is being decided (`entered`), before it waits for the release."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.entered = threading.Event()
+
+    def answer_batch(self, prompts: list[Any]) -> list[Any]:
+        self.entered.set()
+        return super().answer_batch(prompts)
+
+
+def test_each_batch_is_counted_once_by_its_prompts(model):
+    """clef_batch_prompts: one observation per batch, of the prompts decided together. The first request is decided
+    alone while three more wait behind it (held by the gated model); the three are then decided in one batch."""
+    gated = EnteredModel(model)
+    live = start(create_app(gated, owns_model=False, max_queue=8))
+    try:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+            gated.release.clear()
+            answered: list[httpx.Response] = []
+            senders = [threading.Thread(target=lambda: answered.append(c.post("/v1/systemone", json=SHORT))) for _ in range(4)]
+            senders[0].start()
+            assert gated.entered.wait(60)  # the first is being decided, alone: the others wait for the next batch
+            for sender in senders[1:]:
+                sender.start()
+            deadline = time.monotonic() + 60
+            while c.get("/health").json()["pending"] < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            gated.release.set()
+            for sender in senders:
+                sender.join(60)
+            assert [r.status_code for r in answered] == [200] * 4
+            timings = sorted(r.headers["server-timing"].split('desc="batch of ')[1][0] for r in answered)
+            samples = scrape(c)
+    finally:
+        gated.release.set()
+        live.stop()
+    assert timings == ["1", "3", "3", "3"]
+    assert value(samples, "clef_batch_prompts_count") == 2 and value(samples, "clef_batch_prompts_sum") == 4
+    buckets = {le: value(samples, "clef_batch_prompts_bucket", le=le) for le in ("1.0", "2.0", "4.0", "64.0", "+Inf")}
+    assert buckets == {"1.0": 1, "2.0": 1, "4.0": 2, "64.0": 2, "+Inf": 2}
+
+
 def test_two_apps_in_one_process_keep_their_own_counts(model):
     first, second = (start(create_app(model, owns_model=False)) for _ in range(2))
     try:

@@ -75,27 +75,41 @@ class Snapshot:
     resident: frozenset[str] = frozenset()  # identities loaded now (/v1/models' state)
 
 
+class Labels:
+    """The label each adapter name counts under, the one place that decides it: its own for the first `cap` names,
+    OTHER for those after; thread-safe. A process's per-adapter series and its decided requests' `model` label
+    (metrics.py) share one, so that a name is labelled alike in every series and none can grow them without bound."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._own: set[str] = set()  # the names with a label of their own
+
+    def __call__(self, name: str) -> str:
+        with self._lock:
+            if name in self._own:
+                return name
+            if len(self._own) < self.cap:
+                self._own.add(name)
+                return name
+            return OTHER
+
+
 class AdapterCounts(SourceObserver):
     """The observer a server hands its model (ClefModel(spec, observer, source_observer)): the decider's events
     (runtime/loaded.AdapterObserver's, not imported here: it loads llama.cpp, which the app never does) and the adapter
     sources', counted by label; thread-safe."""
 
     def __init__(self, cap: int) -> None:
-        self.cap = cap
+        self.label = Labels(cap)
         self._lock = threading.Lock()
-        self._labels: dict[str, str] = {}  # name -> its label, for the first `cap` names (later ones: OTHER)
         self._figures: dict[str, Figures] = {}
         self.generation = 0
 
     def _of(self, name: str) -> Figures:
         """(Under the lock) The figures `name` counts under; the generation moved on (an event is being counted)."""
         self.generation += 1
-        label = self._labels.get(name)
-        if label is None:
-            label = name if len(self._labels) < self.cap else OTHER
-            if label != OTHER:
-                self._labels[name] = label
-        return self._figures.setdefault(label, Figures())
+        return self._figures.setdefault(self.label(name), Figures())
 
     def used(self, name: str, resident: bool) -> None:
         with self._lock:
@@ -217,16 +231,19 @@ SOURCE_SERIES = (  # (shown once a source was asked for a name: a server with no
 
 @dataclass(frozen=True)
 class AdapterView:
-    """What the app shows of the adapters: the snapshots /metrics shows (each with its own labels: a replica's), and
-    the identities loaded now (/v1/models' states)."""
+    """What the app shows of the adapters: the snapshots /metrics shows (each with its own labels: a replica's), the
+    identities loaded now (/v1/models' states), and the label of an adapter's name (None: the app's own Labels)."""
 
     labelled: Labelled
     resident: Callable[[], frozenset[str]]
+    label: Callable[[str], str] | None = None
 
 
 def local_view(counts: AdapterCounts | None, resident: Callable[[], frozenset[str]]) -> AdapterView:
     """The view of one process's model: its counts (None: not counted) and its loaded versions."""
-    return AdapterView((lambda: [({}, counts.snapshot())]) if counts is not None else (lambda: []), resident)
+    if counts is None:
+        return AdapterView(lambda: [], resident)
+    return AdapterView(lambda: [({}, counts.snapshot())], resident, counts.label)
 
 
 class AdapterCollector:

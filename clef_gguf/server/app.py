@@ -33,7 +33,7 @@ from ..runtime.protocols import Encoder, Model
 from ..runtime.state_cache import StateCache
 from ..settings import HttpLimits, LogFormat, ServeSettings, body_limit
 from . import workers_ai
-from .adapter_metrics import AdapterCollector, AdapterView, local_view
+from .adapter_metrics import AdapterCollector, AdapterView, Labels, local_view
 from .decision import Scheduler
 from .guard import Names, OwnOrigin, send_problem
 from .intake import Intake
@@ -239,6 +239,7 @@ def create_app(
     names: Names | None = None,
     allowed_origins: tuple[str, ...] = (),
     adapters: AdapterView | None = None,
+    metrics_adapter_cap: int = ServeSettings.metrics_adapter_cap,
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -252,7 +253,9 @@ def create_app(
         adds its own (the id it hands the app). With ui, GET / is the page that asks it (ui.py). Only requests to its
     `names` (default: loopback's, IP addresses) from no web page or its own (or `allowed_origins`') are answered (guard.py).
     `adapters`: the per-adapter counts and what is loaded (adapter_metrics.py: the model's observer's, or the Ray
-    replicas'); by default only what the model says is loaded, and no per-adapter series."""
+    replicas'); by default only what the model says is loaded, and no per-adapter series. An adapter's name is labelled
+    in the decided requests' series as in the per-adapter ones: by `adapters`' Labels, else the app's own (of
+    metrics_adapter_cap names)."""
     if scheduler is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a scheduler")
@@ -261,7 +264,7 @@ def create_app(
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
     intake = Intake(model, max_queue, limit, limits or HttpLimits(), text_limit)
-    service = Service(model, scheduler, intake, *_counted(model, scheduler, intake, adapters))
+    service = Service(model, scheduler, intake, *_counted(model, scheduler, intake, adapters, metrics_adapter_cap))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -286,12 +289,15 @@ def create_app(
     return app
 
 
-def _counted(model: Encoder, scheduler: Scheduler, intake: Intake, adapters: AdapterView | None) -> tuple[Metrics, AdapterView]:
+def _counted(
+    model: Encoder, scheduler: Scheduler, intake: Intake, adapters: AdapterView | None, cap: int
+) -> tuple[Metrics, AdapterView]:
     """The app's metrics, the per-adapter series of `adapters` among them (by default: no counts, the model's loaded)."""
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
-    metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None)
     if adapters is None:
         adapters = local_view(None, model.resident_adapters if isinstance(model, Model) else frozenset)
+    label = adapters.label or Labels(cap)
+    metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None, label)
     metrics.registry.register(AdapterCollector(adapters.labelled))
     return metrics, adapters
 

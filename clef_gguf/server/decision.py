@@ -22,6 +22,7 @@ class Decision:
     finished: float  # perf_counter() when decide returned, to time the hand-back to the event loop
     cached_tokens: int = 0  # prompt tokens whose backbone state the state cache gave
     batch: int = 1  # requests decided together with this one, itself included
+    leads: bool = True  # the first of its batch's decisions handed back: the one that counts the batch (metrics.py)
     # On Ray: the replica that decided it and its per-adapter counts, when they changed since it last sent them.
     adapters: tuple[str, Snapshot] | None = None
 

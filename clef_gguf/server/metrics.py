@@ -13,7 +13,13 @@ The decided requests' series carry a `model` label: the name of the model that d
 adapter's, the name its request's model resolved to once (runtime/catalog.py's ModelRef: EncodedPrompt.model_name). An adapter is
 counted under the name the request asked for: one file may answer to two names (two --adapter NAME=FILE, or a name
 and a folder's file), and its identity alone would count one name's requests under the other. The base's many names
-(its own, clef, jev-latest, ...) count as its own, so no client can grow the series by the names it sends.
+(its own, clef, jev-latest, ...) count as its own, so no client can grow the series by the names it sends; an
+adapter's name is labelled as the per-adapter series label it (adapter_metrics.Labels: the first
+--metrics-adapter-cap names their own, the later ones `_other`), so that the many names an adapter source may fetch
+cannot grow them either. Only decided requests are counted: a name refused or unknown never becomes a label.
+
+clef_batch_prompts counts each batch once, by the decision the worker marks as its batch's first (Decision.leads):
+on Ray too, where the decisions come back from the replicas.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from .decision import Decision, Scheduler
 
 # From a cached short prompt on the demo model (milliseconds) to a long prompt on a CPU (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # prompts decided together: from one alone to a full --max-batch's worth
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -51,6 +58,8 @@ class Metrics:
     refused: Counter
     cache_hits: Counter
     cache_misses: Counter
+    batch_prompts: Histogram
+    label: Callable[[str], str]  # the `model` label of a decided request's model name
 
     def answered(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -59,7 +68,9 @@ class Metrics:
             self.refused.inc()
 
     def decided(self, prompt: Prompt, decision: Decision) -> None:
-        model = prompt.model_name  # the decided series' `model`: its answer's (runtime/catalog.py resolved it once)
+        if decision.leads:
+            self.batch_prompts.observe(decision.batch)
+        model = self.label(prompt.model_name)  # (its answer's model: runtime/catalog.py resolved it once)
         self.phases.labels("queue", model).observe(decision.queued_s)
         self.phases.labels("compute", model).observe(decision.decide_s)
         self.prompt_tokens.labels(model).inc(len(prompt.tokens))
@@ -77,9 +88,12 @@ def _gauge(registry: CollectorRegistry, name: str, help_text: str, read: Callabl
     Gauge(name, help_text, registry=registry).set_function(read)
 
 
-def create_metrics(model: Encoder, scheduler: Scheduler, reading: Reading, state_cache: StateCache | None) -> Metrics:
+def create_metrics(
+    model: Encoder, scheduler: Scheduler, reading: Reading, state_cache: StateCache | None, adapter_label: Callable[[str], str]
+) -> Metrics:
     """The app's series. reading: the intake (its `reading` count); state_cache: the model's, when it decides here
-    (under Ray the states are the replicas' own, out of the ingress's reach)."""
+    (under Ray the states are the replicas' own, out of the ingress's reach); adapter_label: an adapter name's label
+    (adapter_metrics.Labels)."""
     r = CollectorRegistry()
     ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
     info = Gauge("clef_model_info", "The loaded model (always 1).", ["name", "type", "context", "ubatch"], registry=r)
@@ -126,6 +140,10 @@ def create_metrics(model: Encoder, scheduler: Scheduler, reading: Reading, state
         cache_misses=Counter(
             "clef_state_cache_misses", "Decided requests whose cacheable state it did not have.", ["model"], registry=r
         ),
+        batch_prompts=Histogram(
+            "clef_batch_prompts", "Prompts decided together in one batch.", buckets=BATCH_BUCKETS, registry=r
+        ),
+        label=lambda name: name if name == model.name else adapter_label(name),
     )
     for counter in (metrics.prompt_tokens, metrics.cached_tokens, metrics.images, metrics.cache_hits, metrics.cache_misses):
         counter.labels(model.name)  # the base's series from the start, at 0 (each adapter's from its first decision)

@@ -208,7 +208,7 @@ class ReplicaScheduler:
         finished = time.perf_counter()
         # Queued: in the replica's ComputeScheduler, in Ray's router and on the way there and back.
         queued = max(decision.queued_s, finished - submitted - decision.decide_s)
-        return Decision(decision.body, queued, decision.decide_s, finished, decision.cached_tokens, decision.batch)
+        return replace(decision, queued_s=queued, finished=finished, adapters=None)
 
     async def close(self) -> None:
         """Nothing to wait for here: Ray drains the replicas (graceful_shutdown_timeout_s)."""

@@ -63,7 +63,18 @@ def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
     s = settings
     limits, log = s.limits, s.log_format
     names = {"names": Names(s.host, s.allowed_hosts), "allowed_origins": s.allowed_origins}
-    return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **names, **options)
+    adapter_cap = s.metrics_adapter_cap  # (the decided series' adapter labels, where `options` bring no Labels)
+    return create_app(
+        model,
+        api_key=s.api_key,
+        max_queue=s.max_queue,
+        limits=limits,
+        log_format=log,
+        ui=s.ui,
+        metrics_adapter_cap=adapter_cap,
+        **names,
+        **options,
+    )
 
 
 def url_host(host: str) -> str:

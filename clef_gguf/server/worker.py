@@ -157,12 +157,15 @@ class ComputeScheduler:
             answers = each(self.model.answer_batch, [job.prompt for job in batch])
         bodies = [_rendered(a) for a in answers]  # (an error here is its request's alone)
         finished = time.perf_counter()
+        leads = True  # (the batch is counted once, with its first decision: metrics.py)
         for job, answer, body in zip(batch, answers, bodies, strict=True):
             if isinstance(body, Exception):
                 job.settle(None, body)
                 continue
             assert isinstance(answer, Answer)
-            job.settle(Decision(body, started - job.submitted, finished - started, finished, answer.cached_tokens, len(batch)))
+            queued, cached = started - job.submitted, answer.cached_tokens
+            job.settle(Decision(body, queued, finished - started, finished, cached, len(batch), leads))
+            leads = False
 
     async def decide(self, request: Prompt) -> Decision:
         if self.pending >= self.max_queue:
