@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from clef_gguf.errors import AdapterBaseError, AdapterTooLargeError
+from clef_gguf.runtime import adapter_cache
 from clef_gguf.runtime.adapter_cache import ADAPTER, RECORD, AdapterCache, verdict_of
+from clef_gguf.runtime.catalog_sources import kept_names
+from clef_gguf.runtime.hub_source import HubSource
+from clef_gguf.runtime.sources import AdapterSources, Bounds
 
 
 def _put(cache: AdapterCache, key: str, size: int) -> Path:
@@ -74,3 +78,37 @@ def test_an_entry_another_process_wrote_is_found(tmp_path):
     found = mine.get("shared")
     assert found is not None and found.path is not None and found.path.read_bytes() == b"x" * 7
     assert mine.get("absent") is None
+
+
+def test_the_names_the_cache_holds_are_named_back_from_their_keys_newest_first_and_bounded(tmp_path, monkeypatch):
+    """What /v1/models lists of the cache (catalog_sources.kept_names): each entry's key named back as a request names
+    it (branch main's bare), the most recently used first, its kept refusal's message; another source's keys not;
+    at most `kept` names with those delivered in this process; read from the index, no file hashed."""
+    hub = HubSource("acme", None)
+    names = ["acme/a", "acme/b@v2/sub/dir", "acme/c@" + "0" * 40, "acme/d/sub"]
+    cache = AdapterCache(tmp_path, limit=1 << 20)
+    for name in names:
+        wanted = hub.claims(name)
+        assert wanted is not None
+        if name.startswith("acme/c"):
+            cache.put(wanted.key, "0" * 40, verdict=verdict_of(AdapterTooLargeError(f"{name} is 9 bytes", "model")))
+        else:
+            _put(cache, wanted.key, 10)
+    other = HubSource("other", None).claims("other/x")
+    assert other is not None
+    _put(cache, other.key, 10)  # (kept by a server that fetched from hf://other: not a name this one serves)
+    monkeypatch.setattr(adapter_cache, "_sha256", lambda path: pytest.fail(f"{path} hashed"))
+    restarted = AdapterCache(tmp_path, limit=1 << 20)
+    for name in reversed(names):  # "acme/a" used last: listed first
+        wanted = hub.claims(name)
+        assert wanted is not None
+        entry = next(e for e in restarted.entries() if e.key == wanted.key)
+        entry.used = len(restarted.entries()) - names.index(name)
+    sources = AdapterSources([hub], restarted, Bounds(1 << 20, 5.0), lambda path, name: None)
+    assert kept_names(sources, set()) == [
+        (n, "acme/c@" + "0" * 40 + " is 9 bytes" if n.startswith("acme/c") else None) for n in names
+    ]
+    assert [n for n, _ in kept_names(sources, {"acme/a"}, kept=2)] == ["acme/b@v2/sub/dir", "acme/c@" + "0" * 40]
+    assert [n for n, _ in kept_names(AdapterSources([HubSource("acme", "d")], restarted, Bounds(1, 1.0), print), set())] == [
+        "acme/d/sub"
+    ]

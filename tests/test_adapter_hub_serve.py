@@ -21,6 +21,7 @@ from server_helpers import start
 
 import clef_gguf
 from clef_gguf.conversion.adapter import convert_adapter
+from clef_gguf.runtime import adapter_cache
 from clef_gguf.runtime.model import ClefModel
 from clef_gguf.server import create_app
 from clef_gguf.server.adapter_metrics import AdapterCounts, local_view
@@ -214,6 +215,50 @@ def test_a_pin_is_fetched_at_start_and_never_unloaded_to_make_room(files, hub, t
         for name in ("acme/tune-gguf", "acme/tune16", "acme/tune"):  # the third makes room: the oldest goes, unless pinned
             assert model.decide({**labelled_requests(1)[0], "model": name})["model"] == name
         assert sorted(model.decider.loaded) == (["acme/tune", "acme/tune-gguf"] if pinned else ["acme/tune", "acme/tune16"])
+
+
+def _models(url: str) -> dict[str, dict[str, Any]]:
+    response = httpx.get(f"{url}/v1/models", timeout=60)
+    assert response.status_code == 200, response.text
+    return {m["name"]: m for m in response.json()["models"]}
+
+
+def test_models_lists_what_the_disk_cache_holds_after_a_restart(files, hub, tmp_path, monkeypatch):
+    """/v1/models lists the names the disk cache holds (delivered before a restart: on disk; a pinned revision refused
+    for good: refused, with the reason a request would get), without reading a file of it; then as a request finds them."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    pinned = f"acme/tune-gguf@{hub.sha('acme', 'tune-gguf')}"
+    big, release = f"acme/big@{hub.sha('acme', 'big')}", f"acme/merged@{hub.sha('acme', 'merged')}"
+    model, live = _serve(files, tmp_path / "cache")
+    try:
+        for name, status in (("acme/tune-gguf", 200), (pinned, 200), (big, 422), (release, 422)):
+            assert _post(live.url, name).status_code == status, name
+        before = _models(live.url)
+    finally:
+        live.stop()
+        model.close()
+    states = {"acme/tune-gguf": "on_disk", pinned: "on_disk", big: "refused", release: "refused"}
+    assert {n: before[n]["state"] for n in states} == {**states, "acme/tune-gguf": "resident", pinned: "resident"}
+    assert "--adapter-max-size" in before[big]["reason"] and "is a release" in before[release]["reason"]
+    down = Hub(tmp_path / "down")
+    down.close()
+    monkeypatch.setenv("HF_ENDPOINT", down.url)  # restarted with the Hub gone: what is listed is the cache's
+    hashed: list[Path] = []
+    real_sha256 = adapter_cache._sha256
+    monkeypatch.setattr(adapter_cache, "_sha256", lambda path: hashed.append(path) or real_sha256(path))
+    model, live = _serve(files, tmp_path / "cache")
+    try:
+        after = _models(live.url)
+        assert hashed == []  # (listed from the cache's records: no file read)
+        assert {n: after[n]["state"] for n in states} == states
+        assert {n: after[n]["reason"] for n in (big, release)} == {n: before[n]["reason"] for n in (big, release)}
+        response = _post(live.url, "acme/tune-gguf")
+        assert response.status_code == 200 and response.json()["model"] == "acme/tune-gguf"
+        assert _models(live.url)["acme/tune-gguf"]["state"] == "resident" and len(hashed) == 1
+    finally:
+        live.stop()
+        model.close()
 
 
 def test_serve_refuses_a_source_that_is_not_one_in_one_line(files, tmp_path):

@@ -28,6 +28,7 @@ from PIL import Image
 from server_helpers import start
 
 import clef_gguf
+from clef_gguf.errors import AdapterTooLargeError
 from clef_gguf.runtime.catalog import JEV_ALIAS
 from clef_gguf.runtime.prompt import MAX_QUESTIONS
 from clef_gguf.server.app import check_api_key
@@ -594,3 +595,43 @@ def test_a_source_that_cannot_deliver_now_shows_the_503_and_when_to_ask_again(so
     assert shown.startswith(refused.json()["detail"]["message"]) and "cannot deliver acme/tune-gguf now" in shown, shown
     assert shown.endswith(" Ask again in 10 s."), shown
     assert tab.page.locator("#results section.answer").count() == 0
+
+
+def test_a_restarted_servers_disk_cache_is_listed_with_each_names_state(browser, hub, ws, tmp_path, monkeypatch):
+    """After a restart over the same --adapter-cache, the list shows what the cache holds before any request names it:
+    an adapter delivered before (on disk), a pinned revision refused for good (refused: not askable, its reason shown)."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    with open(hub.repo("acme", "big") / "big.adapter.gguf", "wb") as f:
+        f.truncate(2 << 20)  # (over adapter_max_size: refused from the listing's size, never downloaded)
+    big = f"acme/big@{hub.sha('acme', 'big')}"
+    settings = {
+        "max_prompt_tokens": 4096,
+        "adapter_sources": ["hf://acme"],
+        "adapter_cache": tmp_path / "cache",
+        "adapter_base_release": ws.release("untied_f32"),
+        "adapter_max_size": 1 << 20,
+    }
+    request = {"state": "s", "questions": {"q": {"type": "noul"}}}
+    with clef_gguf.load(ws.gguf("untied_f32", "f32"), **settings) as first:
+        assert first.decide({**request, "model": "acme/tune-gguf"})["model"] == "acme/tune-gguf"
+        with pytest.raises(AdapterTooLargeError):
+            first.decide({**request, "model": big})
+    model = clef_gguf.load(ws.gguf("untied_f32", "f32"), **settings)
+    live = start(settings_app(model, ServeSettings(), owns_model=False))
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = Tab(context.new_page(), live.url)
+    tab.page.on("pageerror", lambda e: tab.errors.append(str(e)))
+    try:
+        tab.open(key=None)
+        tab.page.wait_for_function("() => document.querySelectorAll('#model option').length === 3", timeout=WAIT_MS)
+        read = "(os) => os.map((o) => [o.value, o.dataset.state, o.text, o.disabled, o.title])"
+        shown = {o[0]: o[1:] for o in tab.page.locator("#model option").evaluate_all(read)}
+    finally:
+        context.close()
+        live.stop()
+        model.close()
+    assert shown["acme/tune-gguf"] == ["on_disk", "acme/tune-gguf · on disk", False, ""]
+    state, text, disabled, title = shown[big]
+    assert (state, text, disabled) == ("refused", f"{big} · refused", True) and "--adapter-max-size" in title, shown
+    assert tab.errors == []

@@ -174,6 +174,11 @@ class AdapterCache:
                 del self._index[entry.key]
                 total -= entry.nbytes
 
+    def entries(self) -> list[Cached]:
+        """The entries, the most recently used first, as the index knows them: no file is read (what /v1/models lists)."""
+        with self._lock:
+            return sorted(self._index.values(), key=lambda e: e.used, reverse=True)
+
     def keys(self) -> list[str]:
         with self._lock:
             return sorted(self._index)

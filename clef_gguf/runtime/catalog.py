@@ -25,7 +25,7 @@ from ..format.header import GGUFFile
 from ..settings import AdapterSet
 from .adapter_files import AdapterCopy, PrivateFolder, read_version
 from .catalog_names import JEV_ALIAS, Names, name_of_file
-from .catalog_sources import open_sources
+from .catalog_sources import kept_names, open_sources
 from .catalog_versions import CatalogEntry, Versions
 from .relay_source import Relay
 from .sources import SourceObserver
@@ -50,7 +50,7 @@ class Listed:
     """An adapter name a request may try, as the catalog knows it now."""
 
     name: str
-    identity: str | None  # its file's current version's; None when it is refused
+    identity: str | None  # its file's current version's; None when it is refused, or not read yet (kept on disk)
     refused: str | None = None  # why a request naming it is refused now (the message the request would get)
 
 
@@ -116,11 +116,12 @@ class Catalog:
     def names(self) -> list[str]:
         """The adapters' names that load: the named ones, and the adapter folder's files that validate against the
         base (each read once per version of its file: cached by its signature)."""
-        return [listed.name for listed in self.listing() if listed.identity is not None]
+        return [listed.name for listed in self.listing() if listed.identity is not None]  # (read, and loads)
 
     def listing(self) -> list[Listed]:
         """Every adapter name a request may try (what /v1/models lists), with its current version's identity, or why
-        a request naming it is refused now (a file that does not load, or is gone)."""
+        a request naming it is refused now (a file that does not load, or is gone). The sources' disk cache's other
+        names too (delivered before a restart), as its index knows them: its refusals refused, its files not read."""
         if self.pinned is not None:
             return [Listed(self.pinned.name, self.pinned.identity)]
         found = []
@@ -129,7 +130,9 @@ class Catalog:
                 found.append(Listed(name, self.entry(name).identity))
             except ClefError as e:  # (a RequestError's reason: what its 422 says, without the field it points to)
                 found.append(Listed(name, None, e.reason if isinstance(e, RequestError) else str(e)))
-        return found
+        if self.sources is not None:
+            found += [Listed(n, None, why) for n, why in kept_names(self.sources, {f.name for f in found})]
+        return sorted(found, key=lambda listed: listed.name)
 
     def resolve(self, asked: str | None, field: str = "model") -> ModelRef:
         """The model a parsed request names (its `Request.named`: Workers AI's `lora`, else System One's `model`, the

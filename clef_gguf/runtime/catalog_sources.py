@@ -11,10 +11,10 @@ from ..errors import SettingsError
 from ..format.header import GGUFFile
 from ..settings import AdapterSet
 from .adapter_cache import AdapterCache
-from .adapter_files import read_version
+from .adapter_files import read_version, servable
 from .private_folder import PrivateFolder
 from .relay_source import Relay, relayed
-from .sources import HF_SCHEME, AdapterSources, Bounds, Convert, FolderSource, Source, SourceObserver
+from .sources import HF_SCHEME, SERVED_KEPT, AdapterSources, Bounds, Convert, FolderSource, Source, SourceObserver
 
 
 def parse_source(text: str) -> Source:
@@ -27,6 +27,22 @@ def parse_source(text: str) -> Source:
     if "://" in text:
         raise SettingsError(f"the adapter source {text!r} is not one: a folder, {HF_SCHEME}ORG or {HF_SCHEME}ORG/REPO")
     return FolderSource(Path(text).expanduser())
+
+
+def kept_names(sources: AdapterSources, listed: set[str], kept: int = SERVED_KEPT) -> list[tuple[str, str | None]]:
+    """The names the disk cache holds besides `listed` (delivered before this process, or refused): each entry's key
+    named back by the source that keys it so (the name a request would use), the most recently used first, with its
+    kept refusal's message (None: an adapter file, checked again at its first request). Up to `kept` with the names
+    delivered in this process, as those are; from the cache's index alone: no file is read, however many it holds."""
+    found: list[tuple[str, str | None]] = []
+    room = kept - len(sources.names())
+    for entry in sources.cache.entries():
+        if len(found) >= room:
+            break
+        name = next((n for n in (s.name_of(entry.key) for s in sources.sources) if n is not None), None)
+        if name is not None and name not in listed and servable(name):
+            found.append((name, entry.verdict[1] if entry.verdict is not None else None))
+    return found
 
 
 # A fetched checkpoint's LoRA is written in float32: it is small beside the base, and its answers are then the merged

@@ -69,6 +69,15 @@ class HubSource:
         key = f"{HF_SCHEME}{m['org']}/{m['repo']}@{rev or 'main'}/{m['sub'] or ''}"
         return Wanted(name, key, pinned=rev is not None and COMMIT.fullmatch(rev) is not None)
 
+    def name_of(self, key: str) -> str | None:
+        """The name a request would use for one of this source's cache keys (claims' inverse: branch main's is the bare
+        ORG/REPO[/SUB]); None for a key that is not this source's."""
+        repo, _, rest = key.removeprefix(HF_SCHEME).partition("@")
+        revision, _, sub = rest.partition("/")
+        name = repo + ("" if revision == "main" else f"@{revision}") + (f"/{sub}" if sub else "")
+        wanted = self.claims(name) if key.startswith(HF_SCHEME) else None
+        return name if wanted is not None and wanted.key == key else None
+
     def local(self, wanted: Wanted) -> Path | None:
         return None
 

@@ -34,6 +34,9 @@ class RelaySource:
     def well_formed(self, name: str) -> bool:
         return self.source.well_formed(name)
 
+    def name_of(self, key: str) -> str | None:
+        return self.source.name_of(key)
+
     def local(self, wanted: Wanted) -> Path | None:
         return None
 

@@ -3,8 +3,8 @@
 A Source reads a requested name (`claims`: None when the name is not its own) and either names a file to read in
 place (`local`: a folder's NAME.adapter.gguf) or delivers the adapter into a staging folder (`fetch`: a GGUF file,
 or a clef-finetune checkpoint folder). The list of sources is the allow list: a name no source claims is never
-fetched from anywhere. A new kind of source (S3, http) is a class with those three methods and a scheme in
-`parse_source` (runtime/catalog_sources.py); nothing else changes.
+fetched from anywhere. A new kind of source (S3, http) is a class with those methods (and `name_of`, the name one of
+its cache keys stands for: /v1/models lists the cache) and a scheme in `parse_source` (runtime/catalog_sources.py).
 
 AdapterSources turns a name into an adapter file the catalog reads: the disk cache first (runtime/adapter_cache.py);
 else one fetch per key at a time however many ask (single flight), on a thread of its own, never the compute thread;
@@ -91,6 +91,8 @@ class Source(Protocol):
 
     def well_formed(self, name: str) -> bool: ...  # a name of its kind, whether it claims it or not
 
+    def name_of(self, key: str) -> str | None: ...  # the name claims() keys as `key` (None: not its key)
+
     def local(self, wanted: Wanted) -> Path | None: ...
 
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered: ...
@@ -126,6 +128,9 @@ class FolderSource:
 
     def well_formed(self, name: str) -> bool:
         return servable(name) and "/" not in name
+
+    def name_of(self, key: str) -> str | None:
+        return None  # (its files are read in place, never kept in the disk cache)
 
     def local(self, wanted: Wanted) -> Path | None:
         return self.folder / f"{wanted.name}{ADAPTER_SUFFIX}"

@@ -73,8 +73,8 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
 def _models_listing(model: Encoder, resident: frozenset[str]) -> dict[str, Any]:
     """The base, its alias and every adapter name a request may try, each with its state: `resident` (loaded: here, or
-    on a Ray replica), `on_disk` (its file validated, loaded when a request names it) or `refused` (with the reason a
-    request naming it would be refused with)."""
+    on a Ray replica), `on_disk` (its file validated, or kept by the disk cache: loaded when a request names it) or
+    `refused` (with the reason a request naming it would be refused with)."""
     written = model.written  # taken at load: nothing of the base is read from its path while it serves
     limit = model.max_prompt_tokens
     described = f"Clef decision model {model.name} ({model.path.name}) on llama.cpp; prompts up to {limit} tokens"
@@ -82,7 +82,7 @@ def _models_listing(model: Encoder, resident: frozenset[str]) -> dict[str, Any]:
     tunes = []
     for listed in model.adapter_listing():
         tune = {"name": listed.name, "description": about, "release_date": written, "state": "on_disk"}
-        if listed.identity is None:
+        if listed.refused is not None:
             tune |= {"state": "refused", "reason": listed.refused}
         elif listed.identity in resident:
             tune["state"] = "resident"
@@ -239,7 +239,6 @@ def create_app(
     names: Names | None = None,
     allowed_origins: tuple[str, ...] = (),
     adapters: AdapterView | None = None,
-    metrics_adapter_cap: int = ServeSettings.metrics_adapter_cap,
 ) -> FastAPI:
     """A System One app over a loaded model; with owns_model it closes the model at shutdown.
 
@@ -253,9 +252,7 @@ def create_app(
         adds its own (the id it hands the app). With ui, GET / is the page that asks it (ui.py). Only requests to its
     `names` (default: loopback's, IP addresses) from no web page or its own (or `allowed_origins`') are answered (guard.py).
     `adapters`: the per-adapter counts and what is loaded (adapter_metrics.py: the model's observer's, or the Ray
-    replicas'); by default only what the model says is loaded, and no per-adapter series. An adapter's name is labelled
-    in the decided requests' series as in the per-adapter ones: by `adapters`' Labels, else the app's own (of
-    metrics_adapter_cap names)."""
+    replicas'); by default only what the model says is loaded, and no per-adapter series."""
     if scheduler is None:
         if not isinstance(model, Model):
             raise TypeError(f"{type(model).__name__} cannot decide: pass a scheduler")
@@ -264,7 +261,7 @@ def create_app(
     # the image allowance is for images: the text of a body stays within the text-only limit
     text_limit = body_limit(model.max_prompt_tokens) if max_body_bytes is None else None
     intake = Intake(model, max_queue, limit, limits or HttpLimits(), text_limit)
-    service = Service(model, scheduler, intake, *_counted(model, scheduler, intake, adapters, metrics_adapter_cap))
+    service = Service(model, scheduler, intake, *_counted(model, scheduler, intake, adapters))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -289,14 +286,14 @@ def create_app(
     return app
 
 
-def _counted(
-    model: Encoder, scheduler: Scheduler, intake: Intake, adapters: AdapterView | None, cap: int
-) -> tuple[Metrics, AdapterView]:
-    """The app's metrics, the per-adapter series of `adapters` among them (by default: no counts, the model's loaded)."""
+def _counted(model: Encoder, scheduler: Scheduler, intake: Intake, adapters: AdapterView | None) -> tuple[Metrics, AdapterView]:
+    """The app's metrics, the per-adapter series of `adapters` among them (by default: no counts, the model's loaded).
+    An adapter's name is labelled in the decided requests' series as in the per-adapter ones: by `adapters`' Labels,
+    else the app's own (of the default --metrics-adapter-cap names)."""
     cache = getattr(model, "state_cache", None)  # a ClefModel's; an encoder (the Ray ingress) has none
     if adapters is None:
         adapters = local_view(None, model.resident_adapters if isinstance(model, Model) else frozenset)
-    label = adapters.label or Labels(cap)
+    label = adapters.label or Labels(ServeSettings.metrics_adapter_cap)
     metrics = create_metrics(model, scheduler, intake, cache if isinstance(cache, StateCache) else None, label)
     metrics.registry.register(AdapterCollector(adapters.labelled))
     return metrics, adapters
