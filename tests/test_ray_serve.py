@@ -183,6 +183,11 @@ def test_the_ingress_counts_requests_and_answers_with_one_request_id(ray_url):
     model = ("model", health.json()["model"])  # the decided requests' series, by the model that decided them
     assert samples[("clef_decision_seconds_count", frozenset({("phase", "compute"), model}))] >= 1
     assert ("clef_state_cache_hits_total", frozenset({model})) in samples
+    assert samples[("clef_batch_prompts_count", frozenset())] >= 1  # (the replicas' batches, by their decisions)
+    assert (
+        samples[("clef_batch_prompts_count", frozenset())]
+        <= samples[("clef_decision_seconds_count", frozenset({("phase", "compute"), model}))]
+    )
     assert not any(name.startswith("clef_state_cache_bytes") for name, _ in samples)  # in each replica, not here
 
 
