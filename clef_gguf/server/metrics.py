@@ -19,7 +19,8 @@ adapter's name is labelled as the per-adapter series label it (adapter_metrics.L
 cannot grow them either. Only decided requests are counted: a name refused or unknown never becomes a label.
 
 clef_batch_prompts counts each batch once, by the decision the worker marks as its batch's first (Decision.leads):
-on Ray too, where the decisions come back from the replicas.
+on Ray too, where the decisions come back from the replicas. (A batch whose first request was given up before its
+answer, its client gone, is not counted: it is the decided requests that are counted here.)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .decision import Decision, Scheduler
 
 # From a cached short prompt on the demo model (milliseconds) to a long prompt on a CPU (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # prompts decided together: from one alone to a full --max-batch's worth
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # prompts decided together: one, up to --parallel (at most 64)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
