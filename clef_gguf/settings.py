@@ -177,6 +177,16 @@ class AdapterSet:
     adapter_cache_size: int = _setting(16 << 30, "Disk for --adapter-cache (least recently used go first).", ge=1)
     adapter_max_size: int = _setting(4 << 30, "The largest adapter (GGUF, or checkpoint files) a source may deliver.", ge=1)
     adapter_fetch_timeout: float = _setting(120.0, "Seconds a first use may take (fetch, convert, check): then a 503.", gt=0)
+    adapter_fetches: int = _setting(4, "Adapters fetched at once (a thread, a connection each); more new ones: 503.", ge=1, le=64)
+    adapter_fetch_rate: int = _setting(
+        60, "Fetches (and --adapter-refresh checks) started a minute, each asking a source with its token; more: 503.", ge=1
+    )
+    adapter_refresh: float = _setting(
+        600.0,
+        "Seconds after which a name without @COMMIT (a branch: ORG/REPO) is checked again at its source when next used: a "
+        "new commit is fetched while the version held answers (0: never).",
+        ge=0,
+    )
     adapter_base_release: str | Path | None = _setting(
         None,
         "The release the base was converted from (a folder or repo id): a clef-finetune checkpoint a source delivers is "
@@ -367,7 +377,7 @@ class RayScale:
     )
 
 
-# --- sizes: a SIZE flag's text, and the largest body worth reading --------------------------------------------------
+# --- sizes: the largest body worth reading (a SIZE flag's text: table_checks.parse_size) -----------------------
 # The decoded body is capped at the model's token limit times this many bytes, so that a body no prompt
 # could fit is refused while it is decoded (in milliseconds), never tokenized. On Qwen3.5's vocabulary (the Clef
 # backbone's), text of any script costs a few bytes per token as UTF-8, and about three times as many as the
@@ -384,14 +394,3 @@ def body_limit(max_prompt_tokens: int, images: bool = False) -> int:
     """The largest decoded (and raw) body worth reading for a model with this token limit (and images): the server's
     body limit (server/body.py), and the default of --max-line-bytes."""
     return max_prompt_tokens * BYTES_PER_TOKEN + (IMAGE_ALLOWANCE if images else 0)
-
-
-def parse_size(text: str) -> int:
-    """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
-    m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([KMGTPE]?)(i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise SettingsError(f"not a size: {text!r} (try 8GiB)")
-    size = float(m[1]) * 1024 ** " KMGTPE".index(m[2].upper() or " ")
-    if size >= 2**63:  # 8 EiB: what no machine has, and no C int64 (llama.cpp's sizes) holds
-        raise SettingsError(f"{text.strip()} is too large a size: sizes are below 8EiB")
-    return int(size)

@@ -1,9 +1,10 @@
 """A settings table's values held to their types, bounds and paths (settings.py's tables call check_table in their
 __post_init__): what the CLI's flags and a Ray config's pydantic check, for load()'s keywords, which reach the tables
-unparsed. Apart from settings.py, which holds the settings themselves."""
+unparsed; and a SIZE flag's text read as bytes (parse_size). Apart from settings.py, which holds the settings themselves."""
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import fields
@@ -46,3 +47,14 @@ def check_value(name: str, value: Any, hint: Any, bounds: Mapping[str, Any]) -> 
         raise SettingsError(f"{name} must be {within}, not {value}")
     if value == "" and Path in (get_args(hint) or (hint,)):  # Path(""): the working directory, never meant
         raise SettingsError(f"{name} is an empty path")
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '8 GB', '7.5G', '8192MiB' -> bytes (binary units: a card's "8 GB" is 8 GiB)."""
+    m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([KMGTPE]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise SettingsError(f"not a size: {text!r} (try 8GiB)")
+    size = float(m[1]) * 1024 ** " KMGTPE".index(m[2].upper() or " ")
+    if size >= 2**63:  # 8 EiB: what no machine has, and no C int64 (llama.cpp's sizes) holds
+        raise SettingsError(f"{text.strip()} is too large a size: sizes are below 8EiB")
+    return int(size)

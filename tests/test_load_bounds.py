@@ -58,6 +58,19 @@ def test_every_command_refuses_a_context_llama_cpp_cannot_hold(command, flags, s
 
 
 @pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--adapter-fetches", "0"], "'--adapter-fetches': Input should be greater than or equal to 1"),
+        (["--adapter-fetches", "65"], "'--adapter-fetches': Input should be less than or equal to 64"),
+        (["--adapter-fetch-rate", "0"], "'--adapter-fetch-rate': Input should be greater than or equal to 1"),
+        (["--adapter-refresh", "-1"], "'--adapter-refresh': Input should be greater than or equal to 0"),
+    ],
+)
+def test_serve_refuses_fetch_caps_out_of_their_bounds(flags, says, tmp_path):
+    _one_line(run_cli(*_commands(tmp_path)["serve"], *flags), says)
+
+
+@pytest.mark.parametrize(
     "keywords, says",
     [
         ({"max_prompt_tokens": 3}, "at least parallel (4)"),
@@ -77,6 +90,9 @@ def test_every_command_refuses_a_context_llama_cpp_cannot_hold(command, flags, s
         ({"adapter_dir": ""}, "adapter_dir is an empty path"),
         ({"mmproj": ""}, "mmproj is an empty path"),
         ({"adapters": {"tune": ""}}, "adapters maps each name"),
+        ({"adapter_fetches": 0}, "adapter_fetches must be between 1 and 64, not 0"),
+        ({"adapter_fetch_rate": 0}, "adapter_fetch_rate must be >= 1, not 0"),
+        ({"adapter_refresh": -1.0}, "adapter_refresh must be >= 0, not -1.0"),
     ],
 )
 def test_load_refuses_settings_llama_cpp_would_abort_on_or_of_the_wrong_type(keywords, says):
@@ -109,6 +125,9 @@ def test_a_ray_config_refuses_them_too(load, says):
         ({"load": {"mmproj": ""}}, "mmproj is an empty path"),
         ({"adapter_set": {"max_adapters": True}}, "max_adapters must be int"),
         ({"adapter_set": {"base_head": 1}}, "base_head must be bool"),
+        ({"adapter_set": {"adapter_fetches": 65}}, "adapter_fetches must be between 1 and 64"),
+        ({"adapter_set": {"adapter_fetch_rate": "60"}}, "adapter_fetch_rate must be int, not '60'"),
+        ({"adapter_set": {"adapter_refresh": -5}}, "adapter_refresh must be >= 0"),
         ({"serve": {"max_queue": "64"}}, "max_queue must be int"),
         ({"serve": {"limits": {"header_timeout": True}}}, "header_timeout must be float"),
         ({"scale": {"replicas": 2.0}}, "replicas must be int or None"),
@@ -136,7 +155,7 @@ def test_load_refuses_a_model_path_that_names_no_file(path, says):
 @pytest.mark.parametrize("size, says", [("9999999999999TiB", "too large a size"), ("8EiB", "too large a size"),
                                         ("1.2.3G", "not a size")])
 def test_a_size_past_what_a_machine_addresses_is_refused_as_too_large(size, says):
-    from clef_gguf.settings import parse_size
+    from clef_gguf.table_checks import parse_size
 
     with pytest.raises(SettingsError, match=says):
         parse_size(size)

@@ -16,7 +16,8 @@ from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama import log as llama_log
 from clef_gguf.llama.backbone import MAX_UBATCH
 from clef_gguf.llama.plan import MIB, memory_plan
-from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions, parse_size
+from clef_gguf.settings import DEFAULT_UBATCH, LoadOptions
+from clef_gguf.table_checks import parse_size
 
 pytestmark = pytest.mark.device  # in the device set (tests/conftest.py)
 

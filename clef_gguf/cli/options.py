@@ -23,8 +23,8 @@ from ..settings import (
     bounds_of,
     help_of,
     offload_default,
-    parse_size,
 )
+from ..table_checks import parse_size
 from .errors import fail
 
 
@@ -106,7 +106,7 @@ def file_path(text: str | Path) -> Path:
 
 
 def size_flag(value: str | int) -> int:
-    """A SIZE flag's parser: 8GiB, 512MiB, or bytes (settings.parse_size); its default as it is."""
+    """A SIZE flag's parser: 8GiB, 512MiB, or bytes (table_checks.parse_size); its default as it is."""
     if isinstance(value, int):  # the default, which click hands to the parser too
         return value
     try:
@@ -192,6 +192,11 @@ AdapterMaxSize = Annotated[
     int, typer.Option("--adapter-max-size", metavar="SIZE", parser=size_flag, **_load("adapter_max_size", AdapterSet))
 ]
 AdapterFetchTimeout = Annotated[float, typer.Option("--adapter-fetch-timeout", **_load("adapter_fetch_timeout", AdapterSet))]
+AdapterFetches = Annotated[int, typer.Option("--adapter-fetches", **_load("adapter_fetches", AdapterSet))]
+AdapterFetchRate = Annotated[
+    int, typer.Option("--adapter-fetch-rate", metavar="PER_MINUTE", **_load("adapter_fetch_rate", AdapterSet))
+]
+AdapterRefresh = Annotated[float, typer.Option("--adapter-refresh", metavar="SECONDS", **_load("adapter_refresh", AdapterSet))]
 AdapterBaseRelease = Annotated[
     str | None,
     typer.Option(
@@ -313,6 +318,9 @@ class ServedFlags(LoadFlags):
     adapter_cache_size: AdapterCacheSize = AdapterSet.adapter_cache_size
     adapter_max_size: AdapterMaxSize = AdapterSet.adapter_max_size
     adapter_fetch_timeout: AdapterFetchTimeout = AdapterSet.adapter_fetch_timeout
+    adapter_fetches: AdapterFetches = AdapterSet.adapter_fetches
+    adapter_fetch_rate: AdapterFetchRate = AdapterSet.adapter_fetch_rate
+    adapter_refresh: AdapterRefresh = AdapterSet.adapter_refresh
     adapter_base_release: AdapterBaseRelease = None
     pins: Pins = None
 
@@ -328,6 +336,9 @@ class ServedFlags(LoadFlags):
             adapter_cache_size=self.adapter_cache_size,
             adapter_max_size=self.adapter_max_size,
             adapter_fetch_timeout=self.adapter_fetch_timeout,
+            adapter_fetches=self.adapter_fetches,
+            adapter_fetch_rate=self.adapter_fetch_rate,
+            adapter_refresh=self.adapter_refresh,
             adapter_base_release=self.adapter_base_release,
             pins=self.pins,
         )

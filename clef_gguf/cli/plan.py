@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..settings import N_GPU_LAYERS_ENV, LoadOptions, parse_size
+from ..settings import N_GPU_LAYERS_ENV, LoadOptions
+from ..table_checks import parse_size
 from .errors import line, run
 from .options import Mmproj, Parallel, Threads, Ubatch, check_ubatch, file_path, gpu_layers_default
 

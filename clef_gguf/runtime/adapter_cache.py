@@ -2,7 +2,8 @@
 
 One folder per entry (entries/<sha256 of its key>/), holding its adapter file (adapter.gguf: a GGUF as delivered, or
 a checkpoint's conversion) and its record (entry.json: the key, the revision delivered, its size, the sha256 of its
-file, and its verdict: a refusal keeps its error's class and message and no file). A file is checked against its
+file, its verdict: a refusal keeps its error's class and message and no file, and when its revision was last found
+current at its source, for --adapter-refresh). A file is checked against its
 sha256 when this process first reads it and again whenever its size, mtime or inode changed since: a file swapped or
 damaged behind the record's back is never served as the adapter it was; its entry is removed (fetched again).
 An entry is written whole in a staging folder and renamed into place, so that a crash leaves either the old entry
@@ -15,6 +16,7 @@ Without DIR the cache is a private folder of this process, removed at close.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -65,6 +67,7 @@ class Cached:
     used: float  # when last used (the record's mtime)
     sha256: str = ""  # of the file, as delivered and checked
     verified: Signature | None = None  # the file's signature (format/header.py) when its sha256 was last seen
+    checked: float = 0.0  # when its revision was delivered or last found current at its source (time.time())
 
     def error(self) -> ClefError:
         """The refusal as its typed error, raised anew."""
@@ -116,7 +119,12 @@ class AdapterCache:
         try:
             os.utime(folder / RECORD)
             if found.path is not None and not _intact(found):
-                shutil.rmtree(folder, ignore_errors=True)  # (swapped or damaged: fetched again, never served)
+                with self._lock:  # (swapped or damaged: fetched again, never served; unless a new version was just put)
+                    replaced = self._index.get(key) is not found
+                    if not replaced:
+                        shutil.rmtree(folder, ignore_errors=True)
+                if replaced:
+                    return self.get(key)
                 raise FileNotFoundError(found.path)
         except OSError:  # (removed by hand, or evicted by another process sharing the folder)
             with self._lock:
@@ -145,21 +153,34 @@ class AdapterCache:
             os.replace(file, temporary / ADAPTER)
             digest, stat = _sha256(temporary / ADAPTER), os.stat(temporary / ADAPTER)
             nbytes, seen = stat.st_size, signature_of(stat)
-        verdict_kept = list(verdict) if verdict else None
-        record = {"key": key, "revision": revision, "bytes": nbytes, "sha256": digest, "verdict": verdict_kept}
-        with open(temporary / RECORD, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
+        now = time.time()
+        _write_record(temporary / RECORD, key, revision, nbytes, digest, verdict, now)
         with self._lock:
-            if folder.exists():  # (replaced: the old one aside first, so that the rename below cannot fail on it)
-                os.replace(folder, Path(tempfile.mkdtemp(dir=self._staging)) / "old")
-            os.replace(temporary, folder)
+            # (one step where it can: a reader of a refreshed entry finds the old version or the new, never none)
+            if not _exchange(temporary, folder):
+                if folder.exists():  # (replaced: the old one aside first, so that the rename below cannot fail on it)
+                    os.replace(folder, Path(tempfile.mkdtemp(dir=self._staging)) / "old")
+                os.replace(temporary, folder)
             path = folder / ADAPTER if file is not None else None
-            entry = Cached(key, revision, nbytes, path, verdict, time.time(), digest, seen)
+            entry = Cached(key, revision, nbytes, path, verdict, now, digest, seen, now)
             self._index[key] = entry
+        shutil.rmtree(temporary, ignore_errors=True)  # (the old entry, when exchanged)
         self._evict(keep=key)
         return entry
+
+    def confirm(self, key: str) -> None:
+        """The entry of `key` found current at its source now: its record says so (kept across restarts)."""
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return
+        entry.checked = time.time()
+        staged = Path(tempfile.mkdtemp(dir=self._staging)) / RECORD
+        _write_record(staged, key, entry.revision, entry.nbytes, entry.sha256, entry.verdict, entry.checked)
+        with self._lock, contextlib.suppress(FileNotFoundError):  # (evicted meanwhile, or by another process)
+            if self._index.get(key) is entry:
+                os.replace(staged, self._folder(key) / RECORD)
+        shutil.rmtree(staged.parent, ignore_errors=True)
 
     def _evict(self, keep: str) -> None:
         """Remove the least recently used entries (not pinned, not `keep`) until the files fit the bound."""
@@ -201,10 +222,33 @@ def _read_record(folder: Path) -> Cached | None:
         digest = str(record.get("sha256") or "")
         if path is not None and (os.stat(path).st_size != int(record["bytes"]) or len(digest) != 64):
             return None
-        used = os.stat(record_path).st_mtime
-        return Cached(str(record["key"]), str(record["revision"]), int(record["bytes"]), path, verdict, used, digest)  # type: ignore[arg-type]
+        used, checked = os.stat(record_path).st_mtime, float(record.get("checked") or 0.0)  # (none: before refreshes)
+        key, revision, nbytes = str(record["key"]), str(record["revision"]), int(record["bytes"])
+        return Cached(key, revision, nbytes, path, verdict, used, digest, None, checked)  # type: ignore[arg-type]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _write_record(
+    path: Path, key: str, revision: str, nbytes: int, digest: str, verdict: tuple[str, str] | None, checked: float
+) -> None:
+    kept = list(verdict) if verdict else None
+    record = {"key": key, "revision": revision, "bytes": nbytes, "sha256": digest, "verdict": kept, "checked": checked}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _exchange(new: Path, old: Path) -> bool:
+    """Swap two folders in one step (Linux's renameat2 RENAME_EXCHANGE); False where it cannot (no `old` yet, a libc
+    or a file system without it): then the caller renames in two."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd, exchange = -100, 2  # (AT_FDCWD, RENAME_EXCHANGE)
+    return bool(renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(old), exchange) == 0)
 
 
 def _intact(entry: Cached) -> bool:

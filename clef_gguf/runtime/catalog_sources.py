@@ -12,9 +12,10 @@ from ..format.header import GGUFFile
 from ..settings import AdapterSet
 from .adapter_cache import AdapterCache
 from .adapter_files import read_version, servable
+from .folder_source import FolderSource
 from .private_folder import PrivateFolder
 from .relay_source import Relay, relayed
-from .sources import HF_SCHEME, SERVED_KEPT, AdapterSources, Bounds, Convert, FolderSource, Source, SourceObserver
+from .sources import HF_SCHEME, SERVED_KEPT, AdapterSources, Bounds, Convert, Source, SourceObserver
 
 
 def parse_source(text: str) -> Source:
@@ -86,7 +87,9 @@ def open_sources(
             with lock:  # (one conversion at a time: each holds the base release's tensors it reads)
                 convert_adapter(checkpoint, release, out, CONVERTED_TYPE)
 
-    bounds = Bounds(adapter_set.adapter_max_size, adapter_set.adapter_fetch_timeout)
+    a = adapter_set
+    caps = {"new_per_minute": a.adapter_fetch_rate, "max_fetches": a.adapter_fetches, "refresh_s": a.adapter_refresh}
+    bounds = Bounds(a.adapter_max_size, a.adapter_fetch_timeout, **caps)
     found = AdapterSources(sources, cache, bounds, check, convert, observer)
     found.owned.callback(private.close)
     return found

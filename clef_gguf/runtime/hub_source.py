@@ -81,6 +81,19 @@ class HubSource:
     def local(self, wanted: Wanted) -> Path | None:
         return None
 
+    def revision(self, wanted: Wanted, bounds: Bounds) -> str:
+        """The commit `wanted`'s branch (main when it names none) is at now: one request asking the Hub for the sha
+        alone, no listing, no download (what --adapter-refresh asks of a name that follows its branch)."""
+        from huggingface_hub import HfApi
+
+        m = NAME.fullmatch(wanted.name)
+        assert m is not None  # (claims)
+        with _hub_errors(wanted.name, m["rev"]):
+            info = HfApi(endpoint=endpoint()).model_info(
+                f"{m['org']}/{m['repo']}", revision=m["rev"], expand=["sha"], timeout=bounds.timeout_s
+            )
+        return str(info.sha)
+
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:
         from huggingface_hub import HfApi, hf_hub_url
 

@@ -9,7 +9,9 @@ its cache keys stands for: /v1/models lists the cache) and a scheme in `parse_so
 AdapterSources turns a name into an adapter file the catalog reads: the disk cache first (runtime/adapter_cache.py);
 else one fetch per key at a time however many ask (single flight), on a thread of its own, never the compute thread;
 a checkpoint converted (conversion/adapter.py, as `convert --to-adapter`) and every file checked against the base
-before it is kept. A fetch that failed is not tried again before its back-off ends (the same error meanwhile); a
+before it is kept. A name that names no commit follows its branch: its entry, once older than --adapter-refresh, has
+the source asked for the branch's commit (`revision`, if the source has it) on its next use, and a new one fetched,
+while the version held answers. A fetch that failed is not tried again before its back-off ends (the same error meanwhile); a
 refusal of a pinned revision is kept in the cache, as the verdict on those bytes. A caller waits at most the
 first-use bound (`fetch_timeout_s`), then gets SourceUnavailableError while the fetch goes on; a caller that must not
 block (the server's intake, inside `not_waiting()`) gets FetchPending with the fetch's future to await instead.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -26,9 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from ..errors import (
     AdapterBaseError,
@@ -38,11 +39,11 @@ from ..errors import (
     ConversionError,
     ReleaseError,
     RequestError,
-    SettingsError,
     SourceUnavailableError,
 )
-from .adapter_cache import AdapterCache, verdict_of
-from .adapter_files import ADAPTER_SUFFIX, servable
+from .adapter_cache import AdapterCache, Cached, verdict_of
+from .adapter_files import ADAPTER_SUFFIX
+from .source_seam import Bounds, Delivered, Source, Wanted
 
 log = logging.getLogger("clef_gguf")
 HF_SCHEME = "hf://"
@@ -50,52 +51,6 @@ BACKOFF_S = 10.0  # a failed fetch's first back-off (server/problems.py's Retry-
 BACKOFF_MAX_S = 300.0
 SERVED_KEPT = 4096  # names delivered that /v1/models lists, the newest
 FAILED_KEPT = 4096  # back-offs remembered, the newest: a flood of junk names cannot grow the table without bound
-
-
-@dataclass(frozen=True)
-class Wanted:
-    """A requested name as the source that claims it reads it."""
-
-    name: str  # as the request named it
-    key: str  # what the disk cache keeps it under: the source and exactly what it names
-    pinned: bool = False  # it names an exact revision (a commit): a verdict on it is final
-
-
-@dataclass(frozen=True)
-class Delivered:
-    """What a source delivered into a staging folder: an adapter file, or a clef-finetune checkpoint folder."""
-
-    path: Path
-    revision: str  # what was delivered (a commit)
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Bounds:
-    max_bytes: int  # the largest adapter a source may deliver
-    timeout_s: float  # how long a first use may take (and each request to a source)
-    new_per_minute: int = 60  # fetches started per minute (each asks a source: the Hub, with the server's token)
-    max_fetches: int = 4  # fetches at once (each a thread and a connection)
-    deadline_factor: float = 5.0  # a fetch is abandoned after this many timeout_s in all (a Hub that drips bytes)
-
-    @property
-    def deadline_s(self) -> float:
-        return self.timeout_s * self.deadline_factor
-
-
-class Source(Protocol):
-    label: str  # as the operator named it (hf://ORG, a folder)
-    remote: bool  # it fetches (`fetch`), or it names files read in place (`local`)
-
-    def claims(self, name: str) -> Wanted | None: ...
-
-    def well_formed(self, name: str) -> bool: ...  # a name of its kind, whether it claims it or not
-
-    def name_of(self, key: str) -> str | None: ...  # the name claims() keys as `key` (None: not its key)
-
-    def local(self, wanted: Wanted) -> Path | None: ...
-
-    def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered: ...
 
 
 class SourceObserver:
@@ -113,30 +68,6 @@ class SourceObserver:
 
     def failed(self, name: str, error: ClefError) -> None:
         """A fetch or conversion refused or failed."""
-
-
-class FolderSource:
-    """A folder of NAME.adapter.gguf files (what --adapter-dir serves), read in place."""
-
-    def __init__(self, folder: Path) -> None:
-        if not folder.is_dir():
-            raise SettingsError(f"the adapter source {folder} is not a folder (a folder, hf://ORG or hf://ORG/REPO)")
-        self.folder, self.label, self.remote = folder, str(folder), False
-
-    def claims(self, name: str) -> Wanted | None:
-        return Wanted(name, f"{self.folder}/{name}") if self.well_formed(name) else None
-
-    def well_formed(self, name: str) -> bool:
-        return servable(name) and "/" not in name
-
-    def name_of(self, key: str) -> str | None:
-        return None  # (its files are read in place, never kept in the disk cache)
-
-    def local(self, wanted: Wanted) -> Path | None:
-        return self.folder / f"{wanted.name}{ADAPTER_SUFFIX}"
-
-    def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:  # pragma: no cover - local() answers
-        raise AssertionError("a folder's files are read in place")
 
 
 class FetchPending(Exception):  # noqa: N818 (not an error: a caller that must not block awaits `future`)
@@ -231,6 +162,7 @@ class AdapterSources:
             if cached.verdict is not None:
                 raise cached.error()
             assert cached.path is not None
+            self._refresh(source, wanted, cached)
             return self._served(name, cached.path)
         future = self._flight(source, wanted)
         if _NOT_WAITING.get() and not future.done():
@@ -282,8 +214,42 @@ class AdapterSources:
             self._admit(wanted.name)
             self._flights[wanted.key] = flight
             flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
-        threading.Thread(target=self._run, args=(source, wanted, flight), name="clef-adapter-fetch", daemon=True).start()
+        work = functools.partial(self._deliver, source, wanted)
+        threading.Thread(target=self._run, args=(wanted, flight, work), name="clef-adapter-fetch", daemon=True).start()
         return flight
+
+    def _refresh(self, source: Source, wanted: Wanted, cached: Cached) -> None:
+        """A look at the commit the branch of a name that names no commit is at, once its entry is older than refresh_s,
+        on a thread of its own: one flight per key with the fetches, under their caps and back-off (skipped while they
+        refuse it: a later use asks). The version held answers meanwhile, whatever the look's fate."""
+        refresh = self.bounds.refresh_s
+        if not refresh or wanted.pinned or not hasattr(source, "revision") or time.time() - cached.checked < refresh:
+            return
+        with self._lock:
+            failed = self._failed.get(wanted.key)
+            if wanted.key in self._flights or (failed is not None and time.monotonic() < failed[0]):
+                return
+            with contextlib.suppress(SourceUnavailableError):
+                self._admit(wanted.name)
+                self._flights[wanted.key] = flight = Future()
+                flight.set_running_or_notify_cancel()
+                work = functools.partial(self._renew, source, wanted, cached)
+                threading.Thread(target=self._run, args=(wanted, flight, work), name="clef-adapter-refresh", daemon=True).start()
+
+    def _renew(self, source: Source, wanted: Wanted, cached: Cached) -> Path:
+        """The branch's commit looked up (the source's `revision`: one cheap request): the entry confirmed if it holds
+        it, else the new commit delivered (the catalog sees the file change: a new version)."""
+        revision = source.revision(wanted, self.bounds)  # type: ignore[attr-defined]  # (_refresh: it has one)
+        if revision == cached.revision:
+            self.cache.confirm(wanted.key)
+            assert cached.path is not None
+            return cached.path
+        try:
+            return self._deliver(source, wanted)
+        except ClefError as e:
+            if verdict_of(e) is not None:  # (a commit refused: asked about again a refresh period on, not per back-off)
+                self.cache.confirm(wanted.key)
+            raise
 
     def _admit(self, name: str) -> None:
         """Refuse a new fetch (a 503 that asks no source anything) past the fetches at once or the new ones a minute
@@ -304,9 +270,9 @@ class AdapterSources:
             )
         self._tokens -= 1.0
 
-    def _run(self, source: Source, wanted: Wanted, flight: Future[Path]) -> None:
+    def _run(self, wanted: Wanted, flight: Future[Path], work: Callable[[], Path]) -> None:
         try:
-            path = self._deliver(source, wanted)
+            path = work()
         except Exception as e:  # (one the source did not expect, e.g. of its client: a 503 too, never a 500 loop)
             error = e if isinstance(e, ClefError) else unreachable(wanted.name, type(e).__name__)
             if isinstance(e, OSError) and e.filename is not None:  # (the cache's disk: read-only, full; the operator's)

@@ -1,6 +1,7 @@
 """A local stand-in of the Hugging Face Hub: the routes huggingface-hub's own client uses to download (FACTS.md, "The
-Hugging Face Hub, offline"), serving a folder of repositories, ROOT/ORG/REPO/..., each one revision. The real client
-is pointed at it with HF_ENDPOINT. It counts downloads (GETs of a file's bytes), records the bearer tokens sent, and
+Hugging Face Hub, offline"), serving a folder of repositories, ROOT/ORG/REPO/..., each one revision (a push: its files
+changed, a new commit). The real client is pointed at it with HF_ENDPOINT. It counts downloads (GETs of a file's
+bytes) and revision lookups (a repository's information asked for its sha alone), records the bearer tokens sent, and
 can be made slow (`delay_s` before every answer) to stand for a Hub that answers slowly, or held (`gate` cleared:
 every answer waits until it is set again, at most GATE_MAX_S) for a test that needs every first use waiting at once,
 made to lie in its listing (`listed`: a file's size as the listing gives it) or to drip a file's bytes (`drip_s`
@@ -19,8 +20,9 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
-_INFO = re.compile(r"^/api/models/([^/]+)/([^/?]+)(?:/revision/([^/?]+))?(?:\?.*)?$")
+_INFO = re.compile(r"^/api/models/([^/]+)/([^/?]+)(?:/revision/([^/?]+))?(?:\?(.*))?$")
 _RESOLVE = re.compile(r"^/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$")
 GATE_MAX_S = 120.0
 
@@ -31,6 +33,7 @@ class Hub:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.downloads: Counter[str] = Counter()  # "ORG/REPO/FILE" -> GETs of its bytes
+        self.lookups: Counter[str] = Counter()  # "ORG/REPO" -> its information asked for the sha alone (expand=sha)
         self.tokens: list[str] = []  # the Authorization headers received
         self.delay_s = 0.0
         self.gate = threading.Event()
@@ -87,6 +90,9 @@ class Hub:
             time.sleep(self.delay_s)
         path = handler.path
         if (m := _INFO.match(path)) is not None:
+            if parse_qs(m[4] or "").get("expand") == ["sha"]:
+                with self._lock:
+                    self.lookups[f"{m[1]}/{m[2]}"] += 1
             return self._info(handler, m[1], m[2], m[3] or "main", body)
         if (m := _RESOLVE.match(path)) is not None:
             return self._file(handler, m[1], m[2], m[3], m[4], body)
