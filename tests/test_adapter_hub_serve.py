@@ -25,6 +25,7 @@ from clef_gguf.runtime import adapter_cache
 from clef_gguf.runtime.model import ClefModel
 from clef_gguf.server import create_app
 from clef_gguf.server.adapter_metrics import AdapterCounts, local_view
+from clef_gguf.server.app import MODEL_SHA256_HEADER
 from clef_gguf.settings import ModelSpec, ServeSettings
 from clef_gguf.testing import finetune
 from clef_gguf.testing.hub import Hub
@@ -256,6 +257,48 @@ def test_models_lists_what_the_disk_cache_holds_after_a_restart(files, hub, tmp_
         response = _post(live.url, "acme/tune-gguf")
         assert response.status_code == 200 and response.json()["model"] == "acme/tune-gguf"
         assert _models(live.url)["acme/tune-gguf"]["state"] == "resident" and len(hashed) == 1
+    finally:
+        live.stop()
+        model.close()
+
+
+def test_a_push_to_main_answers_after_the_refresh_period_and_a_hub_down_then_fails_nothing(files, hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    moving = hub.repo("acme", "moving") / "moving.adapter.gguf"
+    shutil.copyfile(files.adapter, moving)
+    refresh_s = 3.0
+    model, live = _serve(files, tmp_path / "cache", adapter_refresh=refresh_s)
+
+    def version(name: str) -> str:
+        response = _post(live.url, name)
+        assert response.status_code == 200, response.text
+        return response.headers[MODEL_SHA256_HEADER]
+
+    try:
+        f32, f16 = version("acme/tune-gguf"), version("acme/tune16")  # each adapter file's version over this base
+        assert f32 != f16 and version("acme/moving") == f32
+        kept = time.time()  # (the entry was kept before this)
+        shutil.copyfile(files.adapter16, moving)  # a push to main: the stand-in's sha moves
+        assert version("acme/moving") == f32 and hub.lookups["acme/moving"] == 0  # within the period: not asked
+        while time.time() - kept < refresh_s:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while (answered := version("acme/moving")) != f16:  # the version held answers until the new one is ready
+            assert answered == f32 and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert hub.lookups["acme/moving"] == 1 and hub.downloads_of("acme", "moving") == 2
+        kept = time.time()
+        shutil.copyfile(files.adapter, moving)
+        down = Hub(tmp_path / "down")
+        down.close()
+        monkeypatch.setenv("HF_ENDPOINT", down.url)  # the Hub gone at refresh time: the version held answers
+        while time.time() - kept < refresh_s:
+            time.sleep(0.05)
+        while "hf://acme/moving@main/" not in model.catalog.sources._failed:  # (the look failed, backed off)
+            assert version("acme/moving") == f16 and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert version("acme/moving") == f16 and hub.lookups["acme/moving"] == 1
     finally:
         live.stop()
         model.close()
