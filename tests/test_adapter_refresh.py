@@ -152,6 +152,19 @@ def test_an_entry_s_age_is_kept_across_a_restart(hub, tmp_path):
     never.close()
 
 
+def test_a_new_commit_another_process_kept_in_the_shared_cache_is_taken_up_not_fetched_again(hub, tmp_path):
+    one, other = _sources(tmp_path), _sources(tmp_path)  # (a Ray node's replicas: one cache folder)
+    assert one.locate("acme/tune").read_bytes() == OLD and other.locate("acme/tune").read_bytes() == OLD
+    _push(hub, NEW)
+    _aged(one)
+    one.locate("acme/tune")
+    _until(lambda: one.locate("acme/tune").read_bytes() == NEW, "the new commit is served")
+    assert other.locate("acme/tune").read_bytes() == NEW and not other._flights  # its record read, not a tampering
+    assert hub.downloads_of("acme", "tune") == 2 and hub.lookups["acme/tune"] == 1
+    one.close()
+    other.close()
+
+
 def test_looks_count_against_the_new_fetches_a_minute(hub, tmp_path):
     sources = _sources(tmp_path, new_per_minute=1)
     assert sources.locate("acme/tune").read_bytes() == OLD  # (the minute's one fetch)

@@ -5,7 +5,9 @@ a checkpoint's conversion) and its record (entry.json: the key, the revision del
 file, its verdict: a refusal keeps its error's class and message and no file, and when its revision was last found
 current at its source, for --adapter-refresh). A file is checked against its
 sha256 when this process first reads it and again whenever its size, mtime or inode changed since: a file swapped or
-damaged behind the record's back is never served as the adapter it was; its entry is removed (fetched again).
+damaged behind the record's back is never served as the adapter it was; its entry is removed (fetched again), unless
+its record names it too (a new version, put by another process sharing the folder: taken up). A new version of an
+entry (--adapter-refresh) is swapped in in one step where the system can (renameat2): its path never goes missing.
 An entry is written whole in a staging folder and renamed into place, so that a crash leaves either the old entry
 or the new one, never half of one; staging folders left by a crash are removed at the next start. Entries are kept
 across restarts, verdicts included. Past the size bound the least recently used (its record's mtime, touched on each
@@ -119,13 +121,7 @@ class AdapterCache:
         try:
             os.utime(folder / RECORD)
             if found.path is not None and not _intact(found):
-                with self._lock:  # (swapped or damaged: fetched again, never served; unless a new version was just put)
-                    replaced = self._index.get(key) is not found
-                    if not replaced:
-                        shutil.rmtree(folder, ignore_errors=True)
-                if replaced:
-                    return self.get(key)
-                raise FileNotFoundError(found.path)
+                found = self._replaced(key, found)
         except OSError:  # (removed by hand, or evicted by another process sharing the folder)
             with self._lock:
                 if self._index.get(key) is found:
@@ -133,6 +129,23 @@ class AdapterCache:
             return None
         found.used = time.time()
         return found
+
+    def _replaced(self, key: str, stale: Cached) -> Cached:
+        """The entry of `key` once its file is not the one `stale` names: a new version put since (a refresh, by this
+        process or another sharing the folder), else FileNotFoundError: a file swapped or damaged is removed (fetched
+        again, never served as the adapter it was)."""
+        fresh = _read_record(self._folder(key))
+        if fresh is not None and (fresh.key != key or fresh.sha256 == stale.sha256 or not _intact(fresh)):
+            fresh = None
+        with self._lock:
+            current = self._index.get(key)
+            if current is not None and current is not stale:
+                return current
+            if fresh is None:
+                shutil.rmtree(self._folder(key), ignore_errors=True)
+                raise FileNotFoundError(stale.path)
+            self._index[key] = fresh
+        return fresh
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[Path]:
