@@ -19,6 +19,7 @@ from clef_gguf.data import DEMO_MODEL
 from clef_gguf.runtime import sources as sources_module
 from clef_gguf.runtime.adapter_cache import AdapterCache
 from clef_gguf.runtime.catalog_sources import parse_source
+from clef_gguf.runtime.relay_source import relayed
 from clef_gguf.runtime.sources import AdapterSources, Bounds
 from clef_gguf.testing.hub import Hub
 
@@ -183,3 +184,16 @@ def test_the_caps_and_the_refresh_period_are_settings_of_load_and_serve(tmp_path
     assert (bounds.max_fetches, bounds.new_per_minute, bounds.refresh_s) == (2, 7, 5.0)
     served = ServedFlags(adapter_sources=[str(tmp_path)], **caps).spec(DEMO_MODEL).adapter_set  # (serve's flags)
     assert (served.adapter_fetches, served.adapter_fetch_rate, served.adapter_refresh) == (2, 7, 5.0)
+
+
+def test_a_relayed_process_takes_the_other_process_s_new_version_when_asked_to_fetch_again(tmp_path):
+    held = {"acme/tune": (OLD, "1" * 40)}  # what the other process (a Ray ingress) holds for each name
+    cache, bounds = AdapterCache(tmp_path / "cache", 1 << 30), Bounds(1 << 20, 10.0, refresh_s=0.01)
+    sources = AdapterSources(relayed([parse_source("hf://acme")], held.__getitem__), cache, bounds, _check)
+    assert sources.locate("acme/tune").read_bytes() == OLD
+    held["acme/tune"] = (NEW, "2" * 40)  # the other process followed the branch
+    time.sleep(0.05)
+    assert sources.locate("acme/tune").read_bytes() == OLD and not sources._flights  # (a relay has no revision to ask)
+    assert sources.fetch_again("acme/tune").read_bytes() == NEW
+    assert sources.cache.get(KEY).revision == "2" * 40 and sources.fetch_again("nobody/else") is None
+    sources.close()

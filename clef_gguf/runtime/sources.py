@@ -211,12 +211,32 @@ class AdapterSources:
                 return flight
             if cached is not None:
                 raise cached.error()
-            self._admit(wanted.name)
-            self._flights[wanted.key] = flight
-            flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
-        work = functools.partial(self._deliver, source, wanted)
-        threading.Thread(target=self._run, args=(wanted, flight, work), name="clef-adapter-fetch", daemon=True).start()
+            return self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch")
+
+    def _start(self, wanted: Wanted, work: Callable[[], Path], what: str) -> Future[Path]:
+        """(under the lock) The flight of `wanted`'s key, running `work` on a thread of its own, once admitted."""
+        self._admit(wanted.name)
+        self._flights[wanted.key] = flight = Future()
+        flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
+        threading.Thread(target=self._run, args=(wanted, flight, work), name=f"clef-adapter-{what}", daemon=True).start()
         return flight
+
+    def fetch_again(self, name: str) -> Path | None:
+        """`name` delivered anew now, whatever its entry's age (waiting at most the first-use bound): for a process
+        whose adapters come through a relay when the other process holds a newer version (a Ray replica behind its
+        ingress, which follows the branch: runtime/relay_source.py). None for a name no remote source claims."""
+        found = self.claimed(name)
+        if found is None or not found[0].remote:
+            return None
+        source, wanted = found
+        with self._lock:
+            flight = self._flights.get(wanted.key)
+            failed = self._failed.get(wanted.key)
+            if flight is None and failed is not None and time.monotonic() < failed[0]:
+                raise _again(failed[2])
+            if flight is None:
+                flight = self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch")
+        return self._served(name, wait_for(name, flight, self.bounds.timeout_s))
 
     def _refresh(self, source: Source, wanted: Wanted, cached: Cached) -> None:
         """A look at the commit the branch of a name that names no commit is at, once its entry is older than refresh_s,
@@ -230,13 +250,9 @@ class AdapterSources:
             if wanted.key in self._flights or (failed is not None and time.monotonic() < failed[0]):
                 return
             with contextlib.suppress(SourceUnavailableError):
-                self._admit(wanted.name)
-                self._flights[wanted.key] = flight = Future()
-                flight.set_running_or_notify_cancel()
-                work = functools.partial(self._renew, source, wanted, cached)
-                threading.Thread(target=self._run, args=(wanted, flight, work), name="clef-adapter-refresh", daemon=True).start()
+                self._start(wanted, functools.partial(self._look, source, wanted, cached), "refresh")
 
-    def _renew(self, source: Source, wanted: Wanted, cached: Cached) -> Path:
+    def _look(self, source: Source, wanted: Wanted, cached: Cached) -> Path:
         """The branch's commit looked up (the source's `revision`: one cheap request): the entry confirmed if it holds
         it, else the new commit delivered (the catalog sees the file change: a new version)."""
         revision = source.revision(wanted, self.bounds)  # type: ignore[attr-defined]  # (_refresh: it has one)
