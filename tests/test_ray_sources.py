@@ -6,6 +6,7 @@ fine-tune's, the token sent to the Hub and shown nowhere."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class OnRay:
     hub: Hub
     log: Path
     merged: list[float]  # the merged fine-tune's answer to labelled_requests(1)[0], in this process
+    pushed: Path  # the same fine-tune as an f16 adapter file: other bytes, a new commit when pushed
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +55,13 @@ def on_ray(ws, tmp_path_factory, ray_address, ray_serve_port) -> Iterator[OnRay]
     hub = Hub(root / "hub")
     shutil.copytree(checkpoint, hub.repo("acme", "tune"), dirs_exist_ok=True)
     convert_adapter(checkpoint, release, hub.repo("acme", "tune-gguf") / "tune.adapter.gguf", "f32")
+    pushed = convert_adapter(checkpoint, release, root / "tune16.adapter.gguf", "f16")
     args = ("--ray", "--replicas", "2", "--ctx", str(CONTEXT), "--state-cache", "0", "--parallel", "1")
-    args += ("--adapter-source", "hf://acme", "--adapter-base-release", str(release))
+    args += ("--adapter-source", "hf://acme", "--adapter-base-release", str(release), "--adapter-refresh", "2")
     env = {"RAY_ADDRESS": ray_address, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_CACHE": str(root / "hf")}
     try:
         with served(base, *args, env=env, port=ray_serve_port, log=root / "serve.log", timeout_s=TIMEOUT) as (url, _):
-            yield OnRay(url, hub, root / "serve.log", expected)
+            yield OnRay(url, hub, root / "serve.log", expected, pushed)
     finally:
         hub.close()
 
@@ -102,3 +105,25 @@ def test_a_name_outside_the_allow_list_is_refused_at_the_ingress_and_fetches_not
     response = _post(on_ray.url, "evil/tune")
     assert response.status_code == 403, response.text
     assert "permission_error" in response.text and "(hf://acme)" in response.text and len(on_ray.hub.tokens) == before
+
+
+def test_a_push_the_ingress_follows_reaches_every_replica_without_a_refusal(on_ray):
+    """The ingress follows acme/tune-gguf's branch (--adapter-refresh 2); a replica holding the old version takes the
+    new one from it (sources.fetch_again) instead of refusing the request as changed on the way."""
+    old = _post(on_ray.url, "acme/tune-gguf")
+    assert old.status_code == 200, old.text
+    shutil.copyfile(on_ray.pushed, on_ray.hub.repo("acme", "tune-gguf") / "tune.adapter.gguf")
+    time.sleep(2.5)  # (the refresh period: the entry is then due a look at the branch)
+    seen: list[str] = []
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:  # the first uses after the period may answer as the old version, while it is fetched
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _post(on_ray.url, "acme/tune-gguf"), range(4)))
+        for response in answers:
+            assert response.status_code == 200, response.text
+            seen.append(response.headers["Clef-Model-Sha256"])
+        if len(seen) >= 8 and len(set(seen[-8:])) == 1 and seen[-1] != old.headers["Clef-Model-Sha256"]:
+            break
+        time.sleep(0.5)
+    assert seen[-1] != old.headers["Clef-Model-Sha256"] and len(set(seen[-8:])) == 1, seen
+    assert on_ray.hub.downloads_of("acme", "tune-gguf") == 2  # (the new commit once, by the ingress)

@@ -237,9 +237,14 @@ class ClefReplica:
     async def decide(self, prompt: EncodedPrompt) -> Decision:
         """The decision of a prompt the ingress encoded: its response JSON, time queued here and deciding."""
         if prompt.model is not None and self.model.catalog.adopt(prompt.model) is None:
-            # An adapter of the folder this replica was not asked for before: resolved here as the ingress resolved it
-            # (the file validated against the base; the same identity, unless the file changed in between).
-            found = await asyncio.to_thread(self.model.catalog.resolve, prompt.request.named)
+            # An adapter (a folder's, a source's) this replica was not asked for before: resolved here as the ingress
+            # resolved it (validated against the base; the same identity, unless the file changed in between, or the
+            # ingress followed a branch to a newer version, which is then taken from it anew).
+            named, sources = prompt.request.named, self.model.catalog.sources
+            found = await asyncio.to_thread(self.model.catalog.resolve, named)
+            stale = found.identity != prompt.identity and sources is not None
+            if stale and await asyncio.to_thread(sources.fetch_again, named) is not None:  # type: ignore[union-attr]
+                found = await asyncio.to_thread(self.model.catalog.resolve, named)
             if found.identity != prompt.identity:  # the file changed between the ingress and here: a new version
                 raise AdapterUnavailableError(
                     f"the adapter file of {found.entry.name!r} changed while the request waited: send the request again"
