@@ -112,3 +112,16 @@ def test_the_names_the_cache_holds_are_named_back_from_their_keys_newest_first_a
     assert [n for n, _ in kept_names(AdapterSources([HubSource("acme", "d")], restarted, Bounds(1, 1.0), print), set())] == [
         "acme/d/sub"
     ]
+
+
+@pytest.mark.parametrize("platform", ["linux", "win32", "darwin"])
+def test_a_new_version_replaces_an_entry_on_every_system(tmp_path, monkeypatch, platform):
+    """Linux swaps an entry in one step (renameat2); Windows and macOS, which cannot, rename it in two: each leaves
+    the new version, readable, and no staging folder behind."""
+    monkeypatch.setattr(adapter_cache.sys, "platform", platform)
+    cache = AdapterCache(tmp_path, limit=1 << 20)
+    _put(cache, "k", 10)
+    path = _put(cache, "k", 20)
+    assert path.read_bytes() == b"x" * 20 and cache.get("k") is not None and cache.get("k").nbytes == 20
+    assert AdapterCache(tmp_path, limit=1 << 20).get("k").nbytes == 20  # (as a restart reads it)
+    assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -256,6 +257,8 @@ def _write_record(
 def _exchange(new: Path, old: Path) -> bool:
     """Swap two folders in one step (Linux's renameat2 RENAME_EXCHANGE); False where it cannot (no `old` yet, a libc
     or a file system without it): then the caller renames in two."""
+    if not sys.platform.startswith("linux"):  # (Windows has no process-wide CDLL(None); macOS no renameat2)
+        return False
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
