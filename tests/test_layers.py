@@ -112,6 +112,24 @@ def test_tools_import_only_the_package() -> None:
     assert not offenders, offenders
 
 
+def test_what_tools_import_from_the_package_is_there() -> None:
+    """Every `from clef_gguf... import NAME` of tools/ names what its module has: a tool is run by hand, not by the
+    suite, and would otherwise break unseen when the package moves a name."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "tools").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("clef_gguf")):
+                continue
+            module = importlib.import_module(node.module)  # type: ignore[arg-type]
+            for alias in node.names:
+                package = hasattr(module, "__path__")  # (a submodule of a package is there once found)
+                if not hasattr(module, alias.name) and not (package and importlib.util.find_spec(f"{node.module}.{alias.name}")):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{alias.name}")
+    assert not missing, missing
+
+
 # `import x` / `from x import ...` at a line's start, in code or in a child's code held in a string.
 _IMPORT_LINE = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w., \t]+))", re.M)
 

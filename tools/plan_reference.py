@@ -28,7 +28,8 @@ from clef_gguf.conversion.writer import GT, storage_type
 from clef_gguf.format import contract as C
 from clef_gguf.format.header import GGUFFile
 from clef_gguf.llama.backbone import MAX_UBATCH
-from clef_gguf.llama.plan import _largest_fitting, _lines, _NoAllocModel, memory_plan, parse_size
+from clef_gguf.llama.plan import _largest_fitting, _lines, _NoAllocModel, memory_plan
+from clef_gguf.table_checks import parse_size
 from clef_gguf.testing.shaped import QWEN35_9B, mixture, write_sparse
 
 

@@ -27,7 +27,7 @@ def main() -> None:
 
     import clef_gguf
     from clef_gguf.data import DEMO_MODEL
-    from clef_gguf.llama.plan import parse_size
+    from clef_gguf.table_checks import parse_size
     from clef_gguf.testing.request_suite import long_state_text
 
     text = long_state_text(2)
