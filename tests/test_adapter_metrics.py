@@ -182,7 +182,8 @@ def test_the_sources_events_count_by_label_and_reach_a_scrape_through_a_replicas
     families = text_string_to_metric_families(scraped)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
     a, other = (("adapter", "acme/a"), ("replica", "r1")), (("adapter", OTHER), ("replica", "r1"))
-    assert samples[("clef_adapter_disk_lookups_total", a)] == 2 and samples[("clef_adapter_disk_hits_total", a)] == 1
+    # (acme/a's first miss, before its delivery, is OTHER's: a name takes a label once it exists)
+    assert samples[("clef_adapter_disk_lookups_total", a)] == 1 and samples[("clef_adapter_disk_hits_total", a)] == 1
     assert samples[("clef_adapter_fetched_bytes_total", a)] == 1000 and samples[("clef_adapter_fetch_seconds_count", a)] == 1
     assert samples[("clef_adapter_fetch_seconds_bucket", (*a[:1], ("le", "0.25"), *a[1:]))] == 0
     assert samples[("clef_adapter_fetch_seconds_bucket", (*a[:1], ("le", "0.5"), *a[1:]))] == 1
@@ -190,7 +191,7 @@ def test_the_sources_events_count_by_label_and_reach_a_scrape_through_a_replicas
     failures = {k[1]: v for k, v in samples.items() if k[0] == "clef_adapter_fetch_failures_total"}
     by_reason = {(*other[:1], ("reason", reason), *other[1:]): 1 for reason in ("adapter_too_large", "source_unavailable")}
     assert failures == by_reason  # (the later failure of acme/a is not in the snapshot sent before it)
-    assert (samples[("clef_adapter_disk_lookups_total", other)], samples[("clef_adapter_loads_total", other)]) == (1, 0)
+    assert (samples[("clef_adapter_disk_lookups_total", other)], samples[("clef_adapter_loads_total", other)]) == (2, 0)
 
 
 def test_without_a_source_event_the_source_series_are_not_shown():
@@ -206,3 +207,24 @@ def exposition(collector: AdapterCollector) -> str:
     registry = CollectorRegistry()
     registry.register(collector)
     return generate_latest(registry).decode()
+
+
+def test_names_never_served_take_no_label():
+    """A stream of names that do not exist (each a disk miss, then a failure) cannot take the labels: they count under
+    OTHER, as a first use's misses before its delivery do, and an adapter delivered after them still gets its own;
+    every event is counted once."""
+    counts = AdapterCounts(2)
+    for i in range(10):
+        counts.looked_up(f"acme/junk{i}", False)
+        counts.failed(f"acme/junk{i}", SourceUnavailableError("no such repository"))
+    for _ in range(3):  # three requests waiting for one first use
+        counts.looked_up("acme/real", False)
+    counts.fetched("acme/real", 0.5, 100)
+    counts.looked_up("acme/real", True)
+    counts.looked_up("acme/real", False)  # (its file gone from the cache since: a miss, its own now)
+    counts.failed("acme/real", SourceUnavailableError("a refresh that failed"))  # (delivered before: its own label)
+    figures = counts.snapshot().figures
+    assert sorted(figures) == [OTHER, "acme/real"]
+    real, other = figures["acme/real"], figures[OTHER]
+    assert (real.disk_lookups, real.disk_hits, real.fetched_bytes, real.failures) == (2, 1, 100, {"source_unavailable": 1})
+    assert (other.disk_lookups, other.disk_hits, other.failures) == (13, 0, {"source_unavailable": 10})

@@ -2,9 +2,12 @@
 the series /metrics shows of them; on Ray, each replica's counts reach the ingress's /metrics with its decisions.
 
 An adapter's label is the name requests use (the name of the request whose batch caused the event: one file under two
-names is loaded once, under the first name asked). The first ServeSettings.metrics_adapter_cap names a process sees
-get a label of their own; those after share OTHER, so that a folder of many files, or a busy one, cannot grow the
-series without bound.
+names is loaded once, under the first name asked). The first ServeSettings.metrics_adapter_cap names a process serves
+(decides, loads, or has a source deliver) get a label of their own; those after share OTHER, so that a folder of many
+files, or a busy one, cannot grow the series without bound. A name never served (one a source refused or failed to
+deliver, a junk name of an allowed namespace) never takes a label: its events count under OTHER, so that a stream of
+names that do not exist cannot crowd the adapters that do out of their labels. So a first use's disk-cache misses,
+before its delivery, count under OTHER too; its lookups after, under its own.
 
 With adapter sources (runtime/sources.py) the same labels count what the sources' observer is told: each look in the
 disk cache for a name a source fetches (a disk lookup; a hit, when it was there), each first-use fetch's and
@@ -76,9 +79,10 @@ class Snapshot:
 
 
 class Labels:
-    """The label each adapter name counts under, the one place that decides it: its own for the first `cap` names,
-    OTHER for those after; thread-safe. A process's per-adapter series and its decided requests' `model` label
-    (metrics.py) share one, so that a name is labelled alike in every series and none can grow them without bound."""
+    """The label each adapter name counts under, the one place that decides it: its own for the first `cap` names
+    served, OTHER for those after and for a name not served; thread-safe. A process's per-adapter series and its
+    decided requests' `model` label (metrics.py) share one, so that a name is labelled alike in every series and none
+    can grow them without bound."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -86,6 +90,7 @@ class Labels:
         self._own: set[str] = set()  # the names with a label of their own
 
     def __call__(self, name: str) -> str:
+        """(a served name: decided, loaded or delivered) Its label, taking one of its own while the cap allows."""
         with self._lock:
             if name in self._own:
                 return name
@@ -93,6 +98,11 @@ class Labels:
                 self._own.add(name)
                 return name
             return OTHER
+
+    def held(self, name: str) -> str | None:
+        """(a name not served yet) Its own label if it has one already, else None: it takes none."""
+        with self._lock:
+            return name if name in self._own else None
 
 
 class AdapterCounts(SourceObserver):
@@ -106,10 +116,11 @@ class AdapterCounts(SourceObserver):
         self._figures: dict[str, Figures] = {}
         self.generation = 0
 
-    def _of(self, name: str) -> Figures:
-        """(Under the lock) The figures `name` counts under; the generation moved on (an event is being counted)."""
+    def _of(self, name: str, served: bool = True) -> Figures:
+        """(Under the lock) The figures `name` counts under: a served name's label (Labels); a name not served yet, its
+        own label if it holds one, else OTHER's. The generation moved on (an event is being counted)."""
         self.generation += 1
-        return self._figures.setdefault(self.label(name), Figures())
+        return self._figures.setdefault(self.label(name) if served else self.label.held(name) or OTHER, Figures())
 
     def used(self, name: str, resident: bool) -> None:
         with self._lock:
@@ -138,7 +149,7 @@ class AdapterCounts(SourceObserver):
 
     def looked_up(self, name: str, hit: bool) -> None:
         with self._lock:
-            figures = self._of(name)
+            figures = self._of(name, served=hit)  # (a hit: delivered before, a name that exists)
             figures.disk_lookups += 1
             figures.disk_hits += hit
 
@@ -157,7 +168,7 @@ class AdapterCounts(SourceObserver):
 
     def failed(self, name: str, error: ClefError) -> None:
         with self._lock:
-            figures, reason = self._of(name), error.problem.name.lower()
+            figures, reason = self._of(name, served=False), error.problem.name.lower()
             figures.failures[reason] = figures.failures.get(reason, 0) + 1
 
     def _unloaded(self, name: str, nbytes: int) -> Figures:
