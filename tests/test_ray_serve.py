@@ -430,9 +430,12 @@ def test_a_config_files_args_are_checked_and_the_key_can_come_from_the_environme
         settings_from_args({"model": "m.gguf"})
 
 
-def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they_are():
+def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they_are(monkeypatch):
     """Every HTTP limit reaches the ingress (its app is create_app's with them), the model's spec (its load options)
-    each replica and the ingress's encoder."""
+    each replica and the ingress's encoder; the Hub's address and token of the building process the ingress alone
+    (server/ray_relay.py), the token in no repr."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_TOKEN", "hf_bound_token")
     limits = HttpLimits(body_timeout=7, min_body_rate=1000, body_grace=1, max_body_buffer=1 << 21, max_body_readers=3)
     served_with = ServeSettings(api_key="k", max_queue=5, limits=limits, log_format="json", metrics_adapter_cap=3)
     options = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0)
@@ -441,7 +444,9 @@ def test_the_ingress_and_the_replicas_are_bound_with_the_settings_tables_as_they
     replicas = ingress.init_args[0]._bound_deployment
     threaded = LoadOptions(max_prompt_tokens=4096, parallel=2, state_cache=0, n_threads=1)  # 1 thread a replica by default
     spec = ModelSpec(str(DEMO_MODEL), threaded)
-    assert ingress.init_args[1:] == (spec, served_with)
+    assert ingress.init_args[1:3] == (spec, served_with)
+    hub = ingress.init_args[3]
+    assert hub.values == {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_bound_token"} and "hf_bound" not in repr(hub)
     assert (replicas.init_args, replicas.init_kwargs, replicas.num_replicas) == ((spec,), {"queue": 5, "adapter_cap": 3}, 3)
 
 
