@@ -15,8 +15,8 @@ counted under the name the request asked for: one file may answer to two names (
 and a folder's file), and its identity alone would count one name's requests under the other. The base's many names
 (its own, clef, jev-latest, ...) count as its own, so no client can grow the series by the names it sends; an
 adapter's name is labelled as the per-adapter series label it (adapter_metrics.Labels: the first
---metrics-adapter-cap names their own, the later ones `_other`), so that the many names an adapter source may fetch
-cannot grow them either. Only decided requests are counted: a name refused or unknown never becomes a label.
+--metrics-adapter-cap names served their own, the later ones `_other`), so that the many names an adapter source may
+fetch cannot grow them either. Only decided requests are counted: a name refused or unknown never becomes a label.
 
 clef_batch_prompts counts each batch once, by the decision the worker marks as its batch's first (Decision.leads):
 on Ray too, where the decisions come back from the replicas. (A batch whose first request was given up before its
