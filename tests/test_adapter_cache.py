@@ -3,12 +3,15 @@ entries kept, verdicts kept across a restart, and a half-written entry (a crash)
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from clef_gguf.errors import AdapterBaseError, AdapterTooLargeError
-from clef_gguf.runtime import adapter_cache
+from clef_gguf.runtime import adapter_cache, private_folder
 from clef_gguf.runtime.adapter_cache import ADAPTER, RECORD, AdapterCache, verdict_of
 from clef_gguf.runtime.catalog_sources import kept_names
 from clef_gguf.runtime.hub_source import HubSource
@@ -48,9 +51,14 @@ def test_verdicts_are_kept_and_half_written_entries_are_not(tmp_path):
     cache.put("large", "abc", verdict=verdict_of(AdapterTooLargeError("acme/big is 9 bytes", "model")))
     path = _put(cache, "whole", 10)
     (path.parent / ADAPTER).write_bytes(b"x" * 3)  # a file cut short behind the record's back
-    (tmp_path / "staging" / "crashed").mkdir()  # a crash's leftover
+    live = cache._staging  # (this process's staging folder: another process sharing the cache may be writing there)
+    pid, _, boot, namespace = live.name.removeprefix(private_folder.PREFIX).split("-")
+    crashed = live.with_name(f"{private_folder.PREFIX}{pid}-1-{boot}-{namespace}")
+    (crashed / "half-written").mkdir(parents=True)  # a dead process's leftover (this PID, another start time)
+    opened = f"from clef_gguf.runtime.adapter_cache import AdapterCache; AdapterCache({str(tmp_path)!r}, 1000)"
+    subprocess.run([sys.executable, "-c", opened], check=True)  # (another process opens it: it sweeps the dead's)
     restarted = AdapterCache(tmp_path, limit=1000)
-    assert restarted.keys() == ["large", "refused"] and not (tmp_path / "staging" / "crashed").exists()
+    assert restarted.keys() == ["large", "refused"] and not crashed.exists() and live.is_dir()
     refused = restarted.get("refused")
     assert refused is not None and refused.path is None
     with pytest.raises(AdapterBaseError, match="another base"):
@@ -65,9 +73,12 @@ def test_verdicts_are_kept_and_half_written_entries_are_not(tmp_path):
 
 
 def test_without_a_folder_the_cache_is_private_and_removed_at_close():
+    """Removed at close; and in this process's private folder (runtime/private_folder.py), which the next process
+    removes if this one is killed before it closes."""
     cache = AdapterCache(None, limit=1000)
     root = cache.root
     _put(cache, "k", 5)
+    assert any(parent.name.startswith(f"{private_folder.PREFIX}{os.getpid()}-") for parent in root.parents)
     cache.close()
     assert not root.exists()
 

@@ -57,6 +57,10 @@ def test_junk_names_are_bounded_in_hub_requests_and_in_the_back_off_table(hub, t
     sources.close()
 
 
+def _files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if not p.is_dir()]
+
+
 def _hf_cache_files(tmp_path: Path) -> list[Path]:
     return [p for p in (tmp_path / "hf-home").rglob("*") if p.is_file() and p.name != "token"]
 
@@ -71,7 +75,7 @@ def test_a_listing_that_lies_is_cut_off_at_the_bound_and_nothing_lands_in_the_hf
     with pytest.raises(AdapterTooLargeError, match="over this server's --adapter-max-size of 65536 bytes"):
         sources.locate("acme/liar")
     assert time.monotonic() - started < 4  # cut off, not read whole
-    assert not _hf_cache_files(tmp_path) and not any(staged.iterdir())  # no copy anywhere, nothing left half-written
+    assert not _hf_cache_files(tmp_path) and not _files(staged)  # no copy anywhere, nothing left half-written
     sources.close()
 
 
@@ -95,7 +99,7 @@ def test_a_dripping_download_is_abandoned_at_its_deadline_and_backed_off(hub, tm
     while sources._flights and time.monotonic() - started < 20:  # (the fetch goes on, until its deadline)
         time.sleep(0.05)
     assert time.monotonic() - started < 10 and not sources._flights
-    assert not any((tmp_path / "cache" / "staging").iterdir())
+    assert not _files(tmp_path / "cache" / "staging")
     with pytest.raises(SourceUnavailableError, match="not delivered within 1 s; abandoned"):  # its back-off
         sources.locate("acme/drip")
     assert hub.downloads_of("acme", "drip") == 1
@@ -147,7 +151,7 @@ def test_a_malformed_hub_name_is_the_request_s_fault_and_asks_nothing(hub, tmp_p
 def test_a_cache_that_cannot_be_written_is_said_to_be_the_cache(hub, tmp_path, caplog):
     (hub.repo("acme", "tune") / "tune.adapter.gguf").write_bytes(b"GGUF" + b"\1" * 100)
     sources = _sources(tmp_path, Bounds(1 << 20, 10.0))
-    staging = tmp_path / "cache" / "staging"
+    staging = sources.cache._staging  # (this process's)
     staging.rmdir()
     staging.write_text("")  # (no folder can be made there: as a read-only or full disk refuses, even to root)
     with pytest.raises(SourceUnavailableError, match="the adapter cache cannot keep 'acme/tune' now") as caught:
@@ -159,9 +163,11 @@ def test_a_cache_that_cannot_be_written_is_said_to_be_the_cache(hub, tmp_path, c
 
 def test_a_relay_hands_on_only_what_the_other_process_fetched_and_is_bounded_here(hub, tmp_path):
     """runtime/relay_source.py as `serve --ray` wires it (server/ray_relay.py): a replica's sources take the ingress's
-    delivery, never the Hub's; two replicas, one download; a name only a folder claims at the ingress is refused,
-    and bytes over the replica's own bound are."""
+    delivery, never the Hub's; two replicas, one download; a name only a folder claims at the ingress is refused; a
+    relay is held neither to --adapter-max-size (the ingress held the download to it, and a checkpoint's conversion
+    may be larger) nor to --adapter-fetch-rate (it asks no one outside)."""
     (hub.repo("acme", "tune") / "tune.adapter.gguf").write_bytes(b"GGUF" + bytes(60))
+    (hub.repo("acme", "tune2") / "tune.adapter.gguf").write_bytes(b"GGUF" + bytes(60))
     (tmp_path / "tunes").mkdir()
     (tmp_path / "tunes" / "local.adapter.gguf").write_bytes(b"GGUF" + bytes(60))
     ingress = AdapterSources(
@@ -175,14 +181,15 @@ def test_a_relay_hands_on_only_what_the_other_process_fetched_and_is_bounded_her
         path, revision = ingress.delivered(name)
         return path.read_bytes(), revision
 
-    def replica(folder: str, max_bytes: int = 1 << 20) -> AdapterSources:
+    def replica(folder: str) -> AdapterSources:
         sources = relayed([parse_source("hf://acme")], relay)
-        return AdapterSources(sources, AdapterCache(tmp_path / folder, 1 << 30), Bounds(max_bytes, 10.0), _check)
+        bounds = Bounds(10, 10.0, new_per_minute=1)  # (smaller than the file; one fetch a minute)
+        return AdapterSources(sources, AdapterCache(tmp_path / folder, 1 << 30), bounds, _check)
 
-    for folder in ("one", "two"):
-        assert replica(folder).locate("acme/tune").read_bytes() == b"GGUF" + bytes(60)
+    one = replica("one")
+    for name in ("acme/tune", "acme/tune2"):  # (two relays: past the rate)
+        assert one.locate(name).read_bytes() == b"GGUF" + bytes(60)
+    assert replica("two").locate("acme/tune").read_bytes() == b"GGUF" + bytes(60)
     assert hub.downloads_of("acme", "tune") == 1
     with pytest.raises(AdapterNotAllowedError, match="not from a source this server fetches"):
         ingress.delivered("local")
-    with pytest.raises(AdapterTooLargeError, match="64 bytes, over this server's --adapter-max-size of 10 bytes"):
-        replica("three", max_bytes=10).locate("acme/tune")

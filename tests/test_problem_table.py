@@ -28,7 +28,7 @@ import pytest
 
 from clef_gguf import errors
 from clef_gguf.check.validate import open_validated
-from clef_gguf.data import DEMO_MODEL
+from clef_gguf.data import DEMO_MODEL, DEMO_REQUEST
 from clef_gguf.errors import (
     HEAD_TOO_LARGE,
     NO_SUCH_MODEL,
@@ -375,3 +375,50 @@ def test_a_lora_is_never_answered_by_another_model(demo_file) -> None:
             assert caught.value.field == "lora"
     finally:
         catalog.close()
+
+
+class _Replica:
+    """A Scheduler (server/decision.py) whose decisions fail as a Ray replica's do: its typed error raised as itself
+    (the ingress's ReplicaScheduler hands it on so: test_adapter_refusals' a_workers_typed_error_crosses_ray_as_itself)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.pending = error, 0
+
+    async def decide(self, request: object) -> object:
+        raise self.error
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.SourceUnavailableError("the adapter 'acme/big' cannot be fetched now: 4 adapters are being fetched"),
+        errors.AdapterUnavailableError("the adapter file of 'a' changed while the request waited"),
+        errors.TemporarilyUnavailableError("no room for the adapter's copy"),
+        errors.AdapterTooLargeError("acme/big is 9 bytes, over this server's --adapter-max-size of 8 bytes", "model"),
+        errors.ComputeError("llama_decode failed"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_replicas_typed_error_is_answered_by_its_row(error):
+    """Whatever typed error a decision raises where it is decided (a Ray replica: its relay from the ingress, its
+    adapter's file), the client gets its row's status and type, a 503 with Retry-After: never the catch-all's 500 for
+    a row that is not INTERNAL."""
+    from fastapi.testclient import TestClient
+
+    from clef_gguf.runtime.model import open_encoder
+    from clef_gguf.server import create_app
+    from clef_gguf.settings import ModelSpec
+
+    encoder = open_encoder(ModelSpec.of(DEMO_MODEL))
+    try:
+        app = create_app(encoder, scheduler=_Replica(error), owns_model=False)
+        with TestClient(app, base_url="http://127.0.0.1") as client:
+            response = client.post("/v1/systemone", json=json.loads(DEMO_REQUEST.read_text()))
+    finally:
+        encoder.close()
+    row = error.problem
+    assert response.status_code == row.status, response.text
+    assert (response.headers.get("Retry-After") is not None) == (row.status == 503), response.headers

@@ -41,6 +41,7 @@ from ..errors import (
     RequestError,
 )
 from ..format.header import Signature, signature_of
+from .private_folder import PrivateFolder, process_folder
 
 RECORD = "entry.json"
 ADAPTER = "adapter.gguf"
@@ -92,13 +93,15 @@ class AdapterCache:
     """The entries, by key; thread-safe (one lock over the index; files are written outside it)."""
 
     def __init__(self, root: str | Path | None, limit: int, pinned: Callable[[str], bool] = lambda key: False) -> None:
-        self._own = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="clef-adapter-cache-")) if root is None else Path(root)
+        # Without a folder: a private one, removed at close, or after a crash by the next process (private_folder.py).
+        self._private = PrivateFolder() if root is None else None
+        self.root = self._private.new_file("adapter-cache") if self._private is not None else Path(root)  # type: ignore[arg-type]
         self.limit, self._pinned = limit, pinned
-        self._entries, self._staging = self.root / "entries", self.root / "staging"
+        self._entries = self.root / "entries"
         self._entries.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self._staging, ignore_errors=True)  # (a crash's half-written entries)
-        self._staging.mkdir(exist_ok=True)
+        # Each process stages in a folder of its own: another process sharing the cache (a Ray node's ingress and
+        # replicas) may be writing an entry now; a dead one's half-written entries are removed.
+        self._staging = process_folder(self.root / "staging")
         self._lock = threading.Lock()
         self._index: dict[str, Cached] = {}
         for folder in self._entries.iterdir():
@@ -173,12 +176,13 @@ class AdapterCache:
             # (one step where it can: a reader of a refreshed entry finds the old version or the new, never none)
             if not _exchange(temporary, folder):
                 if folder.exists():  # (replaced: the old one aside first, so that the rename below cannot fail on it)
-                    os.replace(folder, Path(tempfile.mkdtemp(dir=self._staging)) / "old")
+                    os.replace(folder, temporary.with_name(temporary.name + ".old"))
                 os.replace(temporary, folder)
+                temporary = temporary.with_name(temporary.name + ".old")
             path = folder / ADAPTER if file is not None else None
             entry = Cached(key, revision, nbytes, path, verdict, now, digest, seen, now)
             self._index[key] = entry
-        shutil.rmtree(temporary, ignore_errors=True)  # (the old entry, when exchanged)
+        shutil.rmtree(temporary, ignore_errors=True)  # (the old entry, exchanged or set aside)
         self._evict(keep=key)
         return entry
 
@@ -222,8 +226,8 @@ class AdapterCache:
         return self._entries / hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def close(self) -> None:
-        if self._own:
-            shutil.rmtree(self.root, ignore_errors=True)
+        if self._private is not None:
+            self._private.close()
 
 
 def _read_record(folder: Path) -> Cached | None:

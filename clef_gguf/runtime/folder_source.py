@@ -16,7 +16,7 @@ class FolderSource:
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
             raise SettingsError(f"the adapter source {folder} is not a folder (a folder, hf://ORG or hf://ORG/REPO)")
-        self.folder, self.label, self.remote = folder, str(folder), False
+        self.folder, self.label, self.remote, self.metered = folder, str(folder), False, False
 
     def claims(self, name: str) -> Wanted | None:
         return Wanted(name, f"{self.folder}/{name}") if self.well_formed(name) else None

@@ -46,7 +46,7 @@ class HubSource:
     """Every repository of ORG, or one repository ORG/REPO."""
 
     def __init__(self, org: str, repo: str | None) -> None:
-        self.org, self.repo, self.remote = org, repo, True
+        self.org, self.repo, self.remote, self.metered = org, repo, True, True
         self.label = f"{HF_SCHEME}{org}" + (f"/{repo}" if repo else "")
 
     @classmethod

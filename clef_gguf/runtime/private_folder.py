@@ -109,6 +109,17 @@ def _process_folder(root: Path) -> Path:
     return folder
 
 
+def process_folder(root: Path) -> Path:
+    """This process's folder in `root`, a folder several processes share (an adapter cache's staging): made when first
+    needed, removed at exit; the folders there of processes that no longer run removed first, never a live one's."""
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock:
+        if (os.getpid(), root) not in _swept:
+            _swept.add((os.getpid(), root))
+            sweep(root)
+        return _process_folder(root)
+
+
 def _release(folder: Path) -> None:
     """(Under _lock) One PrivateFolder fewer in `folder`: the last one removes it."""
     _users[folder] = _users.get(folder, 1) - 1

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .adapter_files import ADAPTER_SUFFIX
-from .sources import Bounds, Delivered, Source, Wanted, too_large
+from .sources import Bounds, Delivered, Source, Wanted
 
 # A name -> (the adapter file the other process holds for it, as bytes; the revision it delivered). Raises the
 # ClefError the other process's sources raised (not allowed, too large, unavailable: the same row here).
@@ -26,7 +26,8 @@ class RelaySource:
 
     def __init__(self, source: Source, relay: Relay) -> None:
         self.source, self.relay = source, relay
-        self.label, self.remote = source.label, True
+        # (not metered: a relay asks the process that fetched, not the Hub; --adapter-fetches still bounds it)
+        self.label, self.remote, self.metered = source.label, True, False
 
     def claims(self, name: str) -> Wanted | None:
         return self.source.claims(name)
@@ -41,9 +42,9 @@ class RelaySource:
         return None
 
     def fetch(self, wanted: Wanted, into: Path, bounds: Bounds) -> Delivered:
+        # (no --adapter-max-size here: the other process held the download to it; what it hands on may be a
+        # checkpoint's conversion, in f32, larger than what was downloaded)
         data, revision = self.relay(wanted.name)
-        if len(data) > bounds.max_bytes:
-            raise too_large(wanted.name, len(data), bounds.max_bytes)
         path = into / f"relayed{ADAPTER_SUFFIX}"
         path.write_bytes(data)
         return Delivered(path, revision, len(data))

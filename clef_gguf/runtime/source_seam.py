@@ -47,6 +47,7 @@ class Bounds:
 class Source(Protocol):
     label: str  # as the operator named it (hf://ORG, a folder)
     remote: bool  # it fetches (`fetch`), or it names files read in place (`local`)
+    metered: bool  # its fetches ask someone outside, with the server's token: --adapter-fetch-rate counts them
 
     def claims(self, name: str) -> Wanted | None: ...
 

@@ -211,11 +211,11 @@ class AdapterSources:
                 return flight
             if cached is not None:
                 raise cached.error()
-            return self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch")
+            return self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch", source.metered)
 
-    def _start(self, wanted: Wanted, work: Callable[[], Path], what: str) -> Future[Path]:
+    def _start(self, wanted: Wanted, work: Callable[[], Path], what: str, metered: bool) -> Future[Path]:
         """(under the lock) The flight of `wanted`'s key, running `work` on a thread of its own, once admitted."""
-        self._admit(wanted.name)
+        self._admit(wanted.name, metered)
         self._flights[wanted.key] = flight = Future()
         flight.set_running_or_notify_cancel()  # (no waiter can cancel what the others wait for)
         threading.Thread(target=self._run, args=(wanted, flight, work), name=f"clef-adapter-{what}", daemon=True).start()
@@ -235,7 +235,7 @@ class AdapterSources:
             if flight is None and failed is not None and time.monotonic() < failed[0]:
                 raise _again(failed[2])
             if flight is None:
-                flight = self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch")
+                flight = self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch", source.metered)
         return self._served(name, wait_for(name, flight, self.bounds.timeout_s))
 
     def _refresh(self, source: Source, wanted: Wanted, cached: Cached) -> None:
@@ -250,7 +250,7 @@ class AdapterSources:
             if wanted.key in self._flights or (failed is not None and time.monotonic() < failed[0]):
                 return
             with contextlib.suppress(SourceUnavailableError):
-                self._start(wanted, functools.partial(self._look, source, wanted, cached), "refresh")
+                self._start(wanted, functools.partial(self._look, source, wanted, cached), "refresh", source.metered)
 
     def _look(self, source: Source, wanted: Wanted, cached: Cached) -> Path:
         """The branch's commit looked up (the source's `revision`: one cheap request): the entry confirmed if it holds
@@ -267,14 +267,17 @@ class AdapterSources:
                 self.cache.confirm(wanted.key)
             raise
 
-    def _admit(self, name: str) -> None:
-        """Refuse a new fetch (a 503 that asks no source anything) past the fetches at once or the new ones a minute
-        allows: distinct junk names must not cost a thread each, nor a Hub request each with the server's token."""
+    def _admit(self, name: str, metered: bool) -> None:
+        """Refuse a new fetch (a 503 that asks no source anything) past the fetches at once or, for a metered source, the
+        new ones a minute allows: distinct junk names must not cost a thread each, nor a Hub request each with the
+        server's token."""
         if len(self._flights) >= self.bounds.max_fetches:
             raise SourceUnavailableError(
                 f"the adapter {name!r} cannot be fetched now: {len(self._flights)} adapters are being fetched (at most "
                 f"{self.bounds.max_fetches} at once); ask again later"
             )
+        if not metered:
+            return
         now = time.monotonic()
         rate = self.bounds.new_per_minute / 60.0
         self._tokens = min(float(self.bounds.new_per_minute), self._tokens + (now - self._refilled) * rate)

@@ -18,15 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import (
-    NOT_FOUND,
-    UNAUTHORIZED,
-    AdapterUnavailableError,
-    ModelFileError,
-    RequestError,
-    SettingsError,
-    TemporarilyUnavailableError,
-)
+from ..errors import NOT_FOUND, UNAUTHORIZED, ClefError
 from ..runtime.catalog import JEV_ALIAS  # the SDKs' default model name: the catalog resolves it to the base
 from ..runtime.failures import Failure, Invalid, internal, problem_of
 from ..runtime.protocols import Encoder, Model
@@ -172,10 +164,10 @@ class Service:
         parsed = time.perf_counter()
         try:
             decision = await self.worker.decide(prompt)
-        except (RequestError, ModelFileError, SettingsError, AdapterUnavailableError, TemporarilyUnavailableError) as e:
-            # An adapter's file refused, or gone or changed since intake, when it was loaded to decide (here or on a
-            # Ray replica, whose error arrives as raised): a 4xx, or 503 for now (no room for its copy too), as intake
-            # maps it.
+        except ClefError as e:
+            # By its row (errors.py), as intake maps it: an adapter's file refused, or gone or changed since intake,
+            # when it was loaded to decide (here, or on a Ray replica, whose error arrives as raised: its source, the
+            # ingress's relay, unavailable for now too): a 4xx, or a 503 for now; a row the server did not expect, a 500.
             raise problem_of(e, None, prompt.named_by) from e
         self.metrics.decided(prompt, decision)
         note_decision(request, prompt, decision)
