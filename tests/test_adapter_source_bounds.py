@@ -193,3 +193,21 @@ def test_a_relay_hands_on_only_what_the_other_process_fetched_and_is_bounded_her
     assert hub.downloads_of("acme", "tune") == 1
     with pytest.raises(AdapterNotAllowedError, match="not from a source this server fetches"):
         ingress.delivered("local")
+
+
+def test_serve_on_rays_preflight_fetches_no_pin_a_source_delivers(hub, tmp_path):
+    """`serve --ray` checks its files before Ray starts (runtime/encoder.check_spec); a pin from the Hub is fetched by
+    the ingress at its start, once for the cluster, not by that check too. A pin of a folder is still checked there."""
+    from clef_gguf.data import DEMO_MODEL
+    from clef_gguf.errors import ClefError
+    from clef_gguf.runtime.encoder import check_spec
+    from clef_gguf.settings import ModelSpec
+
+    (hub.repo("acme", "tune") / "tune.adapter.gguf").write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "tunes").mkdir()
+    (tmp_path / "tunes" / "junk.adapter.gguf").write_bytes(b"not a gguf")
+    sources = ["hf://acme", str(tmp_path / "tunes")]
+    check_spec(ModelSpec.of(DEMO_MODEL, adapter_sources=sources, pins=["acme/tune"], adapter_cache=tmp_path / "c"))
+    assert not hub.tokens and hub.downloads_of("acme", "tune") == 0
+    with pytest.raises(ClefError, match="junk"):
+        check_spec(ModelSpec.of(DEMO_MODEL, adapter_sources=sources, pins=["junk"], adapter_cache=tmp_path / "c"))

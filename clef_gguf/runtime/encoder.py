@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..check.pair import open_vision
 from ..check.validate import open_validated
 from ..settings import ModelSpec, default_ubatch
 from .catalog import Catalog, Listed
+from .catalog_sources import parse_source
 from .images import image_limits
 from .prompt import EncodedPrompt, Tokenize, encode, parse_request
 from .relay_source import Relay
@@ -83,7 +85,13 @@ def check_spec(spec: ModelSpec) -> None:
     try:
         if spec.options.mmproj is not None:
             open_vision(validated.file.header, spec.options.mmproj)
-        if spec.adapter_set.serves_adapters or spec.adapter_set.adapter is not None:
-            Catalog(validated.file, validated.description, validated.file.identity(), spec.adapter_set).close()
+        adapter_set = spec.adapter_set
+        if adapter_set.serves_adapters or adapter_set.adapter is not None:
+            # (a pin a remote source delivers is fetched where it is served, not here too: the Ray ingress fetches
+            # it for the cluster at its start, and a pin that cannot load stops that start)
+            remote = [s for s in map(parse_source, adapter_set.adapter_sources or ()) if s.remote]
+            pins = [name for name in adapter_set.pins or () if not any(s.claims(name) for s in remote)]
+            adapter_set = replace(adapter_set, pins=pins or None)
+            Catalog(validated.file, validated.description, validated.file.identity(), adapter_set).close()
     finally:
         validated.close()
