@@ -136,3 +136,17 @@ def test_a_new_version_replaces_an_entry_on_every_system(tmp_path, monkeypatch, 
     assert path.read_bytes() == b"x" * 20 and cache.get("k") is not None and cache.get("k").nbytes == 20
     assert AdapterCache(tmp_path, limit=1 << 20).get("k").nbytes == 20  # (as a restart reads it)
     assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))
+
+
+def test_a_refusal_holds_over_the_base_it_was_reached_over(tmp_path):
+    """A server of another base sharing the folder is not refused by a verdict reached over this one (it fetches and
+    checks the name again, over its own base), nor does it list it; a file entry is shared (checked at each load)."""
+    cache = AdapterCache(tmp_path, limit=1000, base="base-a")
+    cache.put("refused", "abc", verdict=verdict_of(AdapterBaseError("acme/tune@abc: trained over another base")))
+    _put(cache, "file", 10)
+    other = AdapterCache(tmp_path, limit=1000, base="base-b")
+    assert other.get("refused") is None and other.get("file") is not None
+    assert [e.key for e in other.entries()] == ["file"]
+    again = AdapterCache(tmp_path, limit=1000, base="base-a")  # (a restart over the first base)
+    refused = again.get("refused")
+    assert refused is not None and refused.verdict is not None and sorted(e.key for e in again.entries()) == ["file", "refused"]

@@ -72,6 +72,7 @@ class Cached:
     sha256: str = ""  # of the file, as delivered and checked
     verified: Signature | None = None  # the file's signature (format/header.py) when its sha256 was last seen
     checked: float = 0.0  # when its revision was delivered or last found current at its source (time.time())
+    base: str = ""  # a refusal's: the identity of the base it was reached over (a file is checked at each load)
 
     def error(self) -> ClefError:
         """The refusal as its typed error, raised anew."""
@@ -92,11 +93,16 @@ def verdict_of(error: ClefError) -> tuple[str, str] | None:
 class AdapterCache:
     """The entries, by key; thread-safe (one lock over the index; files are written outside it)."""
 
-    def __init__(self, root: str | Path | None, limit: int, pinned: Callable[[str], bool] = lambda key: False) -> None:
+    def __init__(
+        self, root: str | Path | None, limit: int, pinned: Callable[[str], bool] = lambda key: False, base: str = ""
+    ) -> None:
         # Without a folder: a private one, removed at close, or after a crash by the next process (private_folder.py).
         self._private = PrivateFolder() if root is None else None
         self.root = self._private.new_file("adapter-cache") if self._private is not None else Path(root)  # type: ignore[arg-type]
         self.limit, self._pinned = limit, pinned
+        # A refusal holds over the base it was reached over (`base`: its identity): a server of another base sharing
+        # the folder neither sees it nor is refused by it (it fetches and checks the name again, over its own base).
+        self.base = base
         self._entries = self.root / "entries"
         self._entries.mkdir(parents=True, exist_ok=True)
         # Each process stages in a folder of its own: another process sharing the cache (a Ray node's ingress and
@@ -108,7 +114,7 @@ class AdapterCache:
             found = _read_record(folder)
             if found is None:
                 shutil.rmtree(folder, ignore_errors=True)
-            else:
+            elif self._ours(found):
                 self._index[found.key] = found
 
     def get(self, key: str) -> Cached | None:
@@ -118,7 +124,7 @@ class AdapterCache:
             found = self._index.get(key)
         if found is None:  # (another process sharing the folder may have written it: a Ray node's replicas)
             found = _read_record(folder)
-            if found is None or found.key != key:
+            if found is None or found.key != key or not self._ours(found):
                 return None
             with self._lock:
                 self._index[key] = found
@@ -133,6 +139,11 @@ class AdapterCache:
             return None
         found.used = time.time()
         return found
+
+    def _ours(self, entry: Cached) -> bool:
+        """Whether an entry holds for this cache's base: a file does (it is checked at its load); a refusal, if reached
+        over the same base."""
+        return entry.verdict is None or entry.base == self.base
 
     def _replaced(self, key: str, stale: Cached) -> Cached:
         """The entry of `key` once its file is not the one `stale` names: a new version put since (a refresh, by this
@@ -171,7 +182,8 @@ class AdapterCache:
             digest, stat = _sha256(temporary / ADAPTER), os.stat(temporary / ADAPTER)
             nbytes, seen = stat.st_size, signature_of(stat)
         now = time.time()
-        _write_record(temporary / RECORD, key, revision, nbytes, digest, verdict, now)
+        base = self.base if verdict else ""
+        _write_record(temporary / RECORD, key, revision, nbytes, digest, verdict, now, base)
         with self._lock:
             # (one step where it can: a reader of a refreshed entry finds the old version or the new, never none)
             if not _exchange(temporary, folder):
@@ -180,7 +192,7 @@ class AdapterCache:
                 os.replace(temporary, folder)
                 temporary = temporary.with_name(temporary.name + ".old")
             path = folder / ADAPTER if file is not None else None
-            entry = Cached(key, revision, nbytes, path, verdict, now, digest, seen, now)
+            entry = Cached(key, revision, nbytes, path, verdict, now, digest, seen, now, base)
             self._index[key] = entry
         shutil.rmtree(temporary, ignore_errors=True)  # (the old entry, exchanged or set aside)
         self._evict(keep=key)
@@ -194,7 +206,7 @@ class AdapterCache:
             return
         entry.checked = time.time()
         staged = Path(tempfile.mkdtemp(dir=self._staging)) / RECORD
-        _write_record(staged, key, entry.revision, entry.nbytes, entry.sha256, entry.verdict, entry.checked)
+        _write_record(staged, key, entry.revision, entry.nbytes, entry.sha256, entry.verdict, entry.checked, entry.base)
         with self._lock, contextlib.suppress(FileNotFoundError):  # (evicted meanwhile, or by another process)
             if self._index.get(key) is entry:
                 os.replace(staged, self._folder(key) / RECORD)
@@ -242,16 +254,18 @@ def _read_record(folder: Path) -> Cached | None:
             return None
         used, checked = os.stat(record_path).st_mtime, float(record.get("checked") or 0.0)  # (none: before refreshes)
         key, revision, nbytes = str(record["key"]), str(record["revision"]), int(record["bytes"])
-        return Cached(key, revision, nbytes, path, verdict, used, digest, None, checked)  # type: ignore[arg-type]
+        base = str(record.get("base") or "")  # (none: a verdict kept before verdicts held per base)
+        return Cached(key, revision, nbytes, path, verdict, used, digest, None, checked, base)  # type: ignore[arg-type]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def _write_record(
-    path: Path, key: str, revision: str, nbytes: int, digest: str, verdict: tuple[str, str] | None, checked: float
+    path: Path, key: str, revision: str, nbytes: int, digest: str, verdict: tuple[str, str] | None, checked: float, base: str
 ) -> None:
     kept = list(verdict) if verdict else None
     record = {"key": key, "revision": revision, "bytes": nbytes, "sha256": digest, "verdict": kept, "checked": checked}
+    record["base"] = base
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f)
         f.flush()

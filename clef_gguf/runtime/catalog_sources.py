@@ -69,7 +69,7 @@ def open_sources(
         if claimed is not None:
             pinned.add(claimed.key)
     try:
-        cache = AdapterCache(adapter_set.adapter_cache, adapter_set.adapter_cache_size, pinned.__contains__)
+        cache = AdapterCache(adapter_set.adapter_cache, adapter_set.adapter_cache_size, pinned.__contains__, base_identity)
     except OSError as e:
         raise SettingsError(f"the adapter cache {adapter_set.adapter_cache} cannot be used: {e.strerror or e}") from None
     private, lock = PrivateFolder(), threading.Lock()
