@@ -173,8 +173,8 @@ class AdapterSources:
         """(for another process's relay: runtime/relay_source.py) The adapter file a remote source delivered for `name`,
         fetched now if it was not (as locate), and the revision delivered. A name only a folder, or nothing, claims
         is not allowed: a relay hands on what this process fetched, never its files."""
-        found = self.claimed(name)
-        if found is None or not found[0].remote:
+        found = self._remote(name)
+        if found is None:
             raise AdapterNotAllowedError(f"{name} is not from a source this server fetches adapters from", "model")
         path = self.locate(name)
         assert path is not None  # (a remote source's name: fetched or refused)
@@ -195,18 +195,29 @@ class AdapterSources:
         with self._lock:
             return list(self._names)
 
-    def _flight(self, source: Source, wanted: Wanted) -> Future[Path]:
-        """The fetch of `wanted` in flight, started if none is (one per key); its last failure during its back-off."""
+    def _remote(self, name: str) -> tuple[Source, Wanted] | None:
+        """The remote source claiming `name` (one that fetches), and what it wants; None when no remote one does."""
+        found = self.claimed(name)
+        return found if found is not None and found[0].remote else None
+
+    def _backing_off(self, key: str) -> ClefError | None:
+        """(under the lock) The last failure of `key`'s fetch while its back-off lasts, else None."""
+        failed = self._failed.get(key)
+        return failed[2] if failed is not None and time.monotonic() < failed[0] else None
+
+    def _flight(self, source: Source, wanted: Wanted, anew: bool = False) -> Future[Path]:
+        """The fetch of `wanted` in flight, started if none is (one per key); its last failure during its back-off.
+        `anew`: started whatever entry the cache holds (fetch_again)."""
         with self._lock:
             flight = self._flights.get(wanted.key)
             if flight is not None:
                 return flight
-            failed = self._failed.get(wanted.key)
-            if failed is not None and time.monotonic() < failed[0]:
-                raise _again(failed[2])
-            flight = Future()
-            cached = self.cache.get(wanted.key)  # (a flight that ended since this request's look: its entry)
+            failed = self._backing_off(wanted.key)
+            if failed is not None:
+                raise _again(failed)
+            cached = None if anew else self.cache.get(wanted.key)  # (a flight that ended since this request's look)
             if cached is not None and cached.path is not None:
+                flight = Future()
                 flight.set_result(cached.path)
                 return flight
             if cached is not None:
@@ -225,18 +236,10 @@ class AdapterSources:
         """`name` delivered anew now, whatever its entry's age (waiting at most the first-use bound): for a process
         whose adapters come through a relay when the other process holds a newer version (a Ray replica behind its
         ingress, which follows the branch: runtime/relay_source.py). None for a name no remote source claims."""
-        found = self.claimed(name)
-        if found is None or not found[0].remote:
+        found = self._remote(name)
+        if found is None:
             return None
-        source, wanted = found
-        with self._lock:
-            flight = self._flights.get(wanted.key)
-            failed = self._failed.get(wanted.key)
-            if flight is None and failed is not None and time.monotonic() < failed[0]:
-                raise _again(failed[2])
-            if flight is None:
-                flight = self._start(wanted, functools.partial(self._deliver, source, wanted), "fetch", source.metered)
-        return self._served(name, wait_for(name, flight, self.bounds.timeout_s))
+        return self._served(name, wait_for(name, self._flight(*found, anew=True), self.bounds.timeout_s))
 
     def _refresh(self, source: Source, wanted: Wanted, cached: Cached) -> None:
         """A look at the commit the branch of a name that names no commit is at, once its entry is older than refresh_s,
@@ -246,8 +249,7 @@ class AdapterSources:
         if not refresh or wanted.pinned or not hasattr(source, "revision") or time.time() - cached.checked < refresh:
             return
         with self._lock:
-            failed = self._failed.get(wanted.key)
-            if wanted.key in self._flights or (failed is not None and time.monotonic() < failed[0]):
+            if wanted.key in self._flights or self._backing_off(wanted.key) is not None:
                 return
             with contextlib.suppress(SourceUnavailableError):
                 self._start(wanted, functools.partial(self._look, source, wanted, cached), "refresh", source.metered)
