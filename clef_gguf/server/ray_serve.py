@@ -314,7 +314,8 @@ class ClefIngress:
     def __serve_build_asgi_app__(self) -> FastAPI:  # Ray builds the ingress's ASGI app with this, in the replica
         figures = self.scheduler.figures  # the replicas': /metrics' per-adapter series, /v1/models' resident ones
         own = {"replica": self.replica}
-        adapters = AdapterView(lambda: [*figures.labelled(), (own, self.counts.snapshot())], figures.resident)
+        # (the decided series label an adapter's name as the ingress's own counts do: --metrics-adapter-cap names)
+        adapters = AdapterView(lambda: [*figures.labelled(), (own, self.counts.snapshot())], figures.resident, self.counts.label)
         app = settings_app(self.encoder, self.settings, scheduler=self.scheduler, behind_ray=True, adapters=adapters)
         app.user_middleware.append(Middleware(ShutdownGate, doors=self.doors))  # appended: innermost (add_middleware: outermost)
         return app

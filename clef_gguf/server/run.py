@@ -9,7 +9,6 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -18,7 +17,7 @@ from uvicorn.server import HANDLED_SIGNALS  # the signals uvicorn drains at (SIG
 from ..errors import SettingsError
 from ..runtime.protocols import Model
 from ..settings import HttpLimits, ServeSettings
-from .adapter_metrics import AdapterView, Labels
+from .adapter_metrics import AdapterView
 from .app import create_app
 from .guard import Names
 from .observe import configure_access_log
@@ -64,9 +63,6 @@ def settings_app(model: Any, settings: ServeSettings, **options: Any) -> Any:
     s = settings
     limits, log = s.limits, s.log_format
     names = {"names": Names(s.host, s.allowed_hosts), "allowed_origins": s.allowed_origins}
-    view = options.get("adapters")
-    if view is not None and view.label is None:  # (the Ray ingress's: its labels of --metrics-adapter-cap names too)
-        options["adapters"] = replace(view, label=Labels(s.metrics_adapter_cap))
     return create_app(model, api_key=s.api_key, max_queue=s.max_queue, limits=limits, log_format=log, ui=s.ui, **names, **options)
 
 
